@@ -1,0 +1,250 @@
+//! Memory-mapped safetensors, single file or sharded with `model.safetensors.index.json`.
+//!
+//! Headers are parsed and validated once at open (the `safetensors` crate
+//! checks offsets and that the file is exactly as long as the header says,
+//! so a truncated file is an error here, not a panic later); tensor bytes
+//! stay in the mmap until a caller converts them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use super::CheckpointError;
+
+/// Where one tensor lives: file index and absolute byte range in that file.
+#[derive(Debug, Clone)]
+pub struct TensorEntry {
+    pub name: String,
+    pub file: usize,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub start: usize,
+    pub end: usize,
+}
+
+impl TensorEntry {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+pub struct TensorStore {
+    files: Vec<(PathBuf, Mmap)>,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+const SINGLE: &str = "model.safetensors";
+const INDEX: &str = "model.safetensors.index.json";
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+impl TensorStore {
+    /// Open `dir/model.safetensors`, or the shards listed by `dir/model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        let index = dir.join(INDEX);
+        let single = dir.join(SINGLE);
+        if index.exists() {
+            Self::open_index(dir, &index)
+        } else if single.exists() {
+            Self::open_files(&[single])
+        } else {
+            Err(CheckpointError::NoWeights {
+                dir: dir.display().to_string(),
+            })
+        }
+    }
+
+    /// Open one safetensors file on its own (no config, no index).
+    pub fn open_file(path: &Path) -> Result<Self, CheckpointError> {
+        Self::open_files(&[path.to_path_buf()])
+    }
+
+    fn open_index(dir: &Path, index: &Path) -> Result<Self, CheckpointError> {
+        let bad = |message: String| CheckpointError::Index {
+            path: index.display().to_string(),
+            message,
+        };
+        let text = std::fs::read_to_string(index).map_err(io_err(index))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| bad("missing object `weight_map`".into()))?;
+        let mut shard_names: Vec<String> = Vec::new();
+        let mut wanted: HashMap<String, String> = HashMap::new();
+        for (tensor, file) in map {
+            let file = file
+                .as_str()
+                .ok_or_else(|| bad(format!("weight_map[\"{tensor}\"] is not a file name")))?;
+            if file.contains('/') || file.contains("..") {
+                return Err(bad(format!(
+                    "weight_map[\"{tensor}\"] = \"{file}\" must be a file name inside the checkpoint folder"
+                )));
+            }
+            if !shard_names.iter().any(|s| s == file) {
+                shard_names.push(file.to_string());
+            }
+            wanted.insert(tensor.clone(), file.to_string());
+        }
+        shard_names.sort();
+        let paths: Vec<PathBuf> = shard_names.iter().map(|s| dir.join(s)).collect();
+        for p in &paths {
+            if !p.exists() {
+                return Err(bad(format!(
+                    "lists shard {} which does not exist",
+                    p.display()
+                )));
+            }
+        }
+        let store = Self::open_files(&paths)?;
+        for (tensor, file) in &wanted {
+            match store.tensors.get(tensor) {
+                None => {
+                    return Err(bad(format!(
+                        "says tensor `{tensor}` is in {file}, but no shard contains it"
+                    )))
+                }
+                Some(e)
+                    if store.files[e.file].0.file_name().and_then(|f| f.to_str()) != Some(file) =>
+                {
+                    return Err(bad(format!(
+                        "says tensor `{tensor}` is in {file}, but it was found in {}",
+                        store.files[e.file].0.display()
+                    )))
+                }
+                _ => {}
+            }
+        }
+        Ok(store)
+    }
+
+    fn open_files(paths: &[PathBuf]) -> Result<Self, CheckpointError> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut tensors = BTreeMap::new();
+        for (fi, path) in paths.iter().enumerate() {
+            let file = File::open(path).map_err(io_err(path))?;
+            // SAFETY: the map is read-only; as with every mmap-based loader, another
+            // process truncating the file while we run is outside what we can defend.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
+            let parsed =
+                SafeTensors::deserialize(&mmap).map_err(|e| CheckpointError::Safetensors {
+                    path: path.display().to_string(),
+                    message: describe_safetensors_error(&e, mmap.len()),
+                })?;
+            let base = mmap.as_ptr() as usize;
+            for (name, view) in parsed.iter() {
+                let start = view.data().as_ptr() as usize - base;
+                let entry = TensorEntry {
+                    name: name.to_string(),
+                    file: fi,
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    start,
+                    end: start + view.data().len(),
+                };
+                if let Some(prev) = tensors.insert(name.to_string(), entry) {
+                    return Err(CheckpointError::Safetensors {
+                        path: path.display().to_string(),
+                        message: format!(
+                            "tensor `{name}` also appears in {}",
+                            paths[prev.file].display()
+                        ),
+                    });
+                }
+            }
+            files.push((path.clone(), mmap));
+        }
+        Ok(TensorStore { files, tensors })
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.get(name)
+    }
+
+    pub fn entries(&self) -> impl Iterator<Item = &TensorEntry> {
+        self.tensors.values()
+    }
+
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|(p, _)| p.as_path())
+    }
+
+    pub fn file_of(&self, e: &TensorEntry) -> &Path {
+        &self.files[e.file].0
+    }
+
+    pub fn bytes(&self, e: &TensorEntry) -> &[u8] {
+        &self.files[e.file].1[e.start..e.end]
+    }
+
+    /// Convert a bf16/f16/f32 tensor to f32 (little-endian on disk; no alignment assumed).
+    pub fn to_f32(&self, e: &TensorEntry) -> Result<Vec<f32>, CheckpointError> {
+        let bytes = self.bytes(e);
+        let mut out = vec![0f32; e.numel()];
+        match e.dtype {
+            Dtype::BF16 => crate::kernels::convert::bf16_bytes_to_f32(bytes, &mut out),
+            Dtype::F16 => crate::kernels::convert::f16_bytes_to_f32(bytes, &mut out),
+            Dtype::F32 => crate::kernels::convert::f32_bytes_to_f32(bytes, &mut out),
+            other => {
+                return Err(CheckpointError::Tensors {
+                    problems: vec![format!(
+                    "`{}` in {}: dtype {other:?} is not a float dtype (expected BF16, F16 or F32)",
+                    e.name,
+                    self.file_of(e).display()
+                )],
+                })
+            }
+        }
+        Ok(out)
+    }
+
+    /// Like [`to_f32`](Self::to_f32) for rows `[r0, r1)` of a 2-D tensor.
+    pub fn rows_to_f32(
+        &self,
+        e: &TensorEntry,
+        r0: usize,
+        r1: usize,
+    ) -> Result<Vec<f32>, CheckpointError> {
+        let cols: usize = e.shape[1..].iter().product();
+        let esz = e.dtype.bitsize() / 8;
+        let sub = TensorEntry {
+            name: e.name.clone(),
+            file: e.file,
+            dtype: e.dtype,
+            shape: vec![r1 - r0, cols],
+            start: e.start + r0 * cols * esz,
+            end: e.start + r1 * cols * esz,
+        };
+        self.to_f32(&sub)
+    }
+}
+
+fn describe_safetensors_error(e: &safetensors::SafeTensorError, len: usize) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::MetadataIncompleteBuffer => format!(
+            "file is {len} bytes, which does not match the sizes its header declares (truncated or corrupt download?)"
+        ),
+        E::HeaderTooSmall | E::InvalidHeaderLength => format!(
+            "file is {len} bytes and too short for the header it declares (truncated or not a safetensors file)"
+        ),
+        other => format!("not a valid safetensors file: {other}"),
+    }
+}

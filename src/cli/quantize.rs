@@ -1,0 +1,236 @@
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+
+use spark_tool::checkpoint::QkvLayout;
+use spark_tool::device::{self, Priority, Target, WeightFormat};
+use spark_tool::quantize::{calibration, quantize, QuantizeOptions};
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum FormatArg {
+    Auto,
+    W4a8,
+    W4a16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum PriorityArg {
+    Speed,
+    Fidelity,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum TargetArg {
+    Auto,
+    X86Amx,
+    X86,
+    Arm,
+    Phone,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum QkvArg {
+    Fused,
+    Split,
+}
+
+impl From<PriorityArg> for Priority {
+    fn from(p: PriorityArg) -> Self {
+        match p {
+            PriorityArg::Speed => Priority::Speed,
+            PriorityArg::Fidelity => Priority::Fidelity,
+        }
+    }
+}
+
+impl From<TargetArg> for Target {
+    fn from(t: TargetArg) -> Self {
+        match t {
+            TargetArg::Auto => Target::Auto,
+            TargetArg::X86Amx => Target::X86Amx,
+            TargetArg::X86 => Target::X86,
+            TargetArg::Arm => Target::Arm,
+            TargetArg::Phone => Target::Phone,
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct ProbeArgs {
+    #[arg(long, value_enum, default_value = "speed")]
+    priority: PriorityArg,
+    /// Decide for another device instead of this CPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    target: TargetArg,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn probe(a: ProbeArgs) -> anyhow::Result<()> {
+    let f = device::detect();
+    let path = device::decide(&f, a.target.into(), a.priority.into());
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"cpu": f, "decision": path}))?
+        );
+    } else {
+        println!("cpu: {}", device::describe(&f));
+        println!(
+            "weight path: {} g{} for {} (runs in vLLM: {}{})",
+            serde_json::to_value(path.format)?.as_str().unwrap_or("?"),
+            path.group_size,
+            path.target,
+            path.runs_in_vllm,
+            path.kernel
+                .map(|k| format!(", kernel {k}"))
+                .unwrap_or_default()
+        );
+        if !path.verified {
+            println!("  unverified on a real consumer");
+        }
+        for r in &path.reasons {
+            println!("  - {r}");
+        }
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct QuantizeArgs {
+    /// Checkpoint folder (default: the bundled trained fixture).
+    model_dir: Option<PathBuf>,
+    /// Output folder; refused if it exists and is not empty, unless --force.
+    #[arg(long)]
+    out: PathBuf,
+    /// auto = decided by the per-device weight path probe (see `spark-tool probe`).
+    #[arg(long, value_enum, default_value = "auto")]
+    format: FormatArg,
+    /// Default: 128 for W4A8, 64 for W4A16.
+    #[arg(long)]
+    group_size: Option<usize>,
+    #[arg(long, value_enum, default_value = "speed")]
+    priority: PriorityArg,
+    #[arg(long, value_enum, default_value = "auto")]
+    target: TargetArg,
+    /// Calibration text: .jsonl with {"text": ...} per line, or plain text (default: calibration/spark-calib.jsonl).
+    #[arg(long, num_args = 1..)]
+    calibration: Vec<PathBuf>,
+    #[arg(long, default_value_t = 128)]
+    samples: usize,
+    #[arg(long, default_value_t = 512)]
+    seq_len: usize,
+    /// fused = one q_k_v_proj (what vLLM's Spark model loads); split = q_proj/k_proj/v_proj.
+    #[arg(long, value_enum, default_value = "fused")]
+    qkv_layout: QkvArg,
+    /// Untie the head and write it as 4-bit GPTQ too (`lm_head: true`).
+    #[arg(long)]
+    quantize_head: bool,
+    /// Initial GPTQ damping (fraction of mean diag H); raised automatically if Cholesky fails.
+    #[arg(long, default_value_t = 0.01)]
+    damp: f64,
+    /// Continue an interrupted run from its last completed layer.
+    #[arg(long)]
+    resume: bool,
+    /// Replace a non-empty --out (only once the new checkpoint is complete).
+    #[arg(long)]
+    force: bool,
+    /// Print the report as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+    /// No progress bars.
+    #[arg(long)]
+    quiet: bool,
+}
+
+pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
+    let model_dir = a
+        .model_dir
+        .clone()
+        .unwrap_or_else(spark_tool::bundled_fixture);
+    let features = device::detect();
+    let mut path = device::decide(&features, a.target.into(), a.priority.into());
+    if path.format == WeightFormat::W8A16 {
+        bail!("--target phone: phones do not run GPTQ checkpoints; use `spark-tool export-phone` (calibrated w8a16 graph)");
+    }
+    let format = match a.format {
+        FormatArg::Auto => path.format,
+        FormatArg::W4a8 => WeightFormat::W4A8,
+        FormatArg::W4a16 => WeightFormat::W4A16,
+    };
+    if !matches!(a.format, FormatArg::Auto) {
+        path.reasons.push(format!(
+            "--format {} given explicitly",
+            serde_json::to_value(format)?.as_str().unwrap_or("?")
+        ));
+    }
+    let group_size = a.group_size.unwrap_or(match (a.format, format) {
+        (FormatArg::Auto, _) => path.group_size,
+        (_, WeightFormat::W4A8) => 128,
+        _ => 64,
+    });
+    let opts = QuantizeOptions {
+        model_dir: model_dir.clone(),
+        out_dir: a.out.clone(),
+        format,
+        group_size,
+        path,
+        calibration: if a.calibration.is_empty() {
+            vec![calibration::bundled()]
+        } else {
+            a.calibration.clone()
+        },
+        samples: a.samples,
+        seq_len: a.seq_len,
+        qkv_layout: match a.qkv_layout {
+            QkvArg::Fused => QkvLayout::Fused,
+            QkvArg::Split => QkvLayout::Split,
+        },
+        quantize_head: a.quantize_head,
+        damp: a.damp,
+        resume: a.resume,
+        force: a.force,
+        progress: !a.quiet && !a.json,
+    };
+    let report = quantize(&opts).with_context(|| format!("quantizing {}", model_dir.display()))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{} → {}: {} g{} ({} samples × {} tokens, calibration sha256 {}…)",
+        report.model,
+        report.out,
+        serde_json::to_value(report.format)?.as_str().unwrap_or("?"),
+        report.group_size,
+        report.samples,
+        report.seq_len,
+        &report.calibration_sha256[..12]
+    );
+    println!(
+        "{:<42} {:>11} {:>11} {:>11} {:>7} {:>7}",
+        "linear", "rtn", "gptq", "gptq+srch", "damp", "s"
+    );
+    for l in &report.linears {
+        println!(
+            "{:<42} {:>11.3e} {:>11.3e} {:>11.3e} {:>7.3} {:>7.2}",
+            l.name, l.rtn_error, l.gptq_error, l.gptq_search_error, l.damp, l.seconds
+        );
+    }
+    println!(
+        "mean relative output error: rtn {:.3e}, gptq {:.3e}, gptq+search {:.3e}",
+        report.mean_rtn_error, report.mean_gptq_error, report.mean_gptq_search_error
+    );
+    println!(
+        "{:.3} bits per weight over all tensors ({:.2} MB), wall {:.1} s, peak RSS {}",
+        report.bits_per_weight,
+        report.output_bytes as f64 / 1e6,
+        report.wall_seconds,
+        report
+            .peak_rss_bytes
+            .map(|b| format!("{:.2} GB", b as f64 / 1e9))
+            .unwrap_or("?".into())
+    );
+    Ok(())
+}

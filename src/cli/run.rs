@@ -1,0 +1,205 @@
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Args;
+
+use spark_tool::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
+use spark_tool::checkpoint::Checkpoint;
+use spark_tool::generate::{generate, GenerateOptions};
+use spark_tool::model::SparkModel;
+use spark_tool::sampling::SamplingParams;
+use spark_tool::tokenizer::{render_chat, SparkTokenizer, StreamDecoder};
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// Checkpoint folder (default: the bundled trained fixture).
+    artifact: Option<PathBuf>,
+    /// Prompt text, tokenized with the checkpoint's tokenizer.json.
+    #[arg(long, conflicts_with = "tokens")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. `0,4084,53`.
+    #[arg(long, value_delimiter = ',')]
+    tokens: Option<Vec<u32>>,
+    /// Wrap the prompt in the chat frame (system line, user turn, assistant prompt).
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    /// With --chat: a system message appended after the built-in one.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// With --chat: open the answer with `</think>` (thinking off) instead of `<think>`.
+    #[arg(long, requires = "chat")]
+    no_think: bool,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Keep generating past the end-of-sequence token.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Sampling temperature; 0 (default) = greedy, ties to the lowest id.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens when sampling (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling threshold (1.0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// KV-cache context (default: prompt length + max-new-tokens).
+    #[arg(long)]
+    context: Option<usize>,
+    /// Write prompt_logits, decode_logits (f32) and tokens (i64) to this .safetensors file.
+    #[arg(long)]
+    logits_out: Option<PathBuf>,
+    /// Print per-phase timers to stderr.
+    #[arg(long)]
+    stats: bool,
+    /// No progress bar, no streamed text (final text still printed unless --tokens-only).
+    #[arg(long)]
+    quiet: bool,
+}
+
+pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
+        bail!("--temperature must be >= 0, got {}", a.temperature);
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    }
+    let dir = a
+        .artifact
+        .clone()
+        .unwrap_or_else(spark_tool::bundled_fixture);
+    let t_load = Instant::now();
+    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    for w in &ck.layout.warnings {
+        eprintln!("warning: {w}");
+    }
+    let tokenizer = match ck.tokenizer_path() {
+        Some(p) => Some(SparkTokenizer::from_file(&p)?),
+        None => None,
+    };
+    let prompt: Vec<u32> = match (&a.prompt, &a.tokens) {
+        (Some(text), _) => {
+            let tok = tokenizer.as_ref().with_context(|| {
+                format!(
+                    "{} has no tokenizer.json; pass --tokens instead of --prompt",
+                    dir.display()
+                )
+            })?;
+            let text = if a.chat {
+                render_chat(text, a.system.as_deref(), !a.no_think)
+            } else {
+                text.clone()
+            };
+            tok.encode(&text)?
+        }
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => bail!("nothing to run: pass --prompt TEXT or --tokens 1,2,3"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt tokenized to zero tokens");
+    }
+    let model = SparkModel::from_checkpoint(&ck, !a.quiet)?;
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+    drop(ck);
+
+    let cfg = model.config();
+    let opts = GenerateOptions {
+        max_new_tokens: a.max_new_tokens,
+        ignore_eos: a.ignore_eos,
+        stop_ids: cfg.eos_token_ids.clone(),
+        sampling: (a.temperature > 0.0).then_some(SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        }),
+        context: a.context,
+        capture_logits: a.logits_out.is_some(),
+    };
+    let mut stdout = std::io::stdout().lock();
+    let mut stream = StreamDecoder::default();
+    let mut stream_err = None;
+    let out = generate(&model, &prompt, &opts, |id| {
+        if a.quiet {
+            return;
+        }
+        let piece = match &tokenizer {
+            Some(t) => stream
+                .push(t, id)
+                .map_err(|e| stream_err = Some(e))
+                .unwrap_or_default(),
+            None => format!("{id} "),
+        };
+        let _ = stdout.write_all(piece.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    if let Some(e) = stream_err {
+        return Err(e.into());
+    }
+    if !a.quiet {
+        let _ = writeln!(stdout);
+    }
+
+    if let Some(path) = &a.logits_out {
+        let vocab = cfg.vocab_size;
+        let gen = out.tokens.len() - out.prompt_len;
+        let ids: Vec<i64> = out.tokens.iter().map(|&t| t as i64).collect();
+        let mut meta = std::collections::HashMap::new();
+        meta.insert("prompt_len".to_string(), out.prompt_len.to_string());
+        meta.insert(
+            "producer".to_string(),
+            format!("spark-tool {}", env!("CARGO_PKG_VERSION")),
+        );
+        write_safetensors_atomic(
+            path,
+            &[
+                OwnedTensor::f32(
+                    "prompt_logits",
+                    vec![out.prompt_len, vocab],
+                    &out.prompt_logits,
+                ),
+                OwnedTensor::f32("decode_logits", vec![gen, vocab], &out.decode_logits),
+                OwnedTensor::i64("tokens", &ids),
+            ],
+            Some(meta),
+        )?;
+    }
+    if a.stats {
+        let s = &out.stats;
+        let dec = &s.decode_ms;
+        let (mn, mx) = dec
+            .iter()
+            .fold((f64::INFINITY, 0f64), |(a, b), &x| (a.min(x), b.max(x)));
+        eprintln!("load            {load_ms:9.1} ms");
+        eprintln!(
+            "prefill         {:9.1} ms  ({} tokens, {:.1} tok/s)",
+            s.prefill_ms,
+            s.prompt_tokens,
+            s.prompt_tokens as f64 / (s.prefill_ms / 1e3)
+        );
+        if !dec.is_empty() {
+            eprintln!(
+                "decode / token  {:9.2} ms  (min {mn:.2}, max {mx:.2}; {} steps, {:.1} tok/s)",
+                s.decode_mean_ms(),
+                dec.len(),
+                1e3 / s.decode_mean_ms()
+            );
+        }
+        eprintln!("sampling        {:9.2} ms total", s.sampling_ms);
+        eprintln!(
+            "generated {} tokens{}; threads {}",
+            s.generated_tokens,
+            if out.stopped_at_eos {
+                " (stopped at EOS)"
+            } else {
+                ""
+            },
+            rayon::current_num_threads()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,329 @@
+//! The per-device weight path: what this CPU can do, and which artifact
+//! runs best on it. `decide` is a pure function of the features so every
+//! branch is unit-tested with synthetic feature sets.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    X86_64,
+    Aarch64,
+    Other,
+}
+
+/// CPU features that decide the weight path.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CpuFeatures {
+    pub arch: Option<Arch>,
+    pub avx2: bool,
+    pub avx512f: bool,
+    pub avx512_vnni: bool,
+    pub avx512_bf16: bool,
+    pub amx_tile: bool,
+    pub amx_int8: bool,
+    pub amx_bf16: bool,
+    /// The OS granted this process AMX tile data (Linux `arch_prctl(ARCH_REQ_XCOMP_PERM)`).
+    pub amx_permitted: bool,
+    pub neon: bool,
+    pub dotprod: bool,
+    pub i8mm: bool,
+}
+
+impl CpuFeatures {
+    pub fn has_amx(&self) -> bool {
+        self.amx_tile && self.amx_int8 && self.amx_bf16 && self.amx_permitted
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Target {
+    Auto,
+    X86Amx,
+    X86,
+    Arm,
+    Phone,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    Speed,
+    Fidelity,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightFormat {
+    W4A8,
+    W4A16,
+    /// int8 weights, 16-bit activations in the phone graph (export-phone).
+    W8A16,
+}
+
+/// The decision, with the facts behind it.
+#[derive(Debug, Clone, Serialize)]
+pub struct WeightPath {
+    pub target: &'static str,
+    pub format: WeightFormat,
+    pub group_size: usize,
+    pub runs_in_vllm: bool,
+    /// The consumer's kernel, when there is one.
+    pub kernel: Option<&'static str>,
+    /// False when the path has not been verified on a real consumer.
+    pub verified: bool,
+    pub reasons: Vec<String>,
+}
+
+/// Detect the features of the CPU this process runs on, requesting AMX tile
+/// permission from Linux on the way (a process must ask before its first
+/// tile instruction; FORMATS.md §2.2).
+pub fn detect() -> CpuFeatures {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::detect()
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        CpuFeatures {
+            arch: Some(Arch::Aarch64),
+            neon: std::arch::is_aarch64_feature_detected!("neon"),
+            dotprod: std::arch::is_aarch64_feature_detected!("dotprod"),
+            i8mm: std::arch::is_aarch64_feature_detected!("i8mm"),
+            ..Default::default()
+        }
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        CpuFeatures {
+            arch: Some(Arch::Other),
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Arch, CpuFeatures};
+    use std::arch::x86_64::__cpuid_count;
+
+    pub fn detect() -> CpuFeatures {
+        // The `amx-*` names are unstable in is_x86_feature_detected!, so read CPUID leaf 7 directly.
+        let leaf7 = __cpuid_count(7, 0);
+        let amx_bf16 = leaf7.edx & (1 << 22) != 0;
+        let amx_tile = leaf7.edx & (1 << 24) != 0;
+        let amx_int8 = leaf7.edx & (1 << 25) != 0;
+        CpuFeatures {
+            arch: Some(Arch::X86_64),
+            avx2: is_x86_feature_detected!("avx2"),
+            avx512f: is_x86_feature_detected!("avx512f"),
+            avx512_vnni: is_x86_feature_detected!("avx512vnni"),
+            avx512_bf16: is_x86_feature_detected!("avx512bf16"),
+            amx_tile,
+            amx_int8,
+            amx_bf16,
+            amx_permitted: amx_tile && request_amx_permission(),
+            ..Default::default()
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    fn request_amx_permission() -> bool {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a plain syscall with integer arguments; it only changes this process's permissions.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_amx_permission() -> bool {
+        false
+    }
+}
+
+/// Choose the artifact for `target` (Auto = this CPU) and `priority`.
+pub fn decide(f: &CpuFeatures, target: Target, priority: Priority) -> WeightPath {
+    let resolved = match target {
+        Target::Auto => match f.arch {
+            Some(Arch::X86_64) if f.has_amx() => Target::X86Amx,
+            Some(Arch::X86_64) => Target::X86,
+            Some(Arch::Aarch64) => Target::Arm,
+            _ => Target::X86,
+        },
+        t => t,
+    };
+    let mut reasons = Vec::new();
+    if target == Target::Auto {
+        reasons.push(format!("detected {}", describe(f)));
+    }
+    match resolved {
+        Target::Phone => WeightPath {
+            target: "phone",
+            format: WeightFormat::W8A16,
+            group_size: 0,
+            runs_in_vllm: false,
+            kernel: Some("QNN HTP (export-phone graph)"),
+            verified: false,
+            reasons: vec![
+                "phones do not run vLLM; the deliverable is the export-phone ONNX graph with calibrated w8a16".into(),
+            ],
+        },
+        Target::X86Amx if priority == Priority::Speed => {
+            reasons.push("AMX int8 tiles: vLLM CPU runs GPTQ sym through int4_scaled_mm_cpu (W4A8, per-token int8 activations)".into());
+            WeightPath { target: "x86-amx", format: WeightFormat::W4A8, group_size: 128, runs_in_vllm: true, kernel: Some("vLLM int4_scaled_mm_cpu"), verified: true, reasons }
+        }
+        Target::X86Amx | Target::X86 => {
+            let amx = resolved == Target::X86Amx;
+            if priority == Priority::Fidelity {
+                reasons.push("--priority fidelity: keep bf16 activations (W4A16) and finer groups (g64)".into());
+            } else {
+                reasons.push("no AMX: vLLM CPU falls back to cpu_gemm_wna16 (W4A16, bf16 activations)".into());
+            }
+            // cpu_gemm_wna16 is compiled for AVX-512 only (FORMATS.md §0, §2.2).
+            let avx512 = amx || f.avx512f || target != Target::Auto;
+            if !avx512 {
+                reasons.push("this CPU has no AVX-512: vLLM has no GPTQ CPU kernel for AVX2-only x86 (vLLM issue #55613); the checkpoint runs in spark-tool and GPTQ-capable runtimes, not in vLLM CPU".into());
+            }
+            WeightPath {
+                target: if amx { "x86-amx" } else { "x86" },
+                format: WeightFormat::W4A16,
+                group_size: 64,
+                runs_in_vllm: avx512,
+                kernel: avx512.then_some(if amx { "vLLM cpu_gemm_wna16 (amx)" } else { "vLLM cpu_gemm_wna16 (vec)" }),
+                verified: avx512,
+                reasons,
+            }
+        }
+        Target::Arm | Target::Auto => {
+            reasons.push("aarch64: vLLM compiles neither cpu_gemm_wna16 nor int4_scaled_mm_cpu for ARM, so GPTQ fails there (FORMATS.md §0); W4A16 g64 is the format for spark-tool and other GPTQ runtimes on ARM".into());
+            WeightPath { target: "arm", format: WeightFormat::W4A16, group_size: 64, runs_in_vllm: false, kernel: None, verified: false, reasons }
+        }
+    }
+}
+
+pub fn describe(f: &CpuFeatures) -> String {
+    let mut v = vec![format!("{:?}", f.arch.unwrap_or(Arch::Other))];
+    for (name, on) in [
+        ("avx2", f.avx2),
+        ("avx512f", f.avx512f),
+        ("avx512_vnni", f.avx512_vnni),
+        ("avx512_bf16", f.avx512_bf16),
+        ("amx_tile", f.amx_tile),
+        ("amx_int8", f.amx_int8),
+        ("amx_bf16", f.amx_bf16),
+        ("amx_permitted", f.amx_permitted),
+        ("neon", f.neon),
+        ("dotprod", f.dotprod),
+        ("i8mm", f.i8mm),
+    ] {
+        if on {
+            v.push(name.to_string());
+        }
+    }
+    v.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spr() -> CpuFeatures {
+        CpuFeatures {
+            arch: Some(Arch::X86_64),
+            avx2: true,
+            avx512f: true,
+            avx512_vnni: true,
+            avx512_bf16: true,
+            amx_tile: true,
+            amx_int8: true,
+            amx_bf16: true,
+            amx_permitted: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn amx_speed_is_w4a8_g128() {
+        let p = decide(&spr(), Target::Auto, Priority::Speed);
+        assert_eq!(
+            (p.format, p.group_size, p.runs_in_vllm, p.target),
+            (WeightFormat::W4A8, 128, true, "x86-amx")
+        );
+    }
+
+    #[test]
+    fn amx_without_os_permission_is_not_amx() {
+        let f = CpuFeatures {
+            amx_permitted: false,
+            ..spr()
+        };
+        let p = decide(&f, Target::Auto, Priority::Speed);
+        assert_eq!(
+            (p.format, p.group_size, p.target),
+            (WeightFormat::W4A16, 64, "x86")
+        );
+    }
+
+    #[test]
+    fn fidelity_on_amx_is_w4a16_g64() {
+        let p = decide(&spr(), Target::Auto, Priority::Fidelity);
+        assert_eq!(
+            (p.format, p.group_size, p.runs_in_vllm),
+            (WeightFormat::W4A16, 64, true)
+        );
+    }
+
+    #[test]
+    fn avx2_only_x86_is_truthful_about_vllm() {
+        let f = CpuFeatures {
+            arch: Some(Arch::X86_64),
+            avx2: true,
+            ..Default::default()
+        };
+        let p = decide(&f, Target::Auto, Priority::Speed);
+        assert_eq!(p.format, WeightFormat::W4A16);
+        assert!(!p.runs_in_vllm && !p.verified);
+        assert!(p.reasons.iter().any(|r| r.contains("no GPTQ CPU kernel")));
+    }
+
+    #[test]
+    fn arm_is_w4a16_unverified_with_reason() {
+        let f = CpuFeatures {
+            arch: Some(Arch::Aarch64),
+            neon: true,
+            dotprod: true,
+            ..Default::default()
+        };
+        let p = decide(&f, Target::Auto, Priority::Speed);
+        assert_eq!(
+            (p.format, p.group_size, p.runs_in_vllm, p.verified),
+            (WeightFormat::W4A16, 64, false, false)
+        );
+        assert!(p.reasons.iter().any(|r| r.contains("aarch64")));
+    }
+
+    #[test]
+    fn phone_does_not_run_in_vllm() {
+        let p = decide(&spr(), Target::Phone, Priority::Speed);
+        assert_eq!((p.format, p.runs_in_vllm), (WeightFormat::W8A16, false));
+    }
+
+    #[test]
+    fn explicit_target_overrides_detection() {
+        let f = CpuFeatures {
+            arch: Some(Arch::Aarch64),
+            ..Default::default()
+        };
+        assert_eq!(
+            decide(&f, Target::X86Amx, Priority::Speed).format,
+            WeightFormat::W4A8
+        );
+    }
+}

@@ -1,0 +1,3 @@
+//! On-disk formats of quantized artifacts (no algorithms here).
+
+pub mod gptq;

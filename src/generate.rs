@@ -1,0 +1,114 @@
+//! Prompt → tokens: one prefill, then one decode step per new token.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::model::{Logits, ModelError, SparkModel};
+use crate::sampling::{Sampler, SamplingParams};
+
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    pub ignore_eos: bool,
+    pub stop_ids: Vec<u32>,
+    pub sampling: Option<SamplingParams>,
+    /// KV-cache context; `None` = prompt + max_new_tokens.
+    pub context: Option<usize>,
+    /// Keep logits of every prompt position and of every generated token.
+    pub capture_logits: bool,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct GenerateStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prefill_ms: f64,
+    pub decode_ms: Vec<f64>,
+    pub sampling_ms: f64,
+}
+
+impl GenerateStats {
+    pub fn decode_mean_ms(&self) -> f64 {
+        if self.decode_ms.is_empty() {
+            0.0
+        } else {
+            self.decode_ms.iter().sum::<f64>() / self.decode_ms.len() as f64
+        }
+    }
+}
+
+pub struct GenerateOutput {
+    /// Prompt followed by generated ids.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// `[prompt_len, vocab]` when captured.
+    pub prompt_logits: Vec<f32>,
+    /// Row i is the distribution generated token i was chosen from (`[generated, vocab]`).
+    pub decode_logits: Vec<f32>,
+    pub stopped_at_eos: bool,
+    pub stats: GenerateStats,
+}
+
+/// Generate after `prompt`, calling `on_token` with each new id as soon as it is chosen.
+pub fn generate(
+    model: &SparkModel,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(u32),
+) -> Result<GenerateOutput, ModelError> {
+    let vocab = model.config().vocab_size;
+    let context = opts.context.unwrap_or(prompt.len() + opts.max_new_tokens);
+    let mut cache = model.new_cache(context);
+    let mut sampler = Sampler::new(opts.sampling);
+    let mut stats = GenerateStats {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
+
+    let t = Instant::now();
+    let want = if opts.capture_logits {
+        Logits::All
+    } else {
+        Logits::Last
+    };
+    let prompt_logits = model.forward(prompt, &mut cache, want)?;
+    stats.prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut last = prompt_logits[prompt_logits.len() - vocab..].to_vec();
+
+    let mut tokens = prompt.to_vec();
+    let mut decode_logits = Vec::new();
+    let mut stopped_at_eos = false;
+    for i in 0..opts.max_new_tokens {
+        let t = Instant::now();
+        let next = sampler.next(&last);
+        stats.sampling_ms += t.elapsed().as_secs_f64() * 1e3;
+        if opts.capture_logits {
+            decode_logits.extend_from_slice(&last);
+        }
+        tokens.push(next);
+        on_token(next);
+        if !opts.ignore_eos && opts.stop_ids.contains(&next) {
+            stopped_at_eos = true;
+            break;
+        }
+        if i + 1 == opts.max_new_tokens {
+            break;
+        }
+        let t = Instant::now();
+        last = model.forward(&[next], &mut cache, Logits::Last)?;
+        stats.decode_ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    stats.generated_tokens = tokens.len() - prompt.len();
+    Ok(GenerateOutput {
+        tokens,
+        prompt_len: prompt.len(),
+        prompt_logits: if opts.capture_logits {
+            prompt_logits
+        } else {
+            Vec::new()
+        },
+        decode_logits,
+        stopped_at_eos,
+        stats,
+    })
+}

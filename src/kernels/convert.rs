@@ -1,0 +1,84 @@
+//! Bulk conversion of little-endian 16/32-bit floats to f32.
+//!
+//! Written over byte slices because safetensors only guarantees alignment to
+//! the 8-byte data start, not to what a `&[u16]` cast would need.
+
+use half::f16;
+use rayon::prelude::*;
+
+/// Elements per parallel chunk; small tensors stay on the calling thread.
+const CHUNK: usize = 1 << 16;
+
+fn convert<const N: usize>(bytes: &[u8], out: &mut [f32], f: impl Fn([u8; N]) -> f32 + Sync) {
+    debug_assert_eq!(bytes.len(), out.len() * N);
+    let run = |(src, dst): (&[u8], &mut [f32])| {
+        for (b, o) in src.chunks_exact(N).zip(dst.iter_mut()) {
+            let mut a = [0u8; N];
+            a.copy_from_slice(b);
+            *o = f(a);
+        }
+    };
+    if out.len() <= CHUNK {
+        run((bytes, out));
+    } else {
+        bytes
+            .par_chunks(CHUNK * N)
+            .zip(out.par_chunks_mut(CHUNK))
+            .for_each(run);
+    }
+}
+
+/// bf16 is the top half of an f32, so widening is exact.
+pub fn bf16_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
+    convert::<2>(bytes, out, |b| {
+        f32::from_bits((u16::from_le_bytes(b) as u32) << 16)
+    });
+}
+
+pub fn f16_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
+    convert::<2>(bytes, out, |b| {
+        f16::from_bits(u16::from_le_bytes(b)).to_f32()
+    });
+}
+
+pub fn f32_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
+    convert::<4>(bytes, out, f32::from_le_bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn widening_is_exact() {
+        let vals = [0.0f32, -1.5, 3.140625, 65504.0, -2.0e-3];
+        let bf: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect();
+        let hf: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_bits().to_le_bytes())
+            .collect();
+        let mut a = vec![0f32; vals.len()];
+        bf16_bytes_to_f32(&bf, &mut a);
+        for (x, v) in a.iter().zip(vals) {
+            assert_eq!(*x, half::bf16::from_f32(v).to_f32());
+        }
+        f16_bytes_to_f32(&hf, &mut a);
+        for (x, v) in a.iter().zip(vals) {
+            assert_eq!(*x, f16::from_f32(v).to_f32());
+        }
+    }
+
+    #[test]
+    fn parallel_path_matches_serial() {
+        let n = CHUNK * 3 + 17;
+        let bytes: Vec<u8> = (0..n)
+            .flat_map(|i| (i as f32 * 0.5).to_le_bytes())
+            .collect();
+        let mut out = vec![0f32; n];
+        f32_bytes_to_f32(&bytes, &mut out);
+        assert!(out.iter().enumerate().all(|(i, v)| *v == i as f32 * 0.5));
+    }
+}

@@ -1,0 +1,205 @@
+//! Numeric kernels, kept apart from the model. Every kernel has a plain
+//! scalar reference; fast paths are tested against it.
+
+pub mod convert;
+
+use std::sync::OnceLock;
+
+/// `y[m, n] = x[m, k] · w[n, k]ᵀ` — the shape every linear layer needs
+/// (weights stored PyTorch-style, `[out_features, in_features]`).
+pub trait F32Matmul: Send + Sync {
+    fn name(&self) -> &'static str;
+    fn matmul_nt(&self, x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32]);
+}
+
+/// The scalar reference: one dot product per output, summed in order.
+pub struct ReferenceMatmul;
+
+impl F32Matmul for ReferenceMatmul {
+    fn name(&self) -> &'static str {
+        "reference"
+    }
+    fn matmul_nt(&self, x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32]) {
+        assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n));
+        for i in 0..m {
+            let xr = &x[i * k..(i + 1) * k];
+            for j in 0..n {
+                y[i * n + j] = dot(xr, &w[j * k..(j + 1) * k]);
+            }
+        }
+    }
+}
+
+/// The `gemm` crate (runtime-dispatched AVX2/AVX-512/NEON micro-kernels, rayon).
+pub struct GemmCrateMatmul;
+
+impl F32Matmul for GemmCrateMatmul {
+    fn name(&self) -> &'static str {
+        "gemm"
+    }
+    fn matmul_nt(&self, x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32]) {
+        assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n));
+        if m == 0 || n == 0 {
+            return;
+        }
+        if k == 0 {
+            y.fill(0.0);
+            return;
+        }
+        let threads = rayon::current_num_threads();
+        let par = if threads > 1 && m * n * k >= 1 << 18 {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        // SAFETY: the asserts above bound every access: lhs x is m×k row-major
+        // (rs = k, cs = 1), rhs is wᵀ, i.e. element (kk, j) at w[j*k + kk]
+        // (rs = 1, cs = k), dst y is m×n row-major (rs = n, cs = 1).
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                y.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                w.as_ptr(),
+                k as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                par,
+            );
+        }
+    }
+}
+
+/// The matmul in use: `gemm`, unless `SPARK_KERNELS=reference` asks for the scalar reference.
+pub fn matmul() -> &'static dyn F32Matmul {
+    static CHOSEN: OnceLock<&'static dyn F32Matmul> = OnceLock::new();
+    *CHOSEN.get_or_init(|| match std::env::var("SPARK_KERNELS").as_deref() {
+        Ok("reference") => &ReferenceMatmul,
+        _ => &GemmCrateMatmul,
+    })
+}
+
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight partial sums: lets the compiler vectorise and halves rounding drift.
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// `out = w ⊙ x / sqrt(mean(x²) + eps)` per row of `x` (plain weight, not 1 + w).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ms = xr.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / d as f64;
+        let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+        for ((o, xv), wv) in or.iter_mut().zip(xr).zip(w) {
+            *o = wv * (xv * inv);
+        }
+    }
+}
+
+/// Exact (erf) GELU, as the reference model's `ACT2FN["gelu"]`.
+pub fn gelu_erf(z: f32) -> f32 {
+    0.5 * z * (1.0 + libm::erff(z * std::f32::consts::FRAC_1_SQRT_2))
+}
+
+pub fn sigmoid(z: f32) -> f32 {
+    1.0 / (1.0 + (-z).exp())
+}
+
+/// In-place softmax with max subtraction.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn rand_vec(rng: &mut rand_chacha::ChaCha8Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect()
+    }
+
+    #[test]
+    fn gemm_matches_reference_on_odd_shapes() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (1, 257, 33),
+            (3, 64, 7),
+            (17, 130, 65),
+            (64, 256, 300),
+        ] {
+            let x = rand_vec(&mut rng, m * k);
+            let w = rand_vec(&mut rng, n * k);
+            let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
+            ReferenceMatmul.matmul_nt(&x, m, k, &w, n, &mut a);
+            GemmCrateMatmul.matmul_nt(&x, m, k, &w, n, &mut b);
+            for (p, q) in a.iter().zip(&b) {
+                // |terms| ≤ 1 and k ≤ 257: f32 summation-order differences stay far below 1e-4.
+                assert!(
+                    (p - q).abs() <= 1e-4 * (1.0 + p.abs()),
+                    "{m}x{k}x{n}: {p} vs {q}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn rms_norm_unit_rows() {
+        let x = [3.0f32, 4.0, 0.0, 0.0];
+        let w = [1.0f32, 2.0, 1.0, 1.0];
+        let mut out = [0f32; 4];
+        rms_norm(&x, &w, 0.0, &mut out);
+        // mean(x²) = 25/4 → rms 2.5
+        assert!((out[0] - 1.2).abs() < 1e-6 && (out[1] - 3.2).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gelu_is_exact_erf_not_tanh() {
+        // Values from 0.5·z·(1+erf(z/√2)) in float64.
+        assert!((gelu_erf(1.0) - 0.841_344_8).abs() < 1e-6);
+        assert!((gelu_erf(-2.0) - -0.045_500_26).abs() < 1e-6);
+        // The tanh approximation gives 0.841192 at 1.0; make sure we are not it.
+        assert!((gelu_erf(1.0) - 0.841_192).abs() > 1e-4);
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_handles_large_values() {
+        let mut x = [1000.0f32, 1001.0, 999.0];
+        softmax(&mut x);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(x[1] > x[0] && x[0] > x[2]);
+    }
+}

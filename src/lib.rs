@@ -1,0 +1,22 @@
+//! spark-tool: Spark-X2.5 (`Spark2_5ForCausalLM`) from its Hugging Face
+//! checkpoint to CPU execution and beyond. The library is CLI-free; the
+//! `spark-tool` binary is a thin layer over it.
+
+pub mod checkpoint;
+pub mod device;
+pub mod formats;
+pub mod generate;
+pub mod inspect;
+pub mod kernels;
+pub mod model;
+pub mod quant;
+pub mod quantize;
+pub mod sampling;
+pub mod tokenizer;
+
+use std::path::PathBuf;
+
+/// The trained fixture that ships with the repository; the default artifact.
+pub fn bundled_fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/spark-tiny")
+}

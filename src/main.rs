@@ -1,0 +1,54 @@
+//! The `spark-tool` command line: parse, convert to library options, call, print.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "spark-tool",
+    version,
+    about = "Spark-X2.5 checkpoint → every device, with CPU parity checks"
+)]
+struct Cli {
+    /// Worker threads for matmuls and attention (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Summarise a checkpoint: shapes, parameters, bytes per tensor class, KV-cache cost.
+    Inspect(cli::inspect::InspectArgs),
+    /// Run a checkpoint on CPU: prompt or token ids in, streamed text out.
+    Run(cli::run::RunArgs),
+    /// Detect this CPU and say which weight format runs best on it (and why).
+    Probe(cli::quantize::ProbeArgs),
+    /// GPTQ a checkpoint into a W4A8 or W4A16 GPTQ v1 checkpoint (format chosen by the probe).
+    Quantize(cli::quantize::QuantizeArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+        {
+            eprintln!("error: cannot start {n} threads: {e}");
+            std::process::exit(2);
+        }
+    }
+    let result = match cli.command {
+        Command::Inspect(a) => cli::inspect::run(a),
+        Command::Run(a) => cli::run::run(a),
+        Command::Probe(a) => cli::quantize::probe(a),
+        Command::Quantize(a) => cli::quantize::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(2);
+    }
+}

@@ -1,0 +1,464 @@
+//! The Spark2_5 forward pass (SPARK_SPEC.md §3.1), f32 activations over
+//! any [`Linear`] weights:
+//!
+//! ```text
+//! x = E[token]
+//! per layer: h = RMSNorm(x); q,k,v = h·W{q,k,v}ᵀ; g = h·Wgᵀ
+//!            q,k = RoPE_type(q,k,pos); a = attention_type(q, cache + k, v)
+//!            a_head *= sigmoid(g_head); x += a·Woᵀ
+//!            h2 = RMSNorm(x); x += Wdown·(gelu(Wgate·h2) ⊙ Wup·h2)
+//! logits = RMSNorm(x)·headᵀ
+//! ```
+
+pub mod kv_cache;
+pub mod linear;
+pub mod rope;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+
+use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, QkvLayout, SparkConfig};
+use crate::kernels::{self, gelu_erf, rms_norm, sigmoid, softmax};
+pub use kv_cache::{CacheError, KvCache};
+pub use linear::{DenseLinear, Linear};
+use rope::Rope;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error(
+        "token id {id} at prompt index {index} is outside the vocabulary (vocab_size {vocab})"
+    )]
+    TokenOutOfRange { id: u32, index: usize, vocab: usize },
+    #[error("empty input: at least one token is needed")]
+    Empty,
+}
+
+/// One projection of a decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Proj {
+    Q,
+    K,
+    V,
+    G,
+    Out,
+    Gate,
+    Up,
+    Down,
+}
+
+/// Which rows of logits a forward call returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// `[n_tokens, vocab]`
+    All,
+    /// `[1, vocab]` for the last token only (skips the head for the rest).
+    Last,
+}
+
+struct SelfAttention {
+    q_proj: Box<dyn Linear>,
+    k_proj: Box<dyn Linear>,
+    v_proj: Box<dyn Linear>,
+    g_proj: Box<dyn Linear>,
+    out_proj: Box<dyn Linear>,
+}
+
+struct Mlp {
+    gate_proj: Box<dyn Linear>,
+    up_proj: Box<dyn Linear>,
+    down_proj: Box<dyn Linear>,
+}
+
+struct DecoderLayer {
+    kind: LayerType,
+    input_layernorm: Vec<f32>,
+    self_attn: SelfAttention,
+    post_attention_layernorm: Vec<f32>,
+    mlp: Mlp,
+}
+
+pub struct SparkModel {
+    config: SparkConfig,
+    embedding: Arc<[f32]>,
+    layers: Vec<DecoderLayer>,
+    norm: Vec<f32>,
+    lm_head: Box<dyn Linear>,
+    ropes: BTreeMap<LayerType, Rope>,
+}
+
+fn dense(w: Vec<f32>, out: usize, inp: usize) -> Box<dyn Linear> {
+    Box::new(DenseLinear::new(w.into(), out, inp))
+}
+
+impl SparkModel {
+    /// Build the dense f32 model from a validated checkpoint. The fused
+    /// `q_k_v_proj` is split here into three projections over one input.
+    pub fn from_checkpoint(ck: &Checkpoint, progress: bool) -> Result<Self, CheckpointError> {
+        let cfg = ck.config.clone();
+        let (h, q, kv, inter) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        let bar = if progress {
+            let b = ProgressBar::new(cfg.num_hidden_layers as u64 + 2);
+            b.set_style(
+                ProgressStyle::with_template(
+                    "loading {bar:30} {pos}/{len} {msg} [{elapsed}<{eta}]",
+                )
+                .expect("static template"),
+            );
+            b
+        } else {
+            ProgressBar::hidden()
+        };
+        bar.set_message("embedding");
+        let embedding: Arc<[f32]> = ck.tensor_f32("model.embedding.weight")?.into();
+        bar.inc(1);
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
+            bar.set_message(format!("layer {i}"));
+            let p = format!("model.layers.{i}.");
+            let t = |n: &str| ck.tensor_f32(&format!("{p}{n}"));
+            let (q_proj, k_proj, v_proj) = match ck.layout.qkv[i] {
+                QkvLayout::Fused => {
+                    let e = ck.entry(&format!("{p}self_attn.q_k_v_proj.weight"))?;
+                    let rows = |a, b| ck.store.rows_to_f32(e, a, b);
+                    (
+                        dense(rows(0, q)?, q, h),
+                        dense(rows(q, q + kv)?, kv, h),
+                        dense(rows(q + kv, q + 2 * kv)?, kv, h),
+                    )
+                }
+                QkvLayout::Split => (
+                    dense(t("self_attn.q_proj.weight")?, q, h),
+                    dense(t("self_attn.k_proj.weight")?, kv, h),
+                    dense(t("self_attn.v_proj.weight")?, kv, h),
+                ),
+            };
+            layers.push(DecoderLayer {
+                kind: *kind,
+                input_layernorm: t("input_layernorm.weight")?,
+                self_attn: SelfAttention {
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                    g_proj: dense(t("self_attn.g_proj.weight")?, cfg.num_attention_heads, h),
+                    out_proj: dense(t("self_attn.out_proj.weight")?, h, q),
+                },
+                post_attention_layernorm: t("post_attention_layernorm.weight")?,
+                mlp: Mlp {
+                    gate_proj: dense(t("mlp.gate_proj.weight")?, inter, h),
+                    up_proj: dense(t("mlp.up_proj.weight")?, inter, h),
+                    down_proj: dense(t("mlp.down_proj.weight")?, h, inter),
+                },
+            });
+            bar.inc(1);
+        }
+        let norm = ck.tensor_f32("model.norm.weight")?;
+        let lm_head: Box<dyn Linear> = if ck.layout.tied {
+            Box::new(DenseLinear::new(embedding.clone(), cfg.vocab_size, h))
+        } else {
+            dense(ck.tensor_f32("lm_head.weight")?, cfg.vocab_size, h)
+        };
+        bar.inc(1);
+        bar.finish_and_clear();
+        let ropes = cfg.rope.iter().map(|(t, s)| (*t, Rope::new(*s))).collect();
+        Ok(SparkModel {
+            config: cfg,
+            embedding,
+            layers,
+            norm,
+            lm_head,
+            ropes,
+        })
+    }
+
+    pub fn config(&self) -> &SparkConfig {
+        &self.config
+    }
+
+    pub fn new_cache(&self, context: usize) -> KvCache {
+        KvCache::new(&self.config, context)
+    }
+
+    /// Run `tokens` at positions `cache.pos()..` and append their K/V to the
+    /// cache. Prefill is one call with the whole prompt; decode is one call
+    /// per token. Returns logits as asked by `want`.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        want: Logits,
+    ) -> Result<Vec<f32>, ModelError> {
+        let m = tokens.len();
+        if m == 0 {
+            return Err(ModelError::Empty);
+        }
+        cache.reserve(m)?;
+        let start = cache.pos();
+        let mut x = self.embed(tokens)?;
+        for li in 0..self.layers.len() {
+            let h = self.attn_norm(li, &x);
+            let attn = self.gated_attention(li, &h, m, start, cache.layer_mut(li));
+            self.attn_out_residual(li, &attn, m, &mut x);
+            let h2 = self.mlp_norm(li, &x);
+            let act = self.mlp_act(li, &h2, m);
+            self.mlp_down_residual(li, &act, m, &mut x);
+        }
+        cache.advance(m);
+        let hidden = self.config.hidden_size;
+        let rows = match want {
+            Logits::All => 0,
+            Logits::Last => m - 1,
+        };
+        Ok(self.logits(&x[rows * hidden..]))
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn linear(&self, layer: usize, proj: Proj) -> &dyn Linear {
+        let l = &self.layers[layer];
+        match proj {
+            Proj::Q => l.self_attn.q_proj.as_ref(),
+            Proj::K => l.self_attn.k_proj.as_ref(),
+            Proj::V => l.self_attn.v_proj.as_ref(),
+            Proj::G => l.self_attn.g_proj.as_ref(),
+            Proj::Out => l.self_attn.out_proj.as_ref(),
+            Proj::Gate => l.mlp.gate_proj.as_ref(),
+            Proj::Up => l.mlp.up_proj.as_ref(),
+            Proj::Down => l.mlp.down_proj.as_ref(),
+        }
+    }
+
+    pub fn lm_head(&self) -> &dyn Linear {
+        self.lm_head.as_ref()
+    }
+
+    /// Final RMSNorm of residual rows (the input of the head).
+    pub fn final_norm(&self, x: &[f32]) -> Vec<f32> {
+        let mut y = vec![0f32; x.len()];
+        rms_norm(x, &self.norm, self.config.rms_norm_eps, &mut y);
+        y
+    }
+
+    /// Replace one projection (e.g. by its quantized version).
+    pub fn set_linear(&mut self, layer: usize, proj: Proj, linear: Box<dyn Linear>) {
+        let l = &mut self.layers[layer];
+        let slot = match proj {
+            Proj::Q => &mut l.self_attn.q_proj,
+            Proj::K => &mut l.self_attn.k_proj,
+            Proj::V => &mut l.self_attn.v_proj,
+            Proj::G => &mut l.self_attn.g_proj,
+            Proj::Out => &mut l.self_attn.out_proj,
+            Proj::Gate => &mut l.mlp.gate_proj,
+            Proj::Up => &mut l.mlp.up_proj,
+            Proj::Down => &mut l.mlp.down_proj,
+        };
+        assert_eq!(
+            (slot.in_features(), slot.out_features()),
+            (linear.in_features(), linear.out_features()),
+            "replacement linear must keep the shape"
+        );
+        *slot = linear;
+    }
+
+    /// Embedding rows of `tokens` (`[m, hidden]`); no scaling (spec §3.1).
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let hidden = self.config.hidden_size;
+        let mut x = vec![0f32; tokens.len() * hidden];
+        for (i, (&t, row)) in tokens.iter().zip(x.chunks_exact_mut(hidden)).enumerate() {
+            let t = t as usize;
+            if t >= self.config.vocab_size {
+                return Err(ModelError::TokenOutOfRange {
+                    id: t as u32,
+                    index: i,
+                    vocab: self.config.vocab_size,
+                });
+            }
+            row.copy_from_slice(&self.embedding[t * hidden..(t + 1) * hidden]);
+        }
+        Ok(x)
+    }
+
+    /// `input_layernorm`: the input of q/k/v and of the gate projection.
+    pub fn attn_norm(&self, li: usize, x: &[f32]) -> Vec<f32> {
+        let mut h = vec![0f32; x.len()];
+        rms_norm(
+            x,
+            &self.layers[li].input_layernorm,
+            self.config.rms_norm_eps,
+            &mut h,
+        );
+        h
+    }
+
+    /// q/k/v/g projections, RoPE, attention over `cache` + these `m` tokens at
+    /// positions `start..`, per-head sigmoid gate. Appends K/V to `cache`.
+    /// Returns the gated attention output `[m, q_dim]` (the input of `out_proj`).
+    pub fn gated_attention(
+        &self,
+        li: usize,
+        h: &[f32],
+        m: usize,
+        start: usize,
+        cache: &mut kv_cache::LayerKvCache,
+    ) -> Vec<f32> {
+        let cfg = &self.config;
+        let layer = &self.layers[li];
+        let sa = &layer.self_attn;
+        let (hd, q_dim, kv_dim, heads) = (
+            cfg.head_dim,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.num_attention_heads,
+        );
+        let mut q = vec![0f32; m * q_dim];
+        let mut k = vec![0f32; m * kv_dim];
+        let mut v = vec![0f32; m * kv_dim];
+        let mut g = vec![0f32; m * heads];
+        sa.q_proj.forward(h, m, &mut q);
+        sa.k_proj.forward(h, m, &mut k);
+        sa.v_proj.forward(h, m, &mut v);
+        sa.g_proj.forward(h, m, &mut g);
+
+        let rope = &self.ropes[&layer.kind];
+        for i in 0..m {
+            let (cos, sin) = rope.angles(start + i);
+            for head in q[i * q_dim..(i + 1) * q_dim].chunks_exact_mut(hd) {
+                rope.apply(head, &cos, &sin);
+            }
+            for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
+                rope.apply(head, &cos, &sin);
+            }
+        }
+        let mut attn = vec![0f32; m * q_dim];
+        self.attention(layer.kind, &q, &k, &v, start, cache, &mut attn);
+        for (i, row) in attn.chunks_exact_mut(q_dim).enumerate() {
+            for (hh, head) in row.chunks_exact_mut(hd).enumerate() {
+                let s = sigmoid(g[i * heads + hh]);
+                head.iter_mut().for_each(|a| *a *= s);
+            }
+        }
+        cache.append(&k, &v);
+        attn
+    }
+
+    /// `x += out_proj(attn)`.
+    pub fn attn_out_residual(&self, li: usize, attn: &[f32], m: usize, x: &mut [f32]) {
+        let mut delta = vec![0f32; x.len()];
+        self.layers[li]
+            .self_attn
+            .out_proj
+            .forward(attn, m, &mut delta);
+        x.iter_mut().zip(&delta).for_each(|(a, d)| *a += d);
+    }
+
+    /// `post_attention_layernorm`: the input of gate/up.
+    pub fn mlp_norm(&self, li: usize, x: &[f32]) -> Vec<f32> {
+        let mut h = vec![0f32; x.len()];
+        rms_norm(
+            x,
+            &self.layers[li].post_attention_layernorm,
+            self.config.rms_norm_eps,
+            &mut h,
+        );
+        h
+    }
+
+    /// `gelu_erf(gate(h2)) ⊙ up(h2)`: the input of `down_proj`.
+    pub fn mlp_act(&self, li: usize, h2: &[f32], m: usize) -> Vec<f32> {
+        let mlp = &self.layers[li].mlp;
+        let inter = self.config.intermediate_size;
+        let mut gate = vec![0f32; m * inter];
+        let mut up = vec![0f32; m * inter];
+        mlp.gate_proj.forward(h2, m, &mut gate);
+        mlp.up_proj.forward(h2, m, &mut up);
+        gate.iter_mut()
+            .zip(&up)
+            .for_each(|(a, u)| *a = gelu_erf(*a) * u);
+        gate
+    }
+
+    /// `x += down_proj(act)`.
+    pub fn mlp_down_residual(&self, li: usize, act: &[f32], m: usize, x: &mut [f32]) {
+        let mut delta = vec![0f32; x.len()];
+        self.layers[li].mlp.down_proj.forward(act, m, &mut delta);
+        x.iter_mut().zip(&delta).for_each(|(a, d)| *a += d);
+    }
+
+    /// Final norm and head for residual rows `x` (`[n, hidden]`).
+    pub fn logits(&self, x: &[f32]) -> Vec<f32> {
+        let n = x.len() / self.config.hidden_size;
+        let y = self.final_norm(x);
+        let mut logits = vec![0f32; n * self.config.vocab_size];
+        self.lm_head.forward(&y, n, &mut logits);
+        logits
+    }
+
+    /// Causal attention for `m` new queries at positions `start..start+m`.
+    /// Keys before `start` come from the cache, the rest from this call's
+    /// `k`/`v`; sliding layers see the last `sliding_window` positions
+    /// including the query's own.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        kind: LayerType,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        start: usize,
+        cache: &kv_cache::LayerKvCache,
+        out: &mut [f32],
+    ) {
+        let cfg = &self.config;
+        let (hd, q_dim, kv_dim, group) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim(), cfg.gqa_group());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let window = cfg.sliding_window;
+        let key = |pos: usize| -> &[f32] {
+            if pos >= start {
+                &k[(pos - start) * kv_dim..(pos - start + 1) * kv_dim]
+            } else {
+                cache.key(pos)
+            }
+        };
+        let value = |pos: usize| -> &[f32] {
+            if pos >= start {
+                &v[(pos - start) * kv_dim..(pos - start + 1) * kv_dim]
+            } else {
+                cache.value(pos)
+            }
+        };
+        out.par_chunks_mut(q_dim)
+            .enumerate()
+            .for_each(|(i, out_row)| {
+                let p = start + i;
+                let lo = match kind {
+                    LayerType::Sliding => (p + 1).saturating_sub(window),
+                    LayerType::Full => 0,
+                };
+                let mut scores = vec![0f32; p + 1 - lo];
+                for (hh, o) in out_row.chunks_exact_mut(hd).enumerate() {
+                    let qh = &q[i * q_dim + hh * hd..i * q_dim + (hh + 1) * hd];
+                    let kvo = (hh / group) * hd;
+                    for (s, pos) in scores.iter_mut().zip(lo..=p) {
+                        *s = kernels::dot(qh, &key(pos)[kvo..kvo + hd]) * scale;
+                    }
+                    softmax(&mut scores);
+                    o.fill(0.0);
+                    for (s, pos) in scores.iter().zip(lo..=p) {
+                        let vr = &value(pos)[kvo..kvo + hd];
+                        o.iter_mut().zip(vr).for_each(|(a, b)| *a += s * b);
+                    }
+                }
+            });
+    }
+}

@@ -1,0 +1,490 @@
+//! GPTQ on one linear layer (GPTQ.md §1), knowing nothing about files.
+//!
+//! Weights are handled transposed, `wt[k, n]` (row = one input column of
+//! W[n, k]), so the column GPTQ processes is contiguous and the produced
+//! codes are already in the [K, N] order GPTQ's `qweight` packs.
+
+use faer::linalg::triangular_inverse::invert_lower_triangular;
+use faer::{Mat, Par, Side};
+use rayon::prelude::*;
+
+use super::grid::{code, dequant, group_scale, ScaleRule};
+use super::hessian::Hessian;
+
+#[derive(Debug, Clone, Copy)]
+pub struct GptqConfig {
+    pub group_size: usize,
+    pub block_size: usize,
+    /// Initial damping as a fraction of mean(diag H).
+    pub damp: f64,
+    pub rule: ScaleRule,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GptqError {
+    #[error("{0}: in_features {1} is not a multiple of the group size {2}")]
+    Shape(String, usize, usize),
+    #[error("{0}: Hessian contains NaN or Inf (calibration activations overflowed?)")]
+    NonFiniteHessian(String),
+    #[error("{0}: weights contain NaN or Inf")]
+    NonFiniteWeights(String),
+    #[error("{0}: Cholesky failed even with damping {1:.3} of mean(diag H)")]
+    Cholesky(String, f64),
+}
+
+/// A quantized linear in GPTQ's natural order.
+#[derive(Debug, Clone)]
+pub struct QuantizedWeight {
+    pub in_features: usize,
+    pub out_features: usize,
+    pub group_size: usize,
+    /// `[K, N]`, 0…15.
+    pub codes: Vec<u8>,
+    /// `[K/G, N]`, stored (bf16-exact) values.
+    pub scales: Vec<f32>,
+}
+
+impl QuantizedWeight {
+    /// Dequantized weight in PyTorch order `[N, K]`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let (k, n, g) = (self.in_features, self.out_features, self.group_size);
+        let mut w = vec![0f32; n * k];
+        for kk in 0..k {
+            let srow = &self.scales[(kk / g) * n..(kk / g + 1) * n];
+            for nn in 0..n {
+                w[nn * k + kk] = dequant(self.codes[kk * n + nn], srow[nn]);
+            }
+        }
+        w
+    }
+}
+
+/// Outcome of [`gptq`], with what the report needs.
+#[derive(Debug, Clone)]
+pub struct GptqResult {
+    pub weight: QuantizedWeight,
+    pub damp_used: f64,
+    pub dead_columns: usize,
+}
+
+fn transpose(w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    let mut t = vec![0f32; n * k];
+    for r in 0..n {
+        for c in 0..k {
+            t[c * n + r] = w[r * k + c];
+        }
+    }
+    t
+}
+
+/// Round-to-nearest with the same grid and group scales (no error feedback).
+pub fn rtn(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    h: &Hessian,
+    group_size: usize,
+    rule: ScaleRule,
+) -> QuantizedWeight {
+    let wt = transpose(w, n, k);
+    let diag = h.diag();
+    let groups = k / group_size;
+    let mut scales = vec![0f32; groups * n];
+    let mut codes = vec![0u8; k * n];
+    let mut buf = vec![0f32; group_size];
+    let imp: Vec<f32> = diag.iter().map(|&d| d as f32).collect();
+    for g in 0..groups {
+        for nn in 0..n {
+            for (j, b) in buf.iter_mut().enumerate() {
+                *b = wt[(g * group_size + j) * n + nn];
+            }
+            let s = group_scale(&buf, &imp[g * group_size..(g + 1) * group_size], rule);
+            scales[g * n + nn] = s;
+            for j in 0..group_size {
+                let kk = g * group_size + j;
+                codes[kk * n + nn] = code(wt[kk * n + nn], s);
+            }
+        }
+    }
+    QuantizedWeight {
+        in_features: k,
+        out_features: n,
+        group_size,
+        codes,
+        scales,
+    }
+}
+
+/// Upper factor U with H⁻¹ = UᵀU via one Cholesky and one triangular inverse
+/// of the index-reversed matrix (GPTQ.md §1.4): chol(J H J) = L̃, U = J L̃⁻¹ J.
+fn inverse_upper_factor(h: &[f64], k: usize) -> Option<Vec<f32>> {
+    let flipped = Mat::<f64>::from_fn(k, k, |i, j| h[(k - 1 - i) * k + (k - 1 - j)]);
+    let llt = flipped.llt(Side::Lower).ok()?;
+    let mut inv = Mat::<f64>::zeros(k, k);
+    invert_lower_triangular(inv.as_mut(), llt.L(), Par::rayon(0));
+    let mut u = vec![0f32; k * k];
+    for i in 0..k {
+        for j in i..k {
+            u[i * k + j] = inv[(k - 1 - i, k - 1 - j)] as f32;
+        }
+    }
+    u.iter().all(|x| x.is_finite()).then_some(u)
+}
+
+/// Everything GPTQ needs from one Hessian, computed once and shared by every
+/// linear that reads the same input (q/k/v; gate/up) and by every variant.
+pub struct GptqSolver {
+    name: String,
+    k: usize,
+    /// Upper factor of (H + λI)⁻¹, row-major `[k, k]`.
+    u: Vec<f32>,
+    /// Per-input importance for the scale search: 1/U[i,i]².
+    imp: Vec<f32>,
+    dead: Vec<bool>,
+    pub damp_used: f64,
+}
+
+impl GptqSolver {
+    /// Dead inputs, damping (1 % of mean diag by default, +0.01 per Cholesky
+    /// failure, logged with `name`) and the inverse upper factor.
+    pub fn new(name: &str, h: &Hessian, damp: f64) -> Result<Self, GptqError> {
+        if !h.is_finite() {
+            return Err(GptqError::NonFiniteHessian(name.into()));
+        }
+        let k = h.dim();
+        let mut hm = h.matrix();
+        let mut dead = vec![false; k];
+        for i in 0..k {
+            if hm[i * k + i] == 0.0 {
+                hm[i * k + i] = 1.0;
+                dead[i] = true;
+            }
+        }
+        let mean_diag = (0..k).map(|i| hm[i * k + i]).sum::<f64>() / k as f64;
+        let mut damp = damp;
+        let u = loop {
+            let mut hd = hm.clone();
+            for i in 0..k {
+                hd[i * k + i] += damp * mean_diag;
+            }
+            if let Some(u) = inverse_upper_factor(&hd, k) {
+                break u;
+            }
+            if damp >= 1.0 {
+                return Err(GptqError::Cholesky(name.into(), damp));
+            }
+            let next = (damp + 0.01).min(1.0);
+            warn(&format!(
+                "{name}: Cholesky failed with damping {damp:.3}; retrying with {next:.3}"
+            ));
+            damp = next;
+        };
+        // The scale search weighs input i by 1/U[i,i]², the weight GPTQ's own
+        // objective gives column i's rounding error ((w − q)²/d²). Measured on the
+        // trained fixture (docs/QUANTIZE.md): better than diag(H) and never worse
+        // than max/7.5 on any linear, where diag(H) lost on one.
+        let imp: Vec<f32> = (0..k).map(|i| 1.0 / (u[i * k + i] * u[i * k + i])).collect();
+        Ok(GptqSolver {
+            name: name.into(),
+            k,
+            u,
+            imp,
+            dead,
+            damp_used: damp,
+        })
+    }
+
+    pub fn dead_columns(&self) -> usize {
+        self.dead.iter().filter(|d| **d).count()
+    }
+
+    /// Quantize `w` (`[n, k]`, PyTorch order).
+    pub fn quantize(
+        &self,
+        w: &[f32],
+        n: usize,
+        cfg: &GptqConfig,
+    ) -> Result<QuantizedWeight, GptqError> {
+        let (k, gs, bs) = (self.k, cfg.group_size, cfg.block_size);
+        if k % gs != 0 || bs % gs != 0 || w.len() != n * k {
+            return Err(GptqError::Shape(self.name.clone(), k, gs));
+        }
+        if !w.iter().all(|x| x.is_finite()) {
+            return Err(GptqError::NonFiniteWeights(self.name.clone()));
+        }
+        let u = &self.u;
+        let mut wt = transpose(w, n, k);
+        for (i, _) in self.dead.iter().enumerate().filter(|(_, d)| **d) {
+            // Never active: the weight is irrelevant, zero makes it exact.
+            wt[i * n..(i + 1) * n].fill(0.0);
+        }
+        let mut scales = vec![0f32; k / gs * n];
+        let mut codes = vec![0u8; k * n];
+        let mut err_block = vec![0f32; bs * n];
+        let mut buf = vec![0f32; gs];
+        for i1 in (0..k).step_by(bs) {
+            let i2 = (i1 + bs).min(k);
+            for i in i1..i2 {
+                let g = i / gs;
+                if i % gs == 0 {
+                    // From the up-to-date weights: in-block updates go to `wt` directly,
+                    // so a group starting mid-block (g64) never sees stale values.
+                    for nn in 0..n {
+                        for (j, b) in buf.iter_mut().enumerate() {
+                            *b = wt[(i + j) * n + nn];
+                        }
+                        scales[g * n + nn] = group_scale(&buf, &self.imp[i..i + gs], cfg.rule);
+                    }
+                }
+                let d = u[i * k + i];
+                let (head, tail) = wt.split_at_mut((i + 1) * n);
+                let row = &head[i * n..];
+                let err = &mut err_block[(i - i1) * n..(i - i1 + 1) * n];
+                for nn in 0..n {
+                    let s = scales[g * n + nn];
+                    let q = code(row[nn], s);
+                    codes[i * n + nn] = q;
+                    err[nn] = (row[nn] - dequant(q, s)) / d;
+                }
+                let err = &err_block[(i - i1) * n..(i - i1 + 1) * n];
+                tail[..(i2 - i - 1) * n]
+                    .par_chunks_mut(n)
+                    .enumerate()
+                    .with_min_len(8)
+                    .for_each(|(j, r)| {
+                        let uij = u[i * k + i + 1 + j];
+                        r.iter_mut().zip(err).for_each(|(x, e)| *x -= uij * e);
+                    });
+            }
+            // Lazy batch flush: wt[i2.., :] -= U[i1..i2, i2..]ᵀ · Err.
+            if i2 < k {
+                let (rest, b) = (k - i2, i2 - i1);
+                let mut ut = vec![0f32; rest * b];
+                for r in 0..b {
+                    for c in 0..rest {
+                        ut[c * b + r] = u[(i1 + r) * k + i2 + c];
+                    }
+                }
+                let mut upd = vec![0f32; rest * n];
+                matmul_nn(&ut, rest, b, &err_block[..b * n], n, &mut upd);
+                wt[i2 * n..].iter_mut().zip(&upd).for_each(|(x, d)| *x -= d);
+            }
+        }
+        Ok(QuantizedWeight {
+            in_features: k,
+            out_features: n,
+            group_size: gs,
+            codes,
+            scales,
+        })
+    }
+}
+
+/// One-shot GPTQ of a single linear (tests and small tools).
+pub fn gptq(
+    name: &str,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    h: &Hessian,
+    cfg: &GptqConfig,
+) -> Result<GptqResult, GptqError> {
+    if h.dim() != k {
+        return Err(GptqError::Shape(name.into(), k, cfg.group_size));
+    }
+    let solver = GptqSolver::new(name, h, cfg.damp)?;
+    let weight = solver.quantize(w, n, cfg)?;
+    Ok(GptqResult {
+        weight,
+        damp_used: solver.damp_used,
+        dead_columns: solver.dead_columns(),
+    })
+}
+
+/// `c[m, n] = a[m, k] · b[k, n]`, row-major.
+fn matmul_nn(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32]) {
+    // bᵀ as an [n, k] "weight" would need a copy; call gemm with strides instead.
+    let threads = rayon::current_num_threads();
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    assert_eq!((a.len(), b.len(), c.len()), (m * k, k * n, m * n));
+    // SAFETY: all three are dense row-major buffers of the asserted sizes.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            1,
+            n as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+fn warn(msg: &str) {
+    eprintln!("warning: {msg}");
+}
+
+/// Relative output error ‖(W − Q)X‖² / ‖WX‖² = tr(Δ H Δᵀ) / tr(W H Wᵀ), from the Hessian alone.
+pub fn relative_output_error(w: &[f32], q: &[f32], n: usize, k: usize, h: &Hessian) -> f64 {
+    let hm: Vec<f32> = h.matrix().iter().map(|&v| v as f32).collect();
+    let quad = |d: &[f32]| -> f64 {
+        // Σ_rows d_r · (H d_r), with H·dᵀ through one GEMM (H is symmetric).
+        let mut hd = vec![0f32; n * k];
+        crate::kernels::matmul().matmul_nt(d, n, k, &hm, k, &mut hd);
+        d.iter().zip(&hd).map(|(a, b)| *a as f64 * *b as f64).sum()
+    };
+    let delta: Vec<f32> = w.iter().zip(q).map(|(a, b)| a - b).collect();
+    let den = quad(w);
+    if den > 0.0 {
+        quad(&delta) / den
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// Correlated inputs, as real activations are, so error feedback has something to exploit.
+    fn case(n: usize, k: usize, tokens: usize) -> (Vec<f32>, Hessian) {
+        let mut s = 3u64;
+        let w: Vec<f32> = (0..n * k).map(|_| lcg(&mut s) * 0.1).collect();
+        let base: Vec<f32> = (0..tokens * 4).map(|_| lcg(&mut s)).collect();
+        let mix: Vec<f32> = (0..4 * k).map(|_| lcg(&mut s)).collect();
+        let mut x = vec![0f32; tokens * k];
+        for t in 0..tokens {
+            for c in 0..k {
+                x[t * k + c] = (0..4)
+                    .map(|j| base[t * 4 + j] * mix[j * k + c])
+                    .sum::<f32>()
+                    + 0.1 * lcg(&mut s);
+            }
+        }
+        let mut h = Hessian::new(k);
+        h.add(&x, tokens);
+        (w, h)
+    }
+
+    #[test]
+    fn gptq_beats_rtn_and_search_beats_plain() {
+        let (n, k) = (32, 256);
+        let (w, h) = case(n, k, 512);
+        let cfg = GptqConfig {
+            group_size: 64,
+            block_size: 128,
+            damp: 0.01,
+            rule: ScaleRule::MaxOver7_5,
+        };
+        let plain = gptq("t", &w, n, k, &h, &cfg).unwrap();
+        let search = gptq(
+            "t",
+            &w,
+            n,
+            k,
+            &h,
+            &GptqConfig {
+                rule: ScaleRule::Search,
+                ..cfg
+            },
+        )
+        .unwrap();
+        let r = rtn(&w, n, k, &h, 64, ScaleRule::MaxOver7_5);
+        let e = |q: &QuantizedWeight| relative_output_error(&w, &q.dequantize(), n, k, &h);
+        let (er, ep, es) = (e(&r), e(&plain.weight), e(&search.weight));
+        assert!(ep < er, "gptq {ep} vs rtn {er}");
+        assert!(es <= ep, "search {es} vs plain {ep}");
+    }
+
+    #[test]
+    fn dead_columns_are_zeroed_and_exact() {
+        let (n, k) = (16, 128);
+        let (w, mut h) = case(n, k, 256);
+        h.zero_input(5);
+        let r = gptq(
+            "t",
+            &w,
+            n,
+            k,
+            &h,
+            &GptqConfig {
+                group_size: 32,
+                block_size: 128,
+                damp: 0.01,
+                rule: ScaleRule::Search,
+            },
+        )
+        .unwrap();
+        assert_eq!(r.dead_columns, 1);
+        let dq = r.weight.dequantize();
+        assert!((0..n).all(|row| dq[row * k + 5] == 0.0));
+    }
+
+    #[test]
+    fn singular_hessian_gets_more_damping_not_a_panic() {
+        let (n, k) = (8, 64);
+        let (w, _) = case(n, k, 8);
+        // Rank-1 H with a negative eigen-direction perturbation: Cholesky at 1 % damping fails.
+        let mut h = Hessian::new(k);
+        let x: Vec<f32> = (0..k)
+            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+            .collect();
+        h.add(&x, 1);
+        h.add_diag(-0.05 * 2.0);
+        let r = gptq(
+            "t",
+            &w,
+            n,
+            k,
+            &h,
+            &GptqConfig {
+                group_size: 32,
+                block_size: 64,
+                damp: 0.01,
+                rule: ScaleRule::MaxOver7_5,
+            },
+        )
+        .unwrap();
+        assert!(r.damp_used > 0.01);
+    }
+
+    #[test]
+    fn nan_inputs_are_errors() {
+        let (n, k) = (8, 64);
+        let (mut w, h) = case(n, k, 64);
+        w[3] = f32::NAN;
+        let cfg = GptqConfig {
+            group_size: 32,
+            block_size: 64,
+            damp: 0.01,
+            rule: ScaleRule::MaxOver7_5,
+        };
+        assert!(
+            matches!(gptq("layer.x", &w, n, k, &h, &cfg), Err(GptqError::NonFiniteWeights(s)) if s == "layer.x")
+        );
+    }
+}

@@ -1,0 +1,164 @@
+//! The symmetric 4-bit grid with its zero point pinned at 8: code q ∈ 0…15,
+//! w = s·(q − 8) (GPTQ.md §2, FORMATS.md §1.1), and the choice of the
+//! per-group scale s.
+//!
+//! Scales are always *stored* values: rounded to bf16 (vLLM converts scales
+//! to the bf16 model dtype at load) and kept inside fp16's normal range, so
+//! the fp16 on disk, the bf16 in vLLM and the f32 here are the same number.
+//! Codes are computed against that stored scale.
+
+use half::{bf16, f16};
+
+pub const ZERO: i32 = 8;
+pub const QMAX: i32 = 15;
+
+/// Smallest / largest scale that is exact in bf16 *and* a normal fp16.
+const S_MIN: f32 = 6.103_515_6e-5; // 2^-14
+const S_MAX: f32 = 65280.0;
+
+/// Round a positive scale to the value that will be stored.
+pub fn stored_scale(s: f32) -> f32 {
+    let s = if s.is_finite() {
+        s.clamp(S_MIN, S_MAX)
+    } else {
+        S_MAX
+    };
+    let r = bf16::from_f32(s).to_f32();
+    debug_assert_eq!(
+        f16::from_f32(r).to_f32(),
+        r,
+        "bf16 scale {r} must be exact in fp16"
+    );
+    r
+}
+
+/// Code for `w` under stored scale `s` (round half to even, clamp to 0…15).
+#[inline]
+pub fn code(w: f32, s: f32) -> u8 {
+    ((w / s).round_ties_even() as i32 + ZERO).clamp(0, QMAX) as u8
+}
+
+#[inline]
+pub fn dequant(q: u8, s: f32) -> f32 {
+    s * (q as i32 - ZERO) as f32
+}
+
+/// How a group's scale is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScaleRule {
+    /// s = max|w| / 7.5, what GPTQ/AutoGPTQ/GPTQModel/compressed-tensors use.
+    MaxOver7_5,
+    /// Importance-weighted search over s = max|w| / c, c ∈ [6.5, 8.5], each
+    /// candidate followed by a weighted least-squares refit of s for its codes
+    /// (GPTQ.md §2, §7.2, §8.5). Positive scales only (see QUANTIZE.md).
+    Search,
+}
+
+/// Number of denominators tried by [`ScaleRule::Search`].
+const CANDIDATES: usize = 41;
+
+/// Σ c_i (w_i − s(q_i − 8))² with codes computed against `s`.
+fn weighted_error(w: &[f32], imp: &[f32], s: f32) -> f64 {
+    w.iter()
+        .zip(imp)
+        .map(|(&x, &c)| {
+            let d = (x - dequant(code(x, s), s)) as f64;
+            c as f64 * d * d
+        })
+        .sum()
+}
+
+/// Weighted least-squares scale for the codes that `s` produces.
+fn refit(w: &[f32], imp: &[f32], s: f32) -> Option<f32> {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&x, &c) in w.iter().zip(imp) {
+        let l = (code(x, s) as i32 - ZERO) as f64;
+        num += c as f64 * x as f64 * l;
+        den += c as f64 * l * l;
+    }
+    (den > 0.0 && num > 0.0).then(|| (num / den) as f32)
+}
+
+/// The stored scale for one group `w` (one output row × G inputs), with
+/// per-input importance `imp` (diag of the Hessian; ignored by MaxOver7_5).
+pub fn group_scale(w: &[f32], imp: &[f32], rule: ScaleRule) -> f32 {
+    let amax = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+    if amax == 0.0 {
+        // All-zero group: any scale reproduces it; GPTQ's find_params uses ±1 → 2/15.
+        return stored_scale(2.0 / 15.0);
+    }
+    let base = stored_scale(amax / 7.5);
+    match rule {
+        ScaleRule::MaxOver7_5 => base,
+        ScaleRule::Search => {
+            let mut best = (weighted_error(w, imp, base), base);
+            let mut consider = |s: f32| {
+                let s = stored_scale(s);
+                let e = weighted_error(w, imp, s);
+                if e < best.0 || (e == best.0 && s < best.1) {
+                    best = (e, s);
+                }
+            };
+            for i in 0..CANDIDATES {
+                let c = 6.5 + 2.0 * i as f32 / (CANDIDATES - 1) as f32;
+                let s = amax / c;
+                consider(s);
+                if let Some(r) = refit(w, imp, stored_scale(s)) {
+                    consider(r);
+                }
+            }
+            best.1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_scales_survive_fp16_and_bf16() {
+        for s in [1e-7f32, 3.3e-4, 0.012_345, 0.9, 7.77, 1e9] {
+            let r = stored_scale(s);
+            assert_eq!(bf16::from_f32(r).to_f32(), r);
+            assert_eq!(f16::from_f32(r).to_f32(), r);
+            assert!(r >= S_MIN);
+        }
+    }
+
+    #[test]
+    fn codes_clamp_and_round_half_even() {
+        assert_eq!(code(0.0, 1.0), 8);
+        assert_eq!(code(0.5, 1.0), 8); // ties to even: 0
+        assert_eq!(code(1.5, 1.0), 10); // 2
+        assert_eq!(code(100.0, 1.0), 15);
+        assert_eq!(code(-100.0, 1.0), 0);
+        assert_eq!(dequant(0, 0.5), -4.0);
+    }
+
+    #[test]
+    fn search_never_loses_to_the_baseline_on_its_own_objective() {
+        let mut seed = 1u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        let (mut sum_base, mut sum_search) = (0.0, 0.0);
+        for _ in 0..200 {
+            let w: Vec<f32> = (0..64).map(|_| rnd() * rnd().abs() * 4.0).collect();
+            let imp: Vec<f32> = (0..64).map(|_| rnd().abs() + 0.01).collect();
+            let b = group_scale(&w, &imp, ScaleRule::MaxOver7_5);
+            let s = group_scale(&w, &imp, ScaleRule::Search);
+            let (eb, es) = (weighted_error(&w, &imp, b), weighted_error(&w, &imp, s));
+            assert!(es <= eb, "search {es} worse than baseline {eb}");
+            sum_base += eb;
+            sum_search += es;
+        }
+        // The search must actually help on heavy-tailed groups (GPTQ.md §7.2 measured ~15-20 %).
+        assert!(
+            sum_search < 0.9 * sum_base,
+            "search {sum_search} vs base {sum_base}"
+        );
+    }
+}

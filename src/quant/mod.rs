@@ -1,0 +1,13 @@
+//! Quantization algorithms (no file formats here): the zero-point-8 grid and
+//! its scale search, Hessians, GPTQ.
+
+pub mod gptq;
+pub mod grid;
+pub mod hessian;
+
+pub use gptq::{
+    gptq, relative_output_error, rtn, GptqConfig, GptqError, GptqResult, GptqSolver,
+    QuantizedWeight,
+};
+pub use grid::ScaleRule;
+pub use hessian::Hessian;

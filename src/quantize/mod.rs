@@ -1,0 +1,524 @@
+//! `quantize`: a Spark2_5 checkpoint → a GPTQ v1 W4A8/W4A16 checkpoint.
+//!
+//! Layer-sequential with quantized-input propagation and the true-sequential
+//! order inside each layer, in one forward per layer:
+//! ```text
+//! x ─ norm ─ h ─[H_qkv]→ GPTQ q,k,v ─ gated attention ─ a ─[H_o]→ GPTQ out_proj ─ x += out(a)
+//!   ─ norm ─ h2 ─[H_gu]→ GPTQ gate,up ─ act ─[H_down]→ GPTQ down ─ x += down(act) → next layer
+//! ```
+//! Every later stage runs with the weights already quantized, so each
+//! Hessian sees the inputs the deployed model will produce. One Hessian and
+//! one Cholesky per distinct input, shared by the projections that read it.
+
+pub mod calibration;
+pub mod output;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::checkpoint::{Checkpoint, QkvLayout};
+use crate::device::{WeightFormat, WeightPath};
+use crate::model::{DenseLinear, Proj, SparkModel};
+use crate::quant::{
+    relative_output_error, rtn, GptqConfig, GptqSolver, Hessian, QuantizedWeight, ScaleRule,
+};
+use crate::tokenizer::SparkTokenizer;
+
+#[derive(Debug, Clone)]
+pub struct QuantizeOptions {
+    pub model_dir: PathBuf,
+    pub out_dir: PathBuf,
+    pub format: WeightFormat,
+    pub group_size: usize,
+    /// Why this format (the probe's decision, or "explicit").
+    pub path: WeightPath,
+    pub calibration: Vec<PathBuf>,
+    pub samples: usize,
+    pub seq_len: usize,
+    pub qkv_layout: QkvLayout,
+    pub quantize_head: bool,
+    pub damp: f64,
+    pub resume: bool,
+    pub force: bool,
+    pub progress: bool,
+}
+
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct LinearReport {
+    pub name: String,
+    pub out_features: usize,
+    pub in_features: usize,
+    /// ‖(W − Q)X‖² / ‖WX‖² on the calibration inputs of this linear.
+    pub rtn_error: f64,
+    pub gptq_error: f64,
+    pub gptq_search_error: f64,
+    pub damp: f64,
+    pub dead_columns: usize,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct QuantReport {
+    pub spark_tool: String,
+    pub model: String,
+    pub out: String,
+    pub format: WeightFormat,
+    pub group_size: usize,
+    pub scale_rule: ScaleRule,
+    pub qkv_layout: QkvLayout,
+    pub quantize_head: bool,
+    pub path: WeightPath,
+    pub calibration_files: Vec<String>,
+    pub calibration_sha256: String,
+    pub samples: usize,
+    pub seq_len: usize,
+    pub linears: Vec<LinearReport>,
+    pub mean_rtn_error: f64,
+    pub mean_gptq_error: f64,
+    pub mean_gptq_search_error: f64,
+    pub bits_per_weight: f64,
+    pub output_bytes: u64,
+    pub wall_seconds: f64,
+    pub peak_rss_bytes: Option<u64>,
+    pub resumed_from_layer: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum QuantizeError {
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    #[error(transparent)]
+    Calibration(#[from] calibration::CalibrationError),
+    #[error(transparent)]
+    Gptq(#[from] crate::quant::GptqError),
+    #[error(transparent)]
+    Format(#[from] crate::formats::gptq::GptqFormatError),
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("layer {layer}: non-finite activations entering {what} (NaN/Inf); the checkpoint or an earlier quantized layer is broken")]
+    NonFiniteActivations { layer: usize, what: &'static str },
+}
+
+/// The quantized linears of one layer, as written.
+pub struct LayerResult {
+    pub q: QuantizedWeight,
+    pub k: QuantizedWeight,
+    pub v: QuantizedWeight,
+    pub out: QuantizedWeight,
+    pub gate: QuantizedWeight,
+    pub up: QuantizedWeight,
+    pub down: QuantizedWeight,
+}
+
+fn check_finite(x: &[f32], layer: usize, what: &'static str) -> Result<(), QuantizeError> {
+    if x.iter().all(|v| v.is_finite()) {
+        Ok(())
+    } else {
+        Err(QuantizeError::NonFiniteActivations { layer, what })
+    }
+}
+
+/// Quantize every linear that reads `h`: RTN, plain GPTQ and GPTQ with the
+/// scale search are all measured; the scale-search result is the one kept.
+fn quantize_group(
+    names: &[String],
+    weights: &[Vec<f32>],
+    outs: &[usize],
+    h: &Hessian,
+    group_size: usize,
+    damp: f64,
+) -> Result<(Vec<QuantizedWeight>, Vec<LinearReport>), QuantizeError> {
+    let k = h.dim();
+    let t0 = Instant::now();
+    let solver = GptqSolver::new(&names.join("+"), h, damp)?;
+    let setup = t0.elapsed().as_secs_f64() / names.len() as f64;
+    let plain_cfg = GptqConfig {
+        group_size,
+        block_size: 128,
+        damp,
+        rule: ScaleRule::MaxOver7_5,
+    };
+    let search_cfg = GptqConfig {
+        rule: ScaleRule::Search,
+        ..plain_cfg
+    };
+    let mut kept = Vec::new();
+    let mut reports = Vec::new();
+    for ((name, w), &n) in names.iter().zip(weights).zip(outs) {
+        let t = Instant::now();
+        let search = solver.quantize(w, n, &search_cfg)?;
+        let seconds = setup + t.elapsed().as_secs_f64();
+        let plain = solver.quantize(w, n, &plain_cfg)?;
+        let r = rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5);
+        let err = |q: &QuantizedWeight| relative_output_error(w, &q.dequantize(), n, k, h);
+        reports.push(LinearReport {
+            name: name.clone(),
+            out_features: n,
+            in_features: k,
+            rtn_error: err(&r),
+            gptq_error: err(&plain),
+            gptq_search_error: err(&search),
+            damp: solver.damp_used,
+            dead_columns: solver.dead_columns(),
+            seconds,
+        });
+        kept.push(search);
+    }
+    Ok((kept, reports))
+}
+
+fn weight(model: &SparkModel, li: usize, proj: Proj) -> Vec<f32> {
+    model.linear(li, proj).dequantize()
+}
+
+fn install(model: &mut SparkModel, li: usize, proj: Proj, q: &QuantizedWeight) {
+    let lin = DenseLinear::new(q.dequantize().into(), q.out_features, q.in_features);
+    model.set_linear(li, proj, Box::new(lin));
+}
+
+/// Run one layer on every calibration sample, quantizing its linears in true-sequential order.
+/// `x` holds the residual stream of all samples (`[samples·seq_len, hidden]`) and is advanced in place.
+fn quantize_layer(
+    model: &mut SparkModel,
+    li: usize,
+    x: &mut [f32],
+    samples: usize,
+    seq_len: usize,
+    opts: &QuantizeOptions,
+    bar: &ProgressBar,
+) -> Result<(LayerResult, Vec<LinearReport>), QuantizeError> {
+    let cfg = model.config().clone();
+    let rows = samples * seq_len;
+    let (hidden, q_dim, kv_dim, inter) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+    );
+    let p = format!("model.layers.{li}.");
+    let (gs, damp) = (opts.group_size, opts.damp);
+    let mut reports = Vec::new();
+
+    bar.set_message(format!("layer {li}: q/k/v"));
+    check_finite(x, li, "input_layernorm")?;
+    let h = model.attn_norm(li, x);
+    let mut h_qkv = Hessian::new(hidden);
+    h_qkv.add(&h, rows);
+    let (qkv, r) = quantize_group(
+        &[
+            format!("{p}self_attn.q_proj"),
+            format!("{p}self_attn.k_proj"),
+            format!("{p}self_attn.v_proj"),
+        ],
+        &[
+            weight(model, li, Proj::Q),
+            weight(model, li, Proj::K),
+            weight(model, li, Proj::V),
+        ],
+        &[q_dim, kv_dim, kv_dim],
+        &h_qkv,
+        gs,
+        damp,
+    )?;
+    reports.extend(r);
+    drop(h_qkv);
+    let [q, k, v]: [QuantizedWeight; 3] = qkv
+        .try_into()
+        .map_err(|_| QuantizeError::Invalid("qkv".into()))?;
+    install(model, li, Proj::Q, &q);
+    install(model, li, Proj::K, &k);
+    install(model, li, Proj::V, &v);
+
+    bar.set_message(format!("layer {li}: out_proj"));
+    let mut attn = vec![0f32; rows * q_dim];
+    for s in 0..samples {
+        let mut cache =
+            crate::model::kv_cache::LayerKvCache::new(&cfg, cfg.layer_types[li], seq_len);
+        let a = model.gated_attention(
+            li,
+            &h[s * seq_len * hidden..(s + 1) * seq_len * hidden],
+            seq_len,
+            0,
+            &mut cache,
+        );
+        attn[s * seq_len * q_dim..(s + 1) * seq_len * q_dim].copy_from_slice(&a);
+    }
+    drop(h);
+    check_finite(&attn, li, "out_proj")?;
+    let mut h_o = Hessian::new(q_dim);
+    h_o.add(&attn, rows);
+    let (mut o, r) = quantize_group(
+        &[format!("{p}self_attn.out_proj")],
+        &[weight(model, li, Proj::Out)],
+        &[hidden],
+        &h_o,
+        gs,
+        damp,
+    )?;
+    reports.extend(r);
+    drop(h_o);
+    let out = o.remove(0);
+    install(model, li, Proj::Out, &out);
+    model.attn_out_residual(li, &attn, rows, x);
+    drop(attn);
+
+    bar.set_message(format!("layer {li}: gate/up"));
+    let h2 = model.mlp_norm(li, x);
+    check_finite(&h2, li, "gate_proj/up_proj")?;
+    let mut h_gu = Hessian::new(hidden);
+    h_gu.add(&h2, rows);
+    let (gu, r) = quantize_group(
+        &[format!("{p}mlp.gate_proj"), format!("{p}mlp.up_proj")],
+        &[weight(model, li, Proj::Gate), weight(model, li, Proj::Up)],
+        &[inter, inter],
+        &h_gu,
+        gs,
+        damp,
+    )?;
+    reports.extend(r);
+    drop(h_gu);
+    let [gate, up]: [QuantizedWeight; 2] = gu
+        .try_into()
+        .map_err(|_| QuantizeError::Invalid("gate/up".into()))?;
+    install(model, li, Proj::Gate, &gate);
+    install(model, li, Proj::Up, &up);
+
+    bar.set_message(format!("layer {li}: down_proj"));
+    let act = model.mlp_act(li, &h2, rows);
+    drop(h2);
+    check_finite(&act, li, "down_proj")?;
+    let mut h_down = Hessian::new(inter);
+    h_down.add(&act, rows);
+    let (mut d, r) = quantize_group(
+        &[format!("{p}mlp.down_proj")],
+        &[weight(model, li, Proj::Down)],
+        &[hidden],
+        &h_down,
+        gs,
+        damp,
+    )?;
+    reports.extend(r);
+    drop(h_down);
+    let down = d.remove(0);
+    install(model, li, Proj::Down, &down);
+    model.mlp_down_residual(li, &act, rows, x);
+
+    Ok((
+        LayerResult {
+            q,
+            k,
+            v,
+            out,
+            gate,
+            up,
+            down,
+        },
+        reports,
+    ))
+}
+
+/// Quantize the (untied) head on the final-normed residual stream.
+fn quantize_head(
+    model: &SparkModel,
+    x: &[f32],
+    rows: usize,
+    opts: &QuantizeOptions,
+) -> Result<(QuantizedWeight, LinearReport), QuantizeError> {
+    let y = model.final_norm(x);
+    let mut h = Hessian::new(model.config().hidden_size);
+    h.add(&y, rows);
+    let w = model.lm_head().dequantize();
+    let (mut q, mut r) = quantize_group(
+        &["lm_head".to_string()],
+        &[w],
+        &[model.config().vocab_size],
+        &h,
+        opts.group_size,
+        opts.damp,
+    )?;
+    Ok((q.remove(0), r.remove(0)))
+}
+
+fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// The whole command. Progress goes to stderr; the report is returned.
+pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
+    let t0 = Instant::now();
+    if ![32, 64, 128].contains(&opts.group_size) {
+        return Err(QuantizeError::Invalid(format!(
+            "--group-size {}: vLLM's GPTQ loader accepts 32, 64 or 128",
+            opts.group_size
+        )));
+    }
+    let ck = Checkpoint::open(&opts.model_dir)?;
+    let cfg = ck.config.clone();
+    for (what, dim) in [
+        ("hidden_size", cfg.hidden_size),
+        ("q_dim", cfg.q_dim()),
+        ("intermediate_size", cfg.intermediate_size),
+    ] {
+        if dim % opts.group_size != 0 || dim % 32 != 0 {
+            return Err(QuantizeError::Invalid(format!(
+                "{what} = {dim} is not a multiple of the group size {} and of 32 (vLLM CPU needs K % 32 == 0)",
+                opts.group_size
+            )));
+        }
+    }
+    let out = output::Output::prepare(opts, &ck)?;
+    let tok_path = ck.tokenizer_path().ok_or_else(|| {
+        QuantizeError::Invalid(format!(
+            "{} has no tokenizer.json, which calibration text needs",
+            opts.model_dir.display()
+        ))
+    })?;
+    let tok = SparkTokenizer::from_file(&tok_path)?;
+    let windows = calibration::build(&opts.calibration, &tok, opts.samples, opts.seq_len)?;
+
+    let mut model = SparkModel::from_checkpoint(&ck, opts.progress)?;
+    let layers = model.num_layers();
+    let rows = windows.samples * windows.seq_len;
+    let settings = output::settings_fingerprint(opts, &windows.sha256);
+    let state = if opts.resume {
+        out.load_state(&settings, layers)?
+    } else {
+        None
+    };
+
+    let (mut x, first, mut results, mut reports, resumed_from_layer) = match state {
+        Some(st) => {
+            for (li, r) in st.results.iter().enumerate() {
+                for (proj, q) in [
+                    (Proj::Q, &r.q),
+                    (Proj::K, &r.k),
+                    (Proj::V, &r.v),
+                    (Proj::Out, &r.out),
+                    (Proj::Gate, &r.gate),
+                    (Proj::Up, &r.up),
+                    (Proj::Down, &r.down),
+                ] {
+                    install(&mut model, li, proj, q);
+                }
+            }
+            let n = st.results.len();
+            (st.x, n, st.results, st.reports, Some(n))
+        }
+        None => {
+            out.reset_state()?;
+            let x = model.embed(&windows.tokens)?;
+            (x, 0, Vec::new(), Vec::new(), None)
+        }
+    };
+
+    let bar = if opts.progress {
+        let b = ProgressBar::new(layers as u64);
+        b.set_style(
+            ProgressStyle::with_template(
+                "quantize {bar:30} {pos}/{len} layers  {msg}  [{elapsed}<{eta}]",
+            )
+            .expect("static template"),
+        );
+        b.set_position(first as u64);
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    for li in first..layers {
+        let (res, rep) = quantize_layer(
+            &mut model,
+            li,
+            &mut x,
+            windows.samples,
+            windows.seq_len,
+            opts,
+            &bar,
+        )?;
+        out.save_layer(li, &res, &rep, &x, &settings)?;
+        results.push(res);
+        reports.extend(rep);
+        bar.inc(1);
+    }
+    let head = if opts.quantize_head {
+        bar.set_message("lm_head");
+        let (q, r) = quantize_head(&model, &x, rows, opts)?;
+        reports.push(r);
+        Some(q)
+    } else {
+        None
+    };
+    bar.finish_and_clear();
+
+    let mean = |f: &dyn Fn(&LinearReport) -> f64| {
+        reports.iter().map(f).sum::<f64>() / reports.len().max(1) as f64
+    };
+    let mut report = QuantReport {
+        spark_tool: env!("CARGO_PKG_VERSION").into(),
+        model: opts.model_dir.display().to_string(),
+        out: opts.out_dir.display().to_string(),
+        format: opts.format,
+        group_size: opts.group_size,
+        scale_rule: ScaleRule::Search,
+        qkv_layout: opts.qkv_layout,
+        quantize_head: opts.quantize_head,
+        path: opts.path.clone(),
+        calibration_files: opts
+            .calibration
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect(),
+        calibration_sha256: windows.sha256.clone(),
+        samples: windows.samples,
+        seq_len: windows.seq_len,
+        mean_rtn_error: mean(&|r| r.rtn_error),
+        mean_gptq_error: mean(&|r| r.gptq_error),
+        mean_gptq_search_error: mean(&|r| r.gptq_search_error),
+        linears: reports,
+        bits_per_weight: 0.0,
+        output_bytes: 0,
+        wall_seconds: 0.0,
+        peak_rss_bytes: None,
+        resumed_from_layer,
+    };
+    let (bytes, params) = out.write(&ck, &results, head.as_ref(), &mut report)?;
+    report.output_bytes = bytes;
+    report.bits_per_weight = bytes as f64 * 8.0 / params as f64;
+    report.wall_seconds = t0.elapsed().as_secs_f64();
+    report.peak_rss_bytes = peak_rss();
+    out.finish(&report)?;
+    Ok(report)
+}
+
+pub fn layer_linear_names(li: usize, layout: QkvLayout) -> Vec<String> {
+    let p = format!("model.layers.{li}.");
+    let mut v = match layout {
+        QkvLayout::Fused => vec![format!("{p}self_attn.q_k_v_proj")],
+        QkvLayout::Split => vec![
+            format!("{p}self_attn.q_proj"),
+            format!("{p}self_attn.k_proj"),
+            format!("{p}self_attn.v_proj"),
+        ],
+    };
+    v.extend([
+        format!("{p}self_attn.out_proj"),
+        format!("{p}mlp.gate_proj"),
+        format!("{p}mlp.up_proj"),
+        format!("{p}mlp.down_proj"),
+    ]);
+    v
+}

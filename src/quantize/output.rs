@@ -1,0 +1,469 @@
+//! Where `quantize` writes: a hidden staging folder next to `--out` holding
+//! per-layer results (so `--resume` can continue after an interruption) and
+//! the finished checkpoint, which is renamed onto `--out` only at the very
+//! end. Nothing under `--out` is ever half-written.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use half::bf16;
+use safetensors::Dtype;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use super::{LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
+use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
+use crate::checkpoint::{Checkpoint, QkvLayout, TensorStore};
+use crate::formats::gptq::{concat_outputs, tensors_for};
+use crate::quant::QuantizedWeight;
+
+pub struct Output {
+    out: PathBuf,
+    partial: PathBuf,
+    force: bool,
+    qkv_layout: QkvLayout,
+}
+
+pub struct ResumeState {
+    pub results: Vec<LayerResult>,
+    pub reports: Vec<LinearReport>,
+    pub x: Vec<f32>,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> QuantizeError + '_ {
+    move |source| QuantizeError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn write_err(e: anyhow::Error) -> QuantizeError {
+    QuantizeError::Invalid(format!("{e:#}"))
+}
+
+/// Identifies a run: same model bytes, calibration and settings ⇒ same fingerprint.
+pub fn settings_fingerprint(opts: &QuantizeOptions, calib_sha: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(std::fs::read(opts.model_dir.join("config.json")).unwrap_or_default());
+    if let Ok(rd) = std::fs::read_dir(&opts.model_dir) {
+        let mut files: Vec<(String, u64)> = rd
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+            .map(|e| {
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    e.metadata().map(|m| m.len()).unwrap_or(0),
+                )
+            })
+            .collect();
+        files.sort();
+        h.update(format!("{files:?}"));
+    }
+    h.update(format!(
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{}",
+        opts.format,
+        opts.group_size,
+        opts.samples,
+        opts.seq_len,
+        opts.qkv_layout,
+        opts.quantize_head,
+        opts.damp
+    ));
+    format!("{:x}", h.finalize())
+}
+
+fn u8_tensor(name: &str, shape: Vec<usize>, v: &[u8]) -> OwnedTensor {
+    OwnedTensor {
+        name: name.into(),
+        dtype: Dtype::U8,
+        shape,
+        data: v.to_vec(),
+    }
+}
+
+fn read_q(store: &TensorStore, prefix: &str) -> Option<QuantizedWeight> {
+    let c = store.get(&format!("{prefix}.codes"))?;
+    let s = store.get(&format!("{prefix}.scales"))?;
+    let (k, n) = (c.shape[0], c.shape[1]);
+    let groups = s.shape[0];
+    Some(QuantizedWeight {
+        in_features: k,
+        out_features: n,
+        group_size: k / groups,
+        codes: store.bytes(c).to_vec(),
+        scales: store.to_f32(s).ok()?,
+    })
+}
+
+const LAYER_PARTS: [&str; 7] = ["q", "k", "v", "out", "gate", "up", "down"];
+
+impl Output {
+    pub fn prepare(opts: &QuantizeOptions, ck: &Checkpoint) -> Result<Self, QuantizeError> {
+        let out = opts.out_dir.clone();
+        if out.canonicalize().ok() == ck.dir.canonicalize().ok() {
+            return Err(QuantizeError::Invalid(format!(
+                "--out {} is the input checkpoint",
+                out.display()
+            )));
+        }
+        if out.exists() {
+            let non_empty = std::fs::read_dir(&out).map_err(io(&out))?.next().is_some();
+            if non_empty && !opts.force {
+                return Err(QuantizeError::Invalid(format!(
+                    "{} exists and is not empty; pass --force to replace it (it is only replaced once the new checkpoint is complete)",
+                    out.display()
+                )));
+            }
+        }
+        let name = out
+            .file_name()
+            .ok_or_else(|| {
+                QuantizeError::Invalid(format!("--out {} has no folder name", out.display()))
+            })?
+            .to_string_lossy()
+            .into_owned();
+        let parent = out
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent).map_err(io(parent))?;
+        Ok(Output {
+            partial: parent.join(format!(".{name}.partial")),
+            out,
+            force: opts.force,
+            qkv_layout: opts.qkv_layout,
+        })
+    }
+
+    pub fn reset_state(&self) -> Result<(), QuantizeError> {
+        if self.partial.exists() {
+            std::fs::remove_dir_all(&self.partial).map_err(io(&self.partial))?;
+        }
+        std::fs::create_dir_all(self.partial.join("layers")).map_err(io(&self.partial))
+    }
+
+    /// Completed layers of an interrupted run with identical settings.
+    pub fn load_state(
+        &self,
+        settings: &str,
+        layers: usize,
+    ) -> Result<Option<ResumeState>, QuantizeError> {
+        let state_path = self.partial.join("state.json");
+        let Ok(text) = std::fs::read_to_string(&state_path) else {
+            eprintln!(
+                "note: nothing to resume at {}; starting from layer 0",
+                self.partial.display()
+            );
+            return Ok(None);
+        };
+        let st: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| QuantizeError::Invalid(format!("{}: {e}", state_path.display())))?;
+        if st["settings"].as_str() != Some(settings) {
+            return Err(QuantizeError::Invalid(format!(
+                "{} was made with a different model, calibration or settings; run without --resume to start over",
+                self.partial.display()
+            )));
+        }
+        let done = st["completed_layers"].as_u64().unwrap_or(0) as usize;
+        let reports: Vec<LinearReport> = serde_json::from_value(st["reports"].clone())
+            .map_err(|e| QuantizeError::Invalid(format!("{}: {e}", state_path.display())))?;
+        let mut results = Vec::new();
+        for li in 0..done.min(layers) {
+            let p = self
+                .partial
+                .join(format!("layers/layer_{li:03}.safetensors"));
+            let store = TensorStore::open_file(&p)?;
+            let get = |part: &str| {
+                read_q(&store, part).ok_or_else(|| {
+                    QuantizeError::Invalid(format!("{}: missing {part}", p.display()))
+                })
+            };
+            results.push(LayerResult {
+                q: get("q")?,
+                k: get("k")?,
+                v: get("v")?,
+                out: get("out")?,
+                gate: get("gate")?,
+                up: get("up")?,
+                down: get("down")?,
+            });
+        }
+        let xs = TensorStore::open_file(&self.partial.join("x.safetensors"))?;
+        let x = xs.to_f32(
+            xs.get("x")
+                .ok_or_else(|| QuantizeError::Invalid("x.safetensors has no `x`".into()))?,
+        )?;
+        eprintln!("resuming after layer {} of {layers}", results.len());
+        Ok(Some(ResumeState {
+            results,
+            reports,
+            x,
+        }))
+    }
+
+    pub fn save_layer(
+        &self,
+        li: usize,
+        r: &LayerResult,
+        reports: &[LinearReport],
+        x: &[f32],
+        settings: &str,
+    ) -> Result<(), QuantizeError> {
+        let mut t = Vec::new();
+        for (part, q) in LAYER_PARTS
+            .iter()
+            .zip([&r.q, &r.k, &r.v, &r.out, &r.gate, &r.up, &r.down])
+        {
+            t.push(u8_tensor(
+                &format!("{part}.codes"),
+                vec![q.in_features, q.out_features],
+                &q.codes,
+            ));
+            t.push(OwnedTensor::f32(
+                &format!("{part}.scales"),
+                vec![q.scales.len() / q.out_features, q.out_features],
+                &q.scales,
+            ));
+        }
+        write_safetensors_atomic(
+            &self
+                .partial
+                .join(format!("layers/layer_{li:03}.safetensors")),
+            &t,
+            None,
+        )
+        .map_err(write_err)?;
+        write_safetensors_atomic(
+            &self.partial.join("x.safetensors"),
+            &[OwnedTensor::f32("x", vec![x.len()], x)],
+            None,
+        )
+        .map_err(write_err)?;
+        let state_path = self.partial.join("state.json");
+        let mut all: Vec<LinearReport> = std::fs::read_to_string(&state_path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .filter(|v| v["settings"].as_str() == Some(settings))
+            .and_then(|v| serde_json::from_value(v["reports"].clone()).ok())
+            .unwrap_or_default();
+        all.extend_from_slice(reports);
+        let st = json!({"settings": settings, "completed_layers": li + 1, "reports": all});
+        let tmp = self.partial.join(".state.json.partial");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&st).expect("json")).map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &state_path).map_err(io(&state_path))
+    }
+
+    fn staged(&self) -> PathBuf {
+        self.partial.join("staged")
+    }
+
+    /// Write the finished checkpoint into the staging folder. Returns (bytes of tensors, original parameter count).
+    pub fn write(
+        &self,
+        ck: &Checkpoint,
+        results: &[LayerResult],
+        head: Option<&QuantizedWeight>,
+        report: &mut QuantReport,
+    ) -> Result<(u64, u64), QuantizeError> {
+        let dir = self.staged();
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+        }
+        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let mut tensors = Vec::new();
+        let bf16_copy = |name: &str| -> Result<OwnedTensor, QuantizeError> {
+            let e = ck.entry(name)?;
+            let data = if e.dtype == Dtype::BF16 {
+                ck.store.bytes(e).to_vec()
+            } else {
+                ck.store
+                    .to_f32(e)?
+                    .iter()
+                    .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+                    .collect()
+            };
+            Ok(OwnedTensor {
+                name: name.into(),
+                dtype: Dtype::BF16,
+                shape: e.shape.clone(),
+                data,
+            })
+        };
+        tensors.push(bf16_copy("model.embedding.weight")?);
+        tensors.push(bf16_copy("model.norm.weight")?);
+        for (li, r) in results.iter().enumerate() {
+            let p = format!("model.layers.{li}.");
+            for n in [
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+                "self_attn.g_proj.weight",
+            ] {
+                tensors.push(bf16_copy(&format!("{p}{n}"))?);
+            }
+            match self.qkv_layout {
+                QkvLayout::Fused => tensors.extend(tensors_for(
+                    &format!("{p}self_attn.q_k_v_proj"),
+                    &concat_outputs(&[&r.q, &r.k, &r.v]),
+                )?),
+                QkvLayout::Split => {
+                    tensors.extend(tensors_for(&format!("{p}self_attn.q_proj"), &r.q)?);
+                    tensors.extend(tensors_for(&format!("{p}self_attn.k_proj"), &r.k)?);
+                    tensors.extend(tensors_for(&format!("{p}self_attn.v_proj"), &r.v)?);
+                }
+            }
+            tensors.extend(tensors_for(&format!("{p}self_attn.out_proj"), &r.out)?);
+            tensors.extend(tensors_for(&format!("{p}mlp.gate_proj"), &r.gate)?);
+            tensors.extend(tensors_for(&format!("{p}mlp.up_proj"), &r.up)?);
+            tensors.extend(tensors_for(&format!("{p}mlp.down_proj"), &r.down)?);
+        }
+        match head {
+            Some(q) => tensors.extend(tensors_for("lm_head", q)?),
+            None if !ck.layout.tied => tensors.push(bf16_copy("lm_head.weight")?),
+            None => {}
+        }
+        let bytes: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
+        let params: u64 = ck
+            .layout
+            .expected
+            .iter()
+            .map(|t| t.shape.iter().product::<usize>() as u64)
+            .sum();
+
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        meta.insert(
+            "producer".to_string(),
+            format!("spark-tool {}", env!("CARGO_PKG_VERSION")),
+        );
+        write_safetensors_atomic(&dir.join("model.safetensors"), &tensors, Some(meta))
+            .map_err(write_err)?;
+        drop(tensors);
+
+        let qc = self.quantization_config(report, head.is_some());
+        let cfg_path = ck.dir.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?)
+                .map_err(|e| QuantizeError::Invalid(format!("{}: {e}", cfg_path.display())))?;
+        cfg["quantization_config"] = qc.clone();
+        cfg["dtype"] = json!("bfloat16");
+        if cfg.get("torch_dtype").is_some() {
+            cfg["torch_dtype"] = json!("bfloat16");
+        }
+        cfg["tie_word_embeddings"] = json!(ck.layout.tied && head.is_none());
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string_pretty(&cfg).expect("json") + "\n",
+        )
+        .map_err(io(&dir))?;
+        let mut legacy = serde_json::Map::new();
+        for k in [
+            "bits",
+            "group_size",
+            "desc_act",
+            "sym",
+            "static_groups",
+            "true_sequential",
+            "damp_percent",
+            "checkpoint_format",
+            "quant_method",
+            "lm_head",
+        ] {
+            legacy.insert(k.into(), qc[k].clone());
+        }
+        std::fs::write(
+            dir.join("quantize_config.json"),
+            serde_json::to_string_pretty(&legacy).expect("json") + "\n",
+        )
+        .map_err(io(&dir))?;
+        for f in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        ] {
+            let src = ck.dir.join(f);
+            if src.exists() {
+                std::fs::copy(&src, dir.join(f)).map_err(io(&src))?;
+            }
+        }
+        Ok((bytes, params))
+    }
+
+    /// FORMATS.md §1.3, with the q/k/v aliases vLLM needs for the fused QKV (§6).
+    fn quantization_config(&self, r: &QuantReport, head: bool) -> serde_json::Value {
+        let mut modules = vec![
+            json!([
+                "self_attn.q_k_v_proj",
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj"
+            ]),
+            json!(["self_attn.out_proj"]),
+            json!(["mlp.gate_proj", "mlp.up_proj"]),
+            json!(["mlp.down_proj"]),
+        ];
+        if head {
+            modules.push(json!(["lm_head"]));
+        }
+        json!({
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": r.group_size,
+            "desc_act": false,
+            "sym": true,
+            "static_groups": false,
+            "true_sequential": true,
+            "damp_percent": 0.01,
+            "lm_head": head,
+            "checkpoint_format": "gptq",
+            "pack_dtype": "int32",
+            "modules_in_block_to_quantize": modules,
+            "meta": {
+                "quantizer": [format!("spark-tool:{}", env!("CARGO_PKG_VERSION"))],
+                "spark_tool": {
+                    "format": r.format,
+                    "scale_rule": r.scale_rule,
+                    "qkv_layout": r.qkv_layout,
+                    "device_path": r.path,
+                    "calibration_sha256": r.calibration_sha256,
+                    "calibration_files": r.calibration_files,
+                    "samples": r.samples,
+                    "seq_len": r.seq_len,
+                }
+            }
+        })
+    }
+
+    /// Write the report, move the finished checkpoint onto `--out`, drop the staging folder.
+    pub fn finish(&self, report: &QuantReport) -> Result<(), QuantizeError> {
+        let dir = self.staged();
+        std::fs::write(
+            dir.join("quant_report.json"),
+            serde_json::to_string_pretty(report).expect("json") + "\n",
+        )
+        .map_err(io(&dir))?;
+        let mut old = None;
+        if self.out.exists() {
+            if !self.force
+                && std::fs::read_dir(&self.out)
+                    .map_err(io(&self.out))?
+                    .next()
+                    .is_some()
+            {
+                return Err(QuantizeError::Invalid(format!(
+                    "{} appeared while quantizing; not replacing it",
+                    self.out.display()
+                )));
+            }
+            let aside = self.partial.join("previous");
+            std::fs::rename(&self.out, &aside).map_err(io(&self.out))?;
+            old = Some(aside);
+        }
+        std::fs::rename(&dir, &self.out).map_err(io(&self.out))?;
+        if let Some(o) = old {
+            let _ = std::fs::remove_dir_all(o);
+        }
+        std::fs::remove_dir_all(&self.partial).map_err(io(&self.partial))
+    }
+}

@@ -1,0 +1,129 @@
+//! The `spark-tool` binary end to end on the bundled fixtures.
+
+mod common;
+
+use std::process::Command;
+
+fn tool() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_spark-tool"))
+}
+
+fn ok(cmd: &mut Command) -> (String, String) {
+    let out = cmd.output().expect("spawn spark-tool");
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "spark-tool failed: {se}");
+    (so, se)
+}
+
+#[test]
+fn inspect_json_reports_the_fixture() {
+    let (so, _) = ok(tool()
+        .args(["inspect", "--json", "--context", "1000"])
+        .arg(common::fixture("spark-random")));
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["tensors"], 53);
+    assert_eq!(v["parameters"], 1_119_488);
+    assert_eq!(v["tied_head"], false);
+    assert_eq!(v["q_dim"], 144);
+    // 3 sliding layers × 16 entries + 2 full × 1000, 48-dim K and V at 2 bytes.
+    assert_eq!(
+        v["kv_cache"]["total_bytes_16bit"],
+        (3 * 16 + 2 * 1000) * 48 * 2 * 2
+    );
+}
+
+#[test]
+fn run_tokens_writes_logits_file() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("logits.safetensors");
+    let (so, _) = ok(tool()
+        .args([
+            "run",
+            "--tokens",
+            "5,6,7,8",
+            "--max-new-tokens",
+            "3",
+            "--ignore-eos",
+            "--logits-out",
+        ])
+        .arg(&out)
+        .arg(common::fixture("spark-random")));
+    assert_eq!(
+        so.split_whitespace().count(),
+        3,
+        "without a tokenizer, ids are printed: {so}"
+    );
+    let store = spark_tool::checkpoint::TensorStore::open_file(&out).unwrap();
+    assert_eq!(store.get("prompt_logits").unwrap().shape, vec![4, 1000]);
+    assert_eq!(store.get("decode_logits").unwrap().shape, vec![3, 1000]);
+    let toks = store.get("tokens").unwrap();
+    assert_eq!(toks.shape, vec![7]);
+    // decode_logits row 0 is the last prompt row: the distribution token 5 came from.
+    let p = store.to_f32(store.get("prompt_logits").unwrap()).unwrap();
+    let dl = store.to_f32(store.get("decode_logits").unwrap()).unwrap();
+    assert_eq!(&p[3000..4000], &dl[..1000]);
+}
+
+#[test]
+fn run_prompt_on_default_fixture_streams_text() {
+    let (so, se) = ok(tool().args([
+        "run",
+        "--prompt",
+        "def add(a, b):",
+        "--max-new-tokens",
+        "8",
+        "--stats",
+    ]));
+    assert!(!so.trim().is_empty(), "no text streamed");
+    assert!(
+        se.contains("prefill") && se.contains("decode / token"),
+        "{se}"
+    );
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let args = [
+        "run",
+        "--prompt",
+        "The weather",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "7",
+    ];
+    let (a, _) = ok(tool().args(args));
+    let (b, _) = ok(tool().args(args));
+    assert_eq!(a, b);
+}
+
+#[test]
+fn errors_exit_2_with_a_reason() {
+    let out = tool()
+        .args(["run", "/definitely/not/here", "--tokens", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/definitely/not/here"));
+    let out = tool()
+        .args(["run", "--tokens", "999999"])
+        .arg(common::fixture("spark-random"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary"));
+    let out = tool()
+        .args(["run", "--prompt", "hi"])
+        .arg(common::fixture("spark-random"))
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no tokenizer.json"));
+}

@@ -1,0 +1,105 @@
+//! Shared helpers for the integration tests: fixture paths and golden files.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use spark_tool::checkpoint::{Checkpoint, TensorStore};
+use spark_tool::model::SparkModel;
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    root().join("fixtures").join(name)
+}
+
+pub fn load(name: &str) -> SparkModel {
+    let ck = Checkpoint::open(&fixture(name)).expect("fixture opens");
+    SparkModel::from_checkpoint(&ck, false).expect("fixture loads")
+}
+
+/// Golden outputs of tools/spark_ref.py. `SPARK_GOLDEN_DIR` points the tests at a
+/// freshly generated set (CI regenerates them with the Python reference).
+pub fn golden_dir() -> PathBuf {
+    std::env::var_os("SPARK_GOLDEN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("tests/golden"))
+}
+
+pub struct GoldenPrompt {
+    pub name: String,
+    pub text: Option<String>,
+    pub chat: bool,
+    pub system: Option<String>,
+    pub thinking: bool,
+    pub tokens: Vec<u32>,
+    pub greedy: Vec<u32>,
+    pub greedy_margins: Vec<f64>,
+    /// `[tokens, vocab]`
+    pub logits: Vec<f32>,
+}
+
+pub struct Golden {
+    pub logits_dtype: String,
+    pub prompts: Vec<GoldenPrompt>,
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("id list")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+pub fn golden(fixture_name: &str) -> Golden {
+    let dir = golden_dir();
+    let meta_path = dir.join(format!("{fixture_name}.json"));
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&meta_path)
+            .unwrap_or_else(|e| panic!("{}: {e}", meta_path.display())),
+    )
+    .expect("golden json");
+    let store = TensorStore::open_file(&dir.join(format!("{fixture_name}.safetensors")))
+        .expect("golden safetensors");
+    let prompts = meta["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let e = store.get(&format!("p{i}.logits")).expect("logits tensor");
+            GoldenPrompt {
+                name: p["name"].as_str().unwrap().to_string(),
+                text: p["text"].as_str().map(String::from),
+                chat: p["chat"].as_bool().unwrap_or(false),
+                system: p["system"].as_str().map(String::from),
+                thinking: p["thinking"].as_bool().unwrap_or(true),
+                tokens: ids(&p["tokens"]),
+                greedy: ids(&p["greedy"]),
+                greedy_margins: p["greedy_margins"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect(),
+                logits: store.to_f32(e).expect("logits convert"),
+            }
+        })
+        .collect();
+    Golden {
+        logits_dtype: meta["logits_dtype"].as_str().unwrap().to_string(),
+        prompts,
+    }
+}
+
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
