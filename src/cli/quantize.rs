@@ -142,6 +142,10 @@ pub struct QuantizeArgs {
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
+    /// Also write every quantized linear's dequantized f32 weight to this .safetensors file
+    /// (what tools/gptq_decode.py checks the checkpoint against).
+    #[arg(long)]
+    dump_dequantized: Option<PathBuf>,
 }
 
 pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
@@ -192,6 +196,8 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         resume: a.resume,
         force: a.force,
         progress: !a.quiet && !a.json,
+        dump_dequantized: a.dump_dequantized.clone(),
+        stop_after_layers: None,
     };
     let report = quantize(&opts).with_context(|| format!("quantizing {}", model_dir.display()))?;
     if a.json {

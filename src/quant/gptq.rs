@@ -183,7 +183,9 @@ impl GptqSolver {
         // objective gives column i's rounding error ((w − q)²/d²). Measured on the
         // trained fixture (docs/QUANTIZE.md): better than diag(H) and never worse
         // than max/7.5 on any linear, where diag(H) lost on one.
-        let imp: Vec<f32> = (0..k).map(|i| 1.0 / (u[i * k + i] * u[i * k + i])).collect();
+        let imp: Vec<f32> = (0..k)
+            .map(|i| 1.0 / (u[i * k + i] * u[i * k + i]))
+            .collect();
         Ok(GptqSolver {
             name: name.into(),
             k,

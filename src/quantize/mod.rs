@@ -44,6 +44,11 @@ pub struct QuantizeOptions {
     pub resume: bool,
     pub force: bool,
     pub progress: bool,
+    /// Also write the dequantized f32 weight of every quantized linear, exactly
+    /// as the quantizer used it, to this safetensors file (for decoder checks).
+    pub dump_dequantized: Option<PathBuf>,
+    /// Stop with [`QuantizeError::Interrupted`] after this many layers (tests of `--resume`).
+    pub stop_after_layers: Option<usize>,
 }
 
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
@@ -102,6 +107,8 @@ pub enum QuantizeError {
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error("{0}")]
     Invalid(String),
+    #[error("stopped after {0} layers as requested; continue with --resume")]
+    Interrupted(usize),
     #[error("{path}: {source}")]
     Io {
         path: String,
@@ -453,6 +460,10 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         results.push(res);
         reports.extend(rep);
         bar.inc(1);
+        if opts.stop_after_layers == Some(li + 1) && li + 1 < layers {
+            bar.finish_and_clear();
+            return Err(QuantizeError::Interrupted(li + 1));
+        }
     }
     let head = if opts.quantize_head {
         bar.set_message("lm_head");
@@ -495,6 +506,9 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         peak_rss_bytes: None,
         resumed_from_layer,
     };
+    if let Some(path) = &opts.dump_dequantized {
+        output::dump_dequantized(path, &results, head.as_ref(), opts.qkv_layout)?;
+    }
     let (bytes, params) = out.write(&ck, &results, head.as_ref(), &mut report)?;
     report.output_bytes = bytes;
     report.bits_per_weight = bytes as f64 * 8.0 / params as f64;

@@ -95,6 +95,45 @@ fn read_q(store: &TensorStore, prefix: &str) -> Option<QuantizedWeight> {
     })
 }
 
+/// Every quantized linear's dequantized weight `[N, K]` f32 under its checkpoint name.
+pub fn dump_dequantized(
+    path: &Path,
+    results: &[LayerResult],
+    head: Option<&QuantizedWeight>,
+    layout: QkvLayout,
+) -> Result<(), QuantizeError> {
+    let mut t = Vec::new();
+    let mut push = |name: String, q: &QuantizedWeight| {
+        t.push(OwnedTensor::f32(
+            &format!("{name}.weight"),
+            vec![q.out_features, q.in_features],
+            &q.dequantize(),
+        ));
+    };
+    for (li, r) in results.iter().enumerate() {
+        let p = format!("model.layers.{li}.");
+        match layout {
+            QkvLayout::Fused => push(
+                format!("{p}self_attn.q_k_v_proj"),
+                &concat_outputs(&[&r.q, &r.k, &r.v]),
+            ),
+            QkvLayout::Split => {
+                push(format!("{p}self_attn.q_proj"), &r.q);
+                push(format!("{p}self_attn.k_proj"), &r.k);
+                push(format!("{p}self_attn.v_proj"), &r.v);
+            }
+        }
+        push(format!("{p}self_attn.out_proj"), &r.out);
+        push(format!("{p}mlp.gate_proj"), &r.gate);
+        push(format!("{p}mlp.up_proj"), &r.up);
+        push(format!("{p}mlp.down_proj"), &r.down);
+    }
+    if let Some(q) = head {
+        push("lm_head".into(), q);
+    }
+    write_safetensors_atomic(path, &t, None).map_err(write_err)
+}
+
 const LAYER_PARTS: [&str; 7] = ["q", "k", "v", "out", "gate", "up", "down"];
 
 impl Output {

@@ -1,0 +1,239 @@
+//! `quantize` end to end on the trained fixture.
+
+mod common;
+
+use std::path::Path;
+
+use spark_tool::checkpoint::{QkvLayout, TensorStore};
+use spark_tool::device::{self, Priority, Target, WeightFormat};
+use spark_tool::formats::gptq::{unpack_qweight, QZEROS_V1_SYM};
+use spark_tool::quantize::{calibration, quantize, QuantReport, QuantizeError, QuantizeOptions};
+
+/// Small calibration so the tests stay fast (16 × 128 = 2048 tokens, > 3× the 768-wide MLP input).
+fn opts(out: &Path, format: WeightFormat, group_size: usize) -> QuantizeOptions {
+    QuantizeOptions {
+        model_dir: common::fixture("spark-tiny"),
+        out_dir: out.to_path_buf(),
+        format,
+        group_size,
+        path: device::decide(
+            &device::CpuFeatures::default(),
+            Target::X86,
+            Priority::Speed,
+        ),
+        calibration: vec![calibration::bundled()],
+        samples: 16,
+        seq_len: 128,
+        qkv_layout: QkvLayout::Fused,
+        quantize_head: false,
+        damp: 0.01,
+        resume: false,
+        force: false,
+        progress: false,
+        dump_dequantized: None,
+        stop_after_layers: None,
+    }
+}
+
+fn i32s(store: &TensorStore, name: &str) -> Vec<i32> {
+    let e = store.get(name).unwrap_or_else(|| panic!("missing {name}"));
+    store
+        .bytes(e)
+        .chunks(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn check_every_linear_improves(r: &QuantReport) {
+    assert!(!r.linears.is_empty());
+    for l in &r.linears {
+        assert!(
+            l.gptq_error < l.rtn_error,
+            "{}: GPTQ {} not below RTN {}",
+            l.name,
+            l.gptq_error,
+            l.rtn_error
+        );
+        assert!(
+            l.gptq_search_error <= l.gptq_error,
+            "{}: scale search {} worse than plain GPTQ {}",
+            l.name,
+            l.gptq_search_error,
+            l.gptq_error
+        );
+    }
+}
+
+#[test]
+fn w4a8_g128_fused_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("w4a8");
+    let r = quantize(&opts(&out, WeightFormat::W4A8, 128)).unwrap();
+    check_every_linear_improves(&r);
+    assert_eq!(r.linears.len(), 8 * 7);
+
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let qc = &cfg["quantization_config"];
+    assert_eq!(qc["quant_method"], "gptq");
+    assert_eq!(qc["group_size"], 128);
+    assert_eq!(qc["sym"], true);
+    assert_eq!(qc["desc_act"], false);
+    assert_eq!(qc["checkpoint_format"], "gptq");
+    assert_eq!(
+        qc["modules_in_block_to_quantize"][0][1], "self_attn.q_proj",
+        "vLLM needs the q/k/v aliases"
+    );
+    assert_eq!(qc["meta"]["spark_tool"]["format"], "w4a8");
+    assert_eq!(cfg["tie_word_embeddings"], true);
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "quantize_config.json",
+        "quant_report.json",
+        "model.safetensors",
+    ] {
+        assert!(out.join(f).exists(), "{f} missing");
+    }
+
+    let store = TensorStore::open_file(&out.join("model.safetensors")).unwrap();
+    let p = "model.layers.3.self_attn.q_k_v_proj";
+    assert_eq!(
+        store.get(&format!("{p}.qweight")).unwrap().shape,
+        vec![256 / 8, 512]
+    );
+    assert_eq!(
+        store.get(&format!("{p}.scales")).unwrap().shape,
+        vec![2, 512]
+    );
+    assert!(i32s(&store, &format!("{p}.qzeros"))
+        .iter()
+        .all(|&z| z == QZEROS_V1_SYM));
+    assert_eq!(
+        i32s(&store, &format!("{p}.g_idx")),
+        (0..256).map(|k| k / 128).collect::<Vec<i32>>()
+    );
+    assert!(
+        store
+            .get("model.layers.3.self_attn.g_proj.weight")
+            .is_some(),
+        "g_proj stays bf16"
+    );
+    assert!(store.get("lm_head.weight").is_none() && store.get("lm_head.qweight").is_none());
+    // Codes use the whole grid.
+    let codes = unpack_qweight(&i32s(&store, &format!("{p}.qweight")), 256, 512);
+    assert!(codes.iter().any(|&c| c == 0) || codes.iter().any(|&c| c == 15));
+    assert!(
+        r.bits_per_weight > 4.0 && r.bits_per_weight < 16.0,
+        "{}",
+        r.bits_per_weight
+    );
+}
+
+#[test]
+fn w4a16_g64_split_with_quantized_head() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("w4a16");
+    let dump = d.path().join("dequant.safetensors");
+    let mut o = opts(&out, WeightFormat::W4A16, 64);
+    o.qkv_layout = QkvLayout::Split;
+    o.quantize_head = true;
+    o.dump_dequantized = Some(dump.clone());
+    let r = quantize(&o).unwrap();
+    check_every_linear_improves(&r);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["tie_word_embeddings"], false);
+    assert_eq!(cfg["quantization_config"]["lm_head"], true);
+    let store = TensorStore::open_file(&out.join("model.safetensors")).unwrap();
+    assert_eq!(
+        store
+            .get("model.layers.0.self_attn.k_proj.qweight")
+            .unwrap()
+            .shape,
+        vec![32, 128]
+    );
+    assert_eq!(store.get("lm_head.scales").unwrap().shape, vec![4, 4096]);
+    // The dump holds what the quantizer computed with; tools/gptq_decode.py checks the checkpoint against it.
+    let dump_store = TensorStore::open_file(&dump).unwrap();
+    assert_eq!(dump_store.len(), 8 * 7 + 1);
+}
+
+#[test]
+fn resume_finishes_an_interrupted_run_identically() {
+    let d = tempfile::tempdir().unwrap();
+    let full = d.path().join("full");
+    quantize(&opts(&full, WeightFormat::W4A8, 128)).unwrap();
+
+    let out = d.path().join("resumed");
+    let mut o = opts(&out, WeightFormat::W4A8, 128);
+    o.stop_after_layers = Some(3);
+    assert!(matches!(quantize(&o), Err(QuantizeError::Interrupted(3))));
+    assert!(
+        !out.exists(),
+        "an interrupted run must leave nothing under --out"
+    );
+    o.stop_after_layers = None;
+    o.resume = true;
+    let r = quantize(&o).unwrap();
+    assert_eq!(r.resumed_from_layer, Some(3));
+    assert_eq!(r.linears.len(), 8 * 7, "reports of the first run are kept");
+    let a = std::fs::read(full.join("model.safetensors")).unwrap();
+    let b = std::fs::read(out.join("model.safetensors")).unwrap();
+    assert!(
+        a == b,
+        "resumed checkpoint differs from an uninterrupted run"
+    );
+    assert!(
+        !d.path().join(".resumed.partial").exists(),
+        "staging folder is removed at the end"
+    );
+}
+
+#[test]
+fn refuses_to_overwrite_without_force_and_replaces_with_it() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("busy");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("precious.txt"), "user data").unwrap();
+    let e = quantize(&opts(&out, WeightFormat::W4A8, 128))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--force") && e.contains("busy"), "{e}");
+    assert!(out.join("precious.txt").exists());
+    let mut o = opts(&out, WeightFormat::W4A8, 128);
+    o.force = true;
+    quantize(&o).unwrap();
+    assert!(out.join("model.safetensors").exists() && !out.join("precious.txt").exists());
+}
+
+#[test]
+fn bad_calibration_is_a_clear_error() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("x");
+    let empty = d.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let mut o = opts(&out, WeightFormat::W4A8, 128);
+    o.calibration = vec![empty];
+    assert!(quantize(&o).unwrap_err().to_string().contains("empty"));
+
+    let short = d.path().join("short.txt");
+    std::fs::write(&short, "only a few words").unwrap();
+    o.calibration = vec![short];
+    let e = quantize(&o).unwrap_err().to_string();
+    assert!(e.contains("tokens but 16 samples × 128 tokens"), "{e}");
+
+    let bad = d.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"ok\"}\n{\"txt\": 1}\n").unwrap();
+    o.calibration = vec![bad];
+    let e = quantize(&o).unwrap_err().to_string();
+    assert!(e.contains("bad.jsonl line 2"), "{e}");
+
+    let mut o = opts(&out, WeightFormat::W4A8, 96);
+    o.calibration = vec![calibration::bundled()];
+    assert!(quantize(&o)
+        .unwrap_err()
+        .to_string()
+        .contains("32, 64 or 128"));
+    assert!(!out.exists());
+}
