@@ -122,7 +122,7 @@ fn w4a8_g128_fused_checkpoint() {
     assert!(store.get("lm_head.weight").is_none() && store.get("lm_head.qweight").is_none());
     // Codes use the whole grid.
     let codes = unpack_qweight(&i32s(&store, &format!("{p}.qweight")), 256, 512);
-    assert!(codes.iter().any(|&c| c == 0) || codes.iter().any(|&c| c == 15));
+    assert!(codes.contains(&0) || codes.contains(&15));
     assert!(
         r.bits_per_weight > 4.0 && r.bits_per_weight < 16.0,
         "{}",
