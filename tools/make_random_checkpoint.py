@@ -93,8 +93,13 @@ def main() -> None:
     ap.add_argument("preset", choices=sorted(PRESETS))
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, help="keep only the first N layers (per-layer benchmarks)")
+    ap.add_argument("--tokenizer-from", type=Path,
+                    help="copy tokenizer files from this checkpoint (its ids must fit the vocab), so text calibration works")
     a = ap.parse_args()
-    p = PRESETS[a.preset]
+    p = dict(PRESETS[a.preset])
+    if a.layers:
+        p["layers"] = p["layers"][: a.layers]
     a.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(a.seed)
     specs = list(tensor_specs(p))
@@ -122,6 +127,10 @@ def main() -> None:
         (a.out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=2) + "\n")
     (a.out / "config.json").write_text(json.dumps(config(p), indent=2) + "\n")
+    if a.tokenizer_from:
+        import shutil
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(a.tokenizer_from / f, a.out / f)
     print(f"{a.preset}: {len(specs)} tensors, {total:,} parameters -> {a.out}")
 
 

@@ -16,4 +16,14 @@ for fixture in spark-tiny spark-random; do
   python3 tools/spark_ref.py compare "tests/golden/$fixture" "$fresh/$fixture"
 done
 SPARK_GOLDEN_DIR="$fresh" cargo test --release --test golden
+python3 tools/gptq_ref.py check tests/golden/gptq_case.safetensors
+
+# Quantize the trained fixture in both formats with the CLI; an independent
+# numpy decoder must reproduce the quantizer's dequantized weights bit-exactly.
+for fmt in "w4a8 --group-size 128" "w4a16 --group-size 64 --qkv-layout split --quantize-head"; do
+  name=${fmt%% *}
+  cargo run --release -q -- quantize --format $fmt --samples 32 --seq-len 256 --quiet \
+    --out "$fresh/$name" --dump-dequantized "$fresh/$name.dequant.safetensors" > /dev/null
+  python3 tools/gptq_decode.py "$fresh/$name" --compare "$fresh/$name.dequant.safetensors"
+done
 echo "all tests passed"

@@ -1,10 +1,18 @@
-//! Writing safetensors files without ever leaving a half-written file behind.
+//! Writing safetensors files deterministically and without ever leaving a
+//! half-written file behind.
+//!
+//! Our own small serializer rather than `safetensors::serialize`: that one
+//! takes the metadata as a `HashMap`, so the header (and the file bytes)
+//! change from run to run; reproducible artifacts need a fixed order. The
+//! layout follows the format: 8-byte little-endian header length, a JSON
+//! header padded with spaces to a multiple of 8, then the tensor bytes.
+//! Tensors are laid out by element size, largest first, so every tensor
+//! stays aligned to its element size.
 
-use std::collections::HashMap;
-use std::io::Write;
+use std::collections::BTreeMap;
+use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 /// One tensor to write: name, dtype, shape and little-endian bytes.
@@ -34,35 +42,158 @@ impl OwnedTensor {
     }
 }
 
-/// Serialize to `path.tmp` in the same folder, fsync, then rename over `path`.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("tensor `{name}`: {bytes} bytes do not match dtype {dtype:?} × shape {shape:?}")]
+    Inconsistent {
+        name: String,
+        bytes: usize,
+        dtype: Dtype,
+        shape: Vec<usize>,
+    },
+    #[error("tensor `{0}` appears twice")]
+    Duplicate(String),
+    #[error("{path} is not a file path")]
+    NotAFile { path: String },
+    #[error("writing {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// Bytes per element; every dtype spark-tool writes is at least a byte wide.
+fn elem_bytes(d: Dtype) -> usize {
+    d.bitsize().div_ceil(8)
+}
+
+fn dtype_name(d: Dtype) -> String {
+    // safetensors' Debug names are the on-disk names (BF16, F32, I64, U8, ...).
+    format!("{d:?}")
+}
+
+/// Serialize to a temporary sibling, fsync, then rename over `path`.
 pub fn write_safetensors_atomic(
     path: &Path,
     tensors: &[OwnedTensor],
-    metadata: Option<HashMap<String, String>>,
-) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let views = tensors
-        .iter()
-        .map(|t| {
-            TensorView::new(t.dtype, t.shape.clone(), &t.data)
-                .map(|v| (t.name.clone(), v))
-                .with_context(|| format!("tensor `{}` has inconsistent shape/bytes", t.name))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, metadata).context("serializing safetensors")?;
-    let file_name = path
-        .file_name()
-        .with_context(|| format!("{} is not a file path", path.display()))?;
+    metadata: Option<BTreeMap<String, String>>,
+) -> Result<(), WriteError> {
+    let mut order: Vec<&OwnedTensor> = tensors.iter().collect();
+    order.sort_by(|a, b| {
+        elem_bytes(b.dtype)
+            .cmp(&elem_bytes(a.dtype))
+            .then(a.name.cmp(&b.name))
+    });
+    let mut header = serde_json::Map::new();
+    if let Some(m) = metadata {
+        header.insert(
+            "__metadata__".into(),
+            serde_json::to_value(m).expect("string map"),
+        );
+    }
+    let mut offset = 0usize;
+    for t in &order {
+        let expected = t.shape.iter().product::<usize>() * elem_bytes(t.dtype);
+        if expected != t.data.len() {
+            return Err(WriteError::Inconsistent {
+                name: t.name.clone(),
+                bytes: t.data.len(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+            });
+        }
+        let entry = serde_json::json!({
+            "dtype": dtype_name(t.dtype),
+            "shape": t.shape,
+            "data_offsets": [offset, offset + t.data.len()],
+        });
+        if header.insert(t.name.clone(), entry).is_some() {
+            return Err(WriteError::Duplicate(t.name.clone()));
+        }
+        offset += t.data.len();
+    }
+    let mut head = serde_json::to_vec(&header).expect("json");
+    head.resize(head.len().div_ceil(8) * 8, b' ');
+
+    let file_name = path.file_name().ok_or_else(|| WriteError::NotAFile {
+        path: path.display().to_string(),
+    })?;
     let tmp = path.with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
     let result = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
+        let file = std::fs::File::create(&tmp)?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        w.write_all(&(head.len() as u64).to_le_bytes())?;
+        w.write_all(&head)?;
+        for t in &order {
+            w.write_all(&t.data)?;
+        }
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
         std::fs::rename(&tmp, path)
     })();
-    if let Err(e) = result {
+    result.map_err(|source| {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("writing {}", path.display()));
+        WriteError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::TensorStore;
+
+    #[test]
+    fn round_trips_through_the_safetensors_parser_and_is_deterministic() {
+        let d = tempfile::tempdir().unwrap();
+        let tensors = vec![
+            OwnedTensor {
+                name: "b.u8".into(),
+                dtype: Dtype::U8,
+                shape: vec![3],
+                data: vec![1, 2, 3],
+            },
+            OwnedTensor::f32("a.f32", vec![2, 2], &[1.0, 2.0, 3.0, 4.0]),
+            OwnedTensor::i64("c.i64", &[-5, 7]),
+        ];
+        let meta: BTreeMap<String, String> = [("z", "1"), ("a", "2"), ("m", "3")]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let (p1, p2) = (
+            d.path().join("x.safetensors"),
+            d.path().join("y.safetensors"),
+        );
+        write_safetensors_atomic(&p1, &tensors, Some(meta.clone())).unwrap();
+        write_safetensors_atomic(&p2, &tensors, Some(meta)).unwrap();
+        assert_eq!(std::fs::read(&p1).unwrap(), std::fs::read(&p2).unwrap());
+        let s = TensorStore::open_file(&p1).unwrap();
+        assert_eq!(
+            s.to_f32(s.get("a.f32").unwrap()).unwrap(),
+            vec![1.0, 2.0, 3.0, 4.0]
+        );
+        assert_eq!(s.bytes(s.get("b.u8").unwrap()), &[1, 2, 3]);
+        let e = s.get("c.i64").unwrap();
+        assert_eq!(e.start % 8, 0, "largest element size first keeps alignment");
+        assert!(!d.path().join(".x.safetensors.partial").exists());
     }
-    Ok(())
+
+    #[test]
+    fn inconsistent_tensor_is_refused_and_nothing_is_written() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.safetensors");
+        let bad = OwnedTensor {
+            name: "t".into(),
+            dtype: Dtype::F32,
+            shape: vec![3],
+            data: vec![0; 8],
+        };
+        assert!(matches!(
+            write_safetensors_atomic(&p, &[bad], None),
+            Err(WriteError::Inconsistent { .. })
+        ));
+        assert!(!p.exists());
+    }
 }

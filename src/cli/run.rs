@@ -148,7 +148,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         let vocab = cfg.vocab_size;
         let gen = out.tokens.len() - out.prompt_len;
         let ids: Vec<i64> = out.tokens.iter().map(|&t| t as i64).collect();
-        let mut meta = std::collections::HashMap::new();
+        let mut meta = std::collections::BTreeMap::new();
         meta.insert("prompt_len".to_string(), out.prompt_len.to_string());
         meta.insert(
             "producer".to_string(),

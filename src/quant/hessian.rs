@@ -23,6 +23,16 @@ impl Hessian {
         }
     }
 
+    /// A Hessian given directly (`[k, k]`, row-major), e.g. by a reference implementation.
+    pub fn from_matrix(k: usize, matrix: Vec<f64>) -> Self {
+        assert_eq!(matrix.len(), k * k);
+        Hessian {
+            k,
+            sum: matrix,
+            tokens: 1,
+        }
+    }
+
     pub fn dim(&self) -> usize {
         self.k
     }

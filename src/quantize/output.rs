@@ -3,7 +3,7 @@
 //! the finished checkpoint, which is renamed onto `--out` only at the very
 //! end. Nothing under `--out` is ever half-written.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use half::bf16;
@@ -37,8 +37,8 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> QuantizeError + '_ {
     }
 }
 
-fn write_err(e: anyhow::Error) -> QuantizeError {
-    QuantizeError::Invalid(format!("{e:#}"))
+fn write_err(e: crate::checkpoint::write::WriteError) -> QuantizeError {
+    QuantizeError::Invalid(e.to_string())
 }
 
 /// Identifies a run: same model bytes, calibration and settings ⇒ same fingerprint.
@@ -368,7 +368,7 @@ impl Output {
             .map(|t| t.shape.iter().product::<usize>() as u64)
             .sum();
 
-        let mut meta = HashMap::new();
+        let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), "pt".to_string());
         meta.insert(
             "producer".to_string(),

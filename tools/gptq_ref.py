@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Independent float64 GPTQ reference (numpy), written from GPTQ.md §1 and the grid of §2.
+
+Deliberately different from the Rust solver where the math allows: float64
+throughout, U from Cholesky → inverse → upper Cholesky (not the index-reversal
+trick), and the textbook column loop that updates every remaining column after
+each step (no lazy 128-column blocks). Group scales are taken from the current
+(error-updated) weights when a group's first column is reached.
+
+    python3 tools/gptq_ref.py make tests/golden/gptq_case.safetensors
+    python3 tools/gptq_ref.py check tests/golden/gptq_case.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import st_numpy  # noqa: E402
+
+N, K, T, G, DAMP = 48, 256, 1024, 64, 0.01
+S_MIN, S_MAX = 2.0 ** -14, 65280.0
+
+
+def stored_scale(s: float) -> float:
+    """Clamp to fp16's normal range, then round to bf16 (nearest even)."""
+    s32 = np.array([min(max(s, S_MIN), S_MAX)], dtype=np.float32)
+    bits = st_numpy.to_bf16_bits(s32).astype(np.uint32) << 16
+    return float(bits.view(np.float32)[0])
+
+
+def codes_for(w: np.ndarray, s: float) -> np.ndarray:
+    return np.clip(np.rint(w / s) + 8, 0, 15)
+
+
+def werr(w, imp, s) -> float:
+    return float(np.sum(imp * (w - s * (codes_for(w, s) - 8)) ** 2))
+
+
+def group_scale(w: np.ndarray, imp: np.ndarray, search: bool) -> float:
+    amax = float(np.max(np.abs(w)))
+    if amax == 0.0:
+        return stored_scale(2.0 / 15.0)
+    base = stored_scale(amax / 7.5)
+    if not search:
+        return base
+    best_e, best_s = werr(w, imp, base), base
+    for i in range(41):
+        s = amax / (6.5 + 2.0 * i / 40)
+        cands = [stored_scale(s)]
+        L = codes_for(w, cands[0]) - 8
+        num, den = float(np.sum(imp * w * L)), float(np.sum(imp * L * L))
+        if den > 0 and num > 0:
+            cands.append(stored_scale(num / den))
+        for c in cands:
+            e = werr(w, imp, c)
+            if e < best_e or (e == best_e and c < best_s):
+                best_e, best_s = e, c
+    return best_s
+
+
+def gptq(W: np.ndarray, H: np.ndarray, search: bool) -> tuple[np.ndarray, np.ndarray]:
+    """W [N, K], H [K, K] → codes [K, N] (uint8), scales [K/G, N]."""
+    W = W.astype(np.float64).copy()
+    H = H.copy()
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H[np.diag_indices(K)] += DAMP * np.mean(np.diag(H))
+    Hinv = np.linalg.inv(np.linalg.cholesky(H))
+    Hinv = Hinv.T @ Hinv  # (H + λI)^-1
+    U = np.linalg.cholesky(Hinv).T  # upper, Hinv = UᵀU
+    imp = 1.0 / np.diag(U) ** 2
+    codes = np.zeros((K, N), dtype=np.uint8)
+    scales = np.zeros((K // G, N))
+    for i in range(K):
+        if i % G == 0:
+            for n in range(N):
+                scales[i // G, n] = group_scale(W[n, i:i + G], imp[i:i + G], search)
+        s = scales[i // G]
+        q = codes_for(W[:, i], s)
+        codes[i] = q
+        err = (W[:, i] - s * (q - 8)) / U[i, i]
+        W[:, i + 1:] -= np.outer(err, U[i, i + 1:])
+    return codes, scales
+
+
+def make_case(seed: int = 11):
+    rng = np.random.default_rng(seed)
+    W = (rng.standard_t(4, size=(N, K)) * 0.05).astype(np.float32)
+    base = rng.standard_normal((T, 8))
+    X = base @ rng.standard_normal((8, K)) + 0.3 * rng.standard_normal((T, K))
+    X[:, 7] = 0.0  # one dead input
+    H = 2.0 * X.T @ X / T
+    return W, H
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cmd", choices=["make", "check"])
+    ap.add_argument("path", type=Path)
+    a = ap.parse_args()
+    W, H = make_case()
+    out = {"w": ("F32", W), "h": ("F64", H)}
+    for name, search in (("plain", False), ("search", True)):
+        c, s = gptq(W, H, search)
+        out[f"{name}.codes"] = ("U8", c)
+        out[f"{name}.scales"] = ("F32", s.astype(np.float32))
+    if a.cmd == "make":
+        st_numpy.write_file(a.path, out, {"generator": "tools/gptq_ref.py", "group_size": G, "damp": DAMP})
+        print(f"wrote {a.path}")
+    else:
+        old = st_numpy.read_file(a.path)
+        bad = [k for k, (_, v) in out.items() if not np.array_equal(np.asarray(old[k]), v.astype(old[k].dtype))]
+        if bad:
+            sys.exit(f"{a.path} is stale (regenerate with `gptq_ref.py make`): {bad}")
+        print(f"{a.path}: committed GPTQ case matches the reference")
+
+
+if __name__ == "__main__":
+    main()
