@@ -85,7 +85,21 @@ pub fn inspect(ck: &Checkpoint, context: usize) -> InspectReport {
     let cfg = &ck.config;
     let mut classes: BTreeMap<TensorClass, ClassStat> = BTreeMap::new();
     for t in &ck.layout.expected {
-        let e = ck.store.get(&t.name).expect("layout check proved presence");
+        let bytes: u64 = match t
+            .name
+            .strip_suffix(".weight")
+            .filter(|p| ck.layout.gptq.contains(*p))
+        {
+            Some(prefix) => ["qweight", "qzeros", "scales", "g_idx"]
+                .iter()
+                .filter_map(|part| ck.store.get(&format!("{prefix}.{part}")))
+                .map(|e| (e.end - e.start) as u64)
+                .sum(),
+            None => {
+                let e = ck.store.get(&t.name).expect("layout check proved presence");
+                (e.end - e.start) as u64
+            }
+        };
         let c = classes.entry(t.class).or_insert(ClassStat {
             class: t.class,
             label: t.class.label(),
@@ -94,8 +108,8 @@ pub fn inspect(ck: &Checkpoint, context: usize) -> InspectReport {
             bytes: 0,
         });
         c.tensors += 1;
-        c.parameters += e.numel() as u64;
-        c.bytes += (e.end - e.start) as u64;
+        c.parameters += t.shape.iter().product::<usize>() as u64;
+        c.bytes += bytes;
     }
     let mut dtypes = BTreeMap::new();
     for e in ck.store.entries() {

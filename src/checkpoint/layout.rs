@@ -143,9 +143,62 @@ pub fn expected_tensors(cfg: &SparkConfig, tied: bool, qkv: &[QkvLayout]) -> Vec
 #[derive(Debug, Clone)]
 pub struct CheckedLayout {
     pub tied: bool,
+    /// Linears stored as GPTQ (`prefix.qweight/qzeros/scales[/g_idx]`), by prefix.
+    pub gptq: std::collections::BTreeSet<String>,
     pub qkv: Vec<QkvLayout>,
     pub expected: Vec<ExpectedTensor>,
     pub warnings: Vec<String>,
+}
+
+/// The GPTQ tensor set of one linear W `[n, k]` (FORMATS.md §1.1).
+fn check_gptq(
+    store: &TensorStore,
+    prefix: &str,
+    n: usize,
+    k: usize,
+    g: usize,
+    problems: &mut Vec<String>,
+) {
+    let mut want = |part: &str, dtypes: &[Dtype], shape: Vec<usize>, required: bool| {
+        let name = format!("{prefix}.{part}");
+        match store.get(&name) {
+            None if required => problems.push(format!(
+                "missing tensor `{name}` (GPTQ, expected shape {shape:?})"
+            )),
+            None => {}
+            Some(e) => {
+                if e.shape != shape {
+                    problems.push(format!(
+                        "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
+                        store.file_of(e).display(),
+                        e.shape
+                    ));
+                }
+                if !dtypes.contains(&e.dtype) {
+                    problems.push(format!(
+                        "tensor `{name}` in {} has dtype {:?}, expected {dtypes:?}",
+                        store.file_of(e).display(),
+                        e.dtype
+                    ));
+                }
+            }
+        }
+    };
+    if k % 8 != 0 || n % 8 != 0 || k % g != 0 {
+        problems.push(format!(
+            "`{prefix}`: shape [{n}, {k}] cannot hold GPTQ with group size {g}"
+        ));
+        return;
+    }
+    want("qweight", &[Dtype::I32], vec![k / 8, n], true);
+    want("qzeros", &[Dtype::I32], vec![k / g, n / 8], true);
+    want(
+        "scales",
+        &[Dtype::F16, Dtype::BF16, Dtype::F32],
+        vec![k / g, n],
+        true,
+    );
+    want("g_idx", &[Dtype::I32], vec![k], false);
 }
 
 /// Buffers some exporters leave in; they carry no information we use.
@@ -183,7 +236,33 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
         .collect();
     let expected = expected_tensors(cfg, tied, &qkv);
     let mut problems = Vec::new();
+    let mut gptq = std::collections::BTreeSet::new();
     for t in &expected {
+        let quantizable = matches!(
+            t.class,
+            TensorClass::AttentionQkv
+                | TensorClass::AttentionOut
+                | TensorClass::Mlp
+                | TensorClass::LmHead
+        );
+        if let (Some(info), Some(prefix), None) = (
+            &cfg.gptq,
+            t.name.strip_suffix(".weight"),
+            store.get(&t.name),
+        ) {
+            if quantizable && store.get(&format!("{prefix}.qweight")).is_some() {
+                check_gptq(
+                    store,
+                    prefix,
+                    t.shape[0],
+                    t.shape[1],
+                    info.group_size,
+                    &mut problems,
+                );
+                gptq.insert(prefix.to_string());
+                continue;
+            }
+        }
         match store.get(&t.name) {
             None => problems.push(format!(
                 "missing tensor `{}` (expected shape {:?})",
@@ -214,6 +293,11 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
         if expected.iter().any(|t| t.name == e.name) {
             continue;
         }
+        if let Some((prefix, part)) = e.name.rsplit_once('.') {
+            if gptq.contains(prefix) && ["qweight", "qzeros", "scales", "g_idx"].contains(&part) {
+                continue;
+            }
+        }
         if e.name == "lm_head.weight" && tied {
             let emb = store.get("model.embedding.weight");
             let same = emb.is_some_and(|m| m.dtype == e.dtype && store.bytes(m) == store.bytes(e));
@@ -237,6 +321,7 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
     if problems.is_empty() {
         Ok(CheckedLayout {
             tied,
+            gptq,
             qkv,
             expected,
             warnings,

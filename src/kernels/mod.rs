@@ -2,6 +2,7 @@
 //! scalar reference; fast paths are tested against it.
 
 pub mod convert;
+pub mod w4;
 
 use std::sync::OnceLock;
 

@@ -12,6 +12,7 @@
 
 pub mod kv_cache;
 pub mod linear;
+pub mod quantized;
 pub mod rope;
 
 use std::collections::BTreeMap;
@@ -24,6 +25,7 @@ use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, QkvLayout, Spark
 use crate::kernels::{self, gelu_erf, rms_norm, sigmoid, softmax};
 pub use kv_cache::{CacheError, KvCache};
 pub use linear::{DenseLinear, Linear};
+pub use quantized::{QuantExec, W4Numerics};
 use rope::Rope;
 
 #[derive(Debug, thiserror::Error)]
@@ -95,10 +97,70 @@ fn dense(w: Vec<f32>, out: usize, inp: usize) -> Box<dyn Linear> {
     Box::new(DenseLinear::new(w.into(), out, inp))
 }
 
+/// How to build the model from a checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    pub progress: bool,
+    pub exec: QuantExec,
+}
+
+impl LoadOptions {
+    /// What the checkpoint targets: the original runs in f32; a GPTQ
+    /// checkpoint runs with bf16 activations and the numerics spark-tool
+    /// recorded when writing it (W4A16 for checkpoints from elsewhere).
+    pub fn for_checkpoint(ck: &Checkpoint, progress: bool) -> Self {
+        let numerics = match ck
+            .config
+            .gptq
+            .as_ref()
+            .and_then(|g| g.spark_tool_format.as_deref())
+        {
+            Some("w4a8") => W4Numerics::W4A8,
+            _ => W4Numerics::W4A16,
+        };
+        LoadOptions {
+            progress,
+            exec: QuantExec {
+                numerics,
+                act_bf16: ck.config.gptq.is_some(),
+            },
+        }
+    }
+}
+
+/// Rounds a linear's input and output to bf16 (a bf16 model's activations).
+struct Bf16Act(Box<dyn Linear>);
+
+impl Linear for Bf16Act {
+    fn in_features(&self) -> usize {
+        self.0.in_features()
+    }
+    fn out_features(&self) -> usize {
+        self.0.out_features()
+    }
+    fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        let xr: Vec<f32> = x.iter().map(|v| kernels::w4::round_bf16(*v)).collect();
+        self.0.forward(&xr, m, y);
+        y.iter_mut().for_each(|v| *v = kernels::w4::round_bf16(*v));
+    }
+    fn kind(&self) -> String {
+        format!("{} (bf16 activations)", self.0.kind())
+    }
+    fn dequantize(&self) -> Vec<f32> {
+        self.0.dequantize()
+    }
+}
+
 impl SparkModel {
-    /// Build the dense f32 model from a validated checkpoint. The fused
-    /// `q_k_v_proj` is split here into three projections over one input.
+    /// Build the model with the checkpoint's default execution (see [`LoadOptions::for_checkpoint`]).
     pub fn from_checkpoint(ck: &Checkpoint, progress: bool) -> Result<Self, CheckpointError> {
+        Self::load(ck, LoadOptions::for_checkpoint(ck, progress))
+    }
+
+    /// Build the model. The fused `q_k_v_proj` is split here into three
+    /// projections over one input (dense rows or GPTQ output columns).
+    pub fn load(ck: &Checkpoint, opts: LoadOptions) -> Result<Self, CheckpointError> {
+        let progress = opts.progress;
         let cfg = ck.config.clone();
         let (h, q, kv, inter) = (
             cfg.hidden_size,
@@ -106,6 +168,31 @@ impl SparkModel {
             cfg.kv_dim(),
             cfg.intermediate_size,
         );
+        let wrap = |l: Box<dyn Linear>| -> Box<dyn Linear> {
+            if opts.exec.act_bf16 {
+                Box::new(Bf16Act(l))
+            } else {
+                l
+            }
+        };
+        // Output rows `rows` of linear `prefix` (all rows when None), dense or GPTQ.
+        let lin = |prefix: String,
+                   rows: Option<std::ops::Range<usize>>,
+                   n: usize,
+                   k: usize|
+         -> Result<Box<dyn Linear>, CheckpointError> {
+            if ck.layout.gptq.contains(&prefix) {
+                let r = rows.unwrap_or(0..n);
+                // GptqLinear applies bf16 activation rounding itself.
+                return quantized::load_gptq(ck, &prefix, r, opts.exec);
+            }
+            let e = ck.entry(&format!("{prefix}.weight"))?;
+            let w = match rows {
+                Some(r) => ck.store.rows_to_f32(e, r.start, r.end)?,
+                None => ck.store.to_f32(e)?,
+            };
+            Ok(wrap(dense(w, n, k)))
+        };
         let bar = if progress {
             let b = ProgressBar::new(cfg.num_hidden_layers as u64 + 2);
             b.set_style(
@@ -128,18 +215,17 @@ impl SparkModel {
             let t = |n: &str| ck.tensor_f32(&format!("{p}{n}"));
             let (q_proj, k_proj, v_proj) = match ck.layout.qkv[i] {
                 QkvLayout::Fused => {
-                    let e = ck.entry(&format!("{p}self_attn.q_k_v_proj.weight"))?;
-                    let rows = |a, b| ck.store.rows_to_f32(e, a, b);
+                    let f = format!("{p}self_attn.q_k_v_proj");
                     (
-                        dense(rows(0, q)?, q, h),
-                        dense(rows(q, q + kv)?, kv, h),
-                        dense(rows(q + kv, q + 2 * kv)?, kv, h),
+                        lin(f.clone(), Some(0..q), q, h)?,
+                        lin(f.clone(), Some(q..q + kv), kv, h)?,
+                        lin(f, Some(q + kv..q + 2 * kv), kv, h)?,
                     )
                 }
                 QkvLayout::Split => (
-                    dense(t("self_attn.q_proj.weight")?, q, h),
-                    dense(t("self_attn.k_proj.weight")?, kv, h),
-                    dense(t("self_attn.v_proj.weight")?, kv, h),
+                    lin(format!("{p}self_attn.q_proj"), None, q, h)?,
+                    lin(format!("{p}self_attn.k_proj"), None, kv, h)?,
+                    lin(format!("{p}self_attn.v_proj"), None, kv, h)?,
                 ),
             };
             layers.push(DecoderLayer {
@@ -149,23 +235,32 @@ impl SparkModel {
                     q_proj,
                     k_proj,
                     v_proj,
-                    g_proj: dense(t("self_attn.g_proj.weight")?, cfg.num_attention_heads, h),
-                    out_proj: dense(t("self_attn.out_proj.weight")?, h, q),
+                    g_proj: lin(
+                        format!("{p}self_attn.g_proj"),
+                        None,
+                        cfg.num_attention_heads,
+                        h,
+                    )?,
+                    out_proj: lin(format!("{p}self_attn.out_proj"), None, h, q)?,
                 },
                 post_attention_layernorm: t("post_attention_layernorm.weight")?,
                 mlp: Mlp {
-                    gate_proj: dense(t("mlp.gate_proj.weight")?, inter, h),
-                    up_proj: dense(t("mlp.up_proj.weight")?, inter, h),
-                    down_proj: dense(t("mlp.down_proj.weight")?, h, inter),
+                    gate_proj: lin(format!("{p}mlp.gate_proj"), None, inter, h)?,
+                    up_proj: lin(format!("{p}mlp.up_proj"), None, inter, h)?,
+                    down_proj: lin(format!("{p}mlp.down_proj"), None, h, inter)?,
                 },
             });
             bar.inc(1);
         }
         let norm = ck.tensor_f32("model.norm.weight")?;
         let lm_head: Box<dyn Linear> = if ck.layout.tied {
-            Box::new(DenseLinear::new(embedding.clone(), cfg.vocab_size, h))
+            wrap(Box::new(DenseLinear::new(
+                embedding.clone(),
+                cfg.vocab_size,
+                h,
+            )))
         } else {
-            dense(ck.tensor_f32("lm_head.weight")?, cfg.vocab_size, h)
+            lin("lm_head".into(), None, cfg.vocab_size, h)?
         };
         bar.inc(1);
         bar.finish_and_clear();

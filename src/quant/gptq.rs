@@ -223,7 +223,6 @@ impl GptqSolver {
         let mut scales = vec![0f32; k / gs * n];
         let mut codes = vec![0u8; k * n];
         let mut err_block = vec![0f32; bs * n];
-        let mut buf = vec![0f32; gs];
         for i1 in (0..k).step_by(bs) {
             let i2 = (i1 + bs).min(k);
             for i in i1..i2 {
@@ -231,12 +230,20 @@ impl GptqSolver {
                 if i % gs == 0 {
                     // From the up-to-date weights: in-block updates go to `wt` directly,
                     // so a group starting mid-block (g64) never sees stale values.
-                    for nn in 0..n {
-                        for (j, b) in buf.iter_mut().enumerate() {
-                            *b = wt[(i + j) * n + nn];
-                        }
-                        scales[g * n + nn] = group_scale(&buf, &self.imp[i..i + gs], cfg.rule);
-                    }
+                    let (wt_ref, imp) = (&wt, &self.imp[i..i + gs]);
+                    scales[g * n..(g + 1) * n]
+                        .par_iter_mut()
+                        .enumerate()
+                        .with_min_len(64)
+                        .for_each_init(
+                            || vec![0f32; gs],
+                            |buf, (nn, s)| {
+                                for (j, b) in buf.iter_mut().enumerate() {
+                                    *b = wt_ref[(i + j) * n + nn];
+                                }
+                                *s = group_scale(buf, imp, cfg.rule);
+                            },
+                        );
                 }
                 let d = u[i * k + i];
                 let (head, tail) = wt.split_at_mut((i + 1) * n);

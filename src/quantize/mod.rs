@@ -44,6 +44,8 @@ pub struct QuantizeOptions {
     pub resume: bool,
     pub force: bool,
     pub progress: bool,
+    /// Also measure RTN and plain GPTQ on every linear (the report's comparison columns).
+    pub compare: bool,
     /// Also write the dequantized f32 weight of every quantized linear, exactly
     /// as the quantizer used it, to this safetensors file (for decoder checks).
     pub dump_dequantized: Option<PathBuf>,
@@ -57,8 +59,9 @@ pub struct LinearReport {
     pub out_features: usize,
     pub in_features: usize,
     /// ‖(W − Q)X‖² / ‖WX‖² on the calibration inputs of this linear.
-    pub rtn_error: f64,
-    pub gptq_error: f64,
+    /// Round-to-nearest and plain-GPTQ errors for comparison (absent with `compare: false`).
+    pub rtn_error: Option<f64>,
+    pub gptq_error: Option<f64>,
     pub gptq_search_error: f64,
     pub damp: f64,
     pub dead_columns: usize,
@@ -81,8 +84,8 @@ pub struct QuantReport {
     pub samples: usize,
     pub seq_len: usize,
     pub linears: Vec<LinearReport>,
-    pub mean_rtn_error: f64,
-    pub mean_gptq_error: f64,
+    pub mean_rtn_error: Option<f64>,
+    pub mean_gptq_error: Option<f64>,
     pub mean_gptq_search_error: f64,
     pub bits_per_weight: f64,
     pub output_bytes: u64,
@@ -146,6 +149,7 @@ fn quantize_group(
     h: &Hessian,
     group_size: usize,
     damp: f64,
+    compare: bool,
 ) -> Result<(Vec<QuantizedWeight>, Vec<LinearReport>), QuantizeError> {
     let k = h.dim();
     let t0 = Instant::now();
@@ -167,15 +171,20 @@ fn quantize_group(
         let t = Instant::now();
         let search = solver.quantize(w, n, &search_cfg)?;
         let seconds = setup + t.elapsed().as_secs_f64();
-        let plain = solver.quantize(w, n, &plain_cfg)?;
-        let r = rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5);
         let err = |q: &QuantizedWeight| relative_output_error(w, &q.dequantize(), n, k, h);
+        let (rtn_error, gptq_error) = if compare {
+            let plain = solver.quantize(w, n, &plain_cfg)?;
+            let r = rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5);
+            (Some(err(&r)), Some(err(&plain)))
+        } else {
+            (None, None)
+        };
         reports.push(LinearReport {
             name: name.clone(),
             out_features: n,
             in_features: k,
-            rtn_error: err(&r),
-            gptq_error: err(&plain),
+            rtn_error,
+            gptq_error,
             gptq_search_error: err(&search),
             damp: solver.damp_used,
             dead_columns: solver.dead_columns(),
@@ -238,6 +247,7 @@ fn quantize_layer(
         &h_qkv,
         gs,
         damp,
+        opts.compare,
     )?;
     reports.extend(r);
     drop(h_qkv);
@@ -273,6 +283,7 @@ fn quantize_layer(
         &h_o,
         gs,
         damp,
+        opts.compare,
     )?;
     reports.extend(r);
     drop(h_o);
@@ -293,6 +304,7 @@ fn quantize_layer(
         &h_gu,
         gs,
         damp,
+        opts.compare,
     )?;
     reports.extend(r);
     drop(h_gu);
@@ -315,6 +327,7 @@ fn quantize_layer(
         &h_down,
         gs,
         damp,
+        opts.compare,
     )?;
     reports.extend(r);
     drop(h_down);
@@ -354,6 +367,7 @@ fn quantize_head(
         &h,
         opts.group_size,
         opts.damp,
+        opts.compare,
     )?;
     Ok((q.remove(0), r.remove(0)))
 }
@@ -375,6 +389,12 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         )));
     }
     let ck = Checkpoint::open(&opts.model_dir)?;
+    if ck.config.gptq.is_some() {
+        return Err(QuantizeError::Invalid(format!(
+            "{} is already a GPTQ checkpoint; quantize the original bf16 checkpoint",
+            opts.model_dir.display()
+        )));
+    }
     let cfg = ck.config.clone();
     for (what, dim) in [
         ("hidden_size", cfg.hidden_size),
@@ -478,6 +498,10 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     let mean = |f: &dyn Fn(&LinearReport) -> f64| {
         reports.iter().map(f).sum::<f64>() / reports.len().max(1) as f64
     };
+    let mean_opt = |f: &dyn Fn(&LinearReport) -> Option<f64>| -> Option<f64> {
+        let v: Option<Vec<f64>> = reports.iter().map(f).collect();
+        v.map(|v| v.iter().sum::<f64>() / v.len().max(1) as f64)
+    };
     let mut report = QuantReport {
         spark_tool: env!("CARGO_PKG_VERSION").into(),
         model: opts.model_dir.display().to_string(),
@@ -496,8 +520,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         calibration_sha256: windows.sha256.clone(),
         samples: windows.samples,
         seq_len: windows.seq_len,
-        mean_rtn_error: mean(&|r| r.rtn_error),
-        mean_gptq_error: mean(&|r| r.gptq_error),
+        mean_rtn_error: mean_opt(&|r| r.rtn_error),
+        mean_gptq_error: mean_opt(&|r| r.gptq_error),
         mean_gptq_search_error: mean(&|r| r.gptq_search_error),
         linears: reports,
         bits_per_weight: 0.0,

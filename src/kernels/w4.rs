@@ -1,0 +1,185 @@
+//! 4-bit weight kernels with the numerics of vLLM's CPU paths (FORMATS.md §7).
+//!
+//! Weights arrive as signed codes `c = q − zero` (−8…7 for symmetric GPTQ),
+//! row-major `[N, K]`, and per-(row, group) scales `[N, K/G]` in f32 (the
+//! bf16-exact value vLLM holds).
+
+use half::bf16;
+use rayon::prelude::*;
+
+pub fn round_bf16(x: f32) -> f32 {
+    bf16::from_f32(x).to_f32()
+}
+
+/// W4A16 (`cpu_gemm_wna16`): w = bf16(float(c) · s), the dense f32 matrix the
+/// fp32-accumulating GEMM multiplies by.
+pub fn w4a16_weights(codes: &[i8], scales: &[f32], n: usize, k: usize, g: usize) -> Vec<f32> {
+    let mut w = vec![0f32; n * k];
+    let groups = k / g;
+    w.par_chunks_mut(k).enumerate().for_each(|(row, out)| {
+        for (kk, o) in out.iter_mut().enumerate() {
+            *o = round_bf16(codes[row * k + kk] as f32 * scales[row * groups + kk / g]);
+        }
+    });
+    w
+}
+
+/// Per-token dynamic symmetric int8 quantization of one activation row
+/// (`int4_scaled_mm_cpu` steps 1–2): returns (a, sa) with x ≈ sa·a.
+pub fn quantize_activation_row(x: &[f32], a: &mut [i32]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-7);
+    // Both are true IEEE divisions; 1/amax·127 flips values at exact .5 ties.
+    let sa = amax / 127.0;
+    let inv = 127.0 / amax;
+    for (q, v) in a.iter_mut().zip(x) {
+        *q = (v * inv).round_ties_even() as i32;
+    }
+    sa
+}
+
+/// Signed 4-bit codes `[n, k]` with scales `[n, k/g]`.
+#[derive(Clone, Copy)]
+pub struct W4Weights<'a> {
+    pub codes: &'a [i8],
+    pub scales: &'a [f32],
+    pub n: usize,
+    pub k: usize,
+    pub g: usize,
+}
+
+/// W4A8 (`int4_scaled_mm_cpu`), bit-exact: x is `[m, k]` (already bf16 values),
+/// y `[m, n]` receives bf16-rounded outputs. Blocks of `bk = min(G, 128)` are
+/// summed exactly in i32, then `out = fma(float(acc)·sa, s, out)`.
+pub fn w4a8_matmul(x: &[f32], m: usize, w: W4Weights, y: &mut [f32]) {
+    let W4Weights {
+        codes,
+        scales,
+        n,
+        k,
+        g,
+    } = w;
+    let groups = k / g;
+    let bk = g.min(128);
+    let mut a = vec![0i32; k];
+    for row in 0..m {
+        let sa = quantize_activation_row(&x[row * k..(row + 1) * k], &mut a);
+        let a = &a;
+        y[row * n..(row + 1) * n]
+            .par_chunks_mut(64)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                for (j, o) in out.iter_mut().enumerate() {
+                    let col = chunk * 64 + j;
+                    let c = &codes[col * k..(col + 1) * k];
+                    let s = &scales[col * groups..(col + 1) * groups];
+                    let mut acc_f = 0f32;
+                    for b0 in (0..k).step_by(bk) {
+                        let acc: i32 = a[b0..b0 + bk]
+                            .iter()
+                            .zip(&c[b0..b0 + bk])
+                            .map(|(&p, &q)| p * q as i32)
+                            .sum();
+                        let t = acc as f32 * sa;
+                        acc_f = t.mul_add(s[b0 / g], acc_f);
+                    }
+                    *o = round_bf16(acc_f);
+                }
+            });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// FORMATS.md §7.1 written out literally, one output at a time.
+    fn reference(
+        x: &[f32],
+        k: usize,
+        codes: &[i8],
+        scales: &[f32],
+        n: usize,
+        g: usize,
+    ) -> Vec<f32> {
+        let amax = x.iter().map(|v| v.abs()).fold(0f32, f32::max).max(1e-7);
+        let sa = amax / 127.0;
+        let inv = 127.0 / amax;
+        let a: Vec<i32> = x
+            .iter()
+            .map(|v| (v * inv).round_ties_even() as i32)
+            .collect();
+        let bk = g.min(128);
+        (0..n)
+            .map(|col| {
+                let mut out = 0f32;
+                let mut b0 = 0;
+                while b0 < k {
+                    let mut acc = 0i32;
+                    for kk in b0..b0 + bk {
+                        acc += a[kk] * codes[col * k + kk] as i32;
+                    }
+                    let t = acc as f32 * sa;
+                    out = t.mul_add(scales[col * (k / g) + b0 / g], out);
+                    b0 += bk;
+                }
+                bf16::from_f32(out).to_f32()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn w4a8_is_bit_exact_to_the_recipe() {
+        let (k, n) = (256, 96);
+        let mut s = 9u64;
+        let mut next = || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        for g in [32, 64, 128] {
+            let codes: Vec<i8> = (0..n * k).map(|_| (next() % 16) as i8 - 8).collect();
+            let scales: Vec<f32> = (0..n * (k / g))
+                .map(|_| round_bf16((next() % 1000) as f32 * 1e-5 + 1e-4))
+                .collect();
+            let mut x: Vec<f32> = (0..k)
+                .map(|_| round_bf16((next() % 2001) as f32 / 1000.0 - 1.0))
+                .collect();
+            x[5] = x.iter().fold(0f32, |m, v| m.max(v.abs())) / 2.0; // an exact .5 tie after scaling
+            let mut y = vec![0f32; n];
+            w4a8_matmul(
+                &x,
+                1,
+                W4Weights {
+                    codes: &codes,
+                    scales: &scales,
+                    n,
+                    k,
+                    g,
+                },
+                &mut y,
+            );
+            let want = reference(&x, k, &codes, &scales, n, g);
+            assert!(
+                y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "g{g}"
+            );
+        }
+    }
+
+    #[test]
+    fn activation_quantization_is_symmetric_int8() {
+        let x = [0.5f32, -1.0, 0.25, 0.0];
+        let mut a = [0i32; 4];
+        let sa = quantize_activation_row(&x, &mut a);
+        assert_eq!(a, [64, -127, 32, 0]); // 63.5 rounds to even 64
+        assert!((sa - 1.0 / 127.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn w4a16_rounds_weights_to_bf16() {
+        let w = w4a16_weights(&[7, -8], &[1.007_812_5], 1, 2, 2);
+        assert_eq!(w, vec![round_bf16(7.0 * 1.007_812_5), -8.0 * 1.007_812_5]);
+        assert_ne!(w[0], 7.0 * 1.007_812_5, "7·s needs more than bf16's 8 bits");
+    }
+}
