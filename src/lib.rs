@@ -9,6 +9,7 @@ pub mod generate;
 pub mod inspect;
 pub mod kernels;
 pub mod model;
+pub mod parity;
 pub mod quant;
 pub mod quantize;
 pub mod sampling;

@@ -24,6 +24,8 @@ enum Command {
     Inspect(cli::inspect::InspectArgs),
     /// Run a checkpoint on CPU: prompt or token ids in, streamed text out.
     Run(cli::run::RunArgs),
+    /// Compare an artifact against a reference (greedy, top-1/5, KL, SNR, perplexity); exit 1 on drift.
+    Parity(cli::parity::ParityArgs),
     /// Detect this CPU and say which weight format runs best on it (and why).
     Probe(cli::quantize::ProbeArgs),
     /// GPTQ a checkpoint into a W4A8 or W4A16 GPTQ v1 checkpoint (format chosen by the probe).
@@ -42,13 +44,17 @@ fn main() {
         }
     }
     let result = match cli.command {
-        Command::Inspect(a) => cli::inspect::run(a),
-        Command::Run(a) => cli::run::run(a),
-        Command::Probe(a) => cli::quantize::probe(a),
-        Command::Quantize(a) => cli::quantize::run(a),
+        Command::Inspect(a) => cli::inspect::run(a).map(|_| 0),
+        Command::Run(a) => cli::run::run(a).map(|_| 0),
+        Command::Parity(a) => cli::parity::run(a),
+        Command::Probe(a) => cli::quantize::probe(a).map(|_| 0),
+        Command::Quantize(a) => cli::quantize::run(a).map(|_| 0),
     };
-    if let Err(e) = result {
-        eprintln!("error: {e:#}");
-        std::process::exit(2);
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
     }
 }

@@ -25,5 +25,8 @@ for fmt in "w4a8 --group-size 128" "w4a16 --group-size 64 --qkv-layout split --q
   cargo run --release -q -- quantize --format $fmt --samples 32 --seq-len 256 --quiet \
     --out "$fresh/$name" --dump-dequantized "$fresh/$name.dequant.safetensors" > /dev/null
   python3 tools/gptq_decode.py "$fresh/$name" --compare "$fresh/$name.dequant.safetensors"
+  # The CI gate users are meant to copy: the quantized artifact must stay within the committed policy.
+  cargo run --release -q -- parity fixtures/spark-tiny "$fresh/$name" --policy tests/parity_policy.json \
+    --json "$fresh/$name.parity.json"
 done
 echo "all tests passed"

@@ -223,11 +223,13 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
     let qkv: Vec<QkvLayout> = (0..cfg.num_hidden_layers)
         .map(|l| {
             let p = layer_prefix(l);
-            if store
-                .get(&format!("{p}self_attn.q_k_v_proj.weight"))
-                .is_none()
-                && store.get(&format!("{p}self_attn.q_proj.weight")).is_some()
-            {
+            // `.weight` for dense checkpoints, `.qweight` for GPTQ ones.
+            let has = |m: &str| {
+                ["weight", "qweight"]
+                    .iter()
+                    .any(|t| store.get(&format!("{p}self_attn.{m}.{t}")).is_some())
+            };
+            if !has("q_k_v_proj") && has("q_proj") {
                 QkvLayout::Split
             } else {
                 QkvLayout::Fused

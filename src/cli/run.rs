@@ -3,14 +3,56 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use clap::Args;
+use clap::{Args, ValueEnum};
 
 use spark_tool::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use spark_tool::checkpoint::Checkpoint;
 use spark_tool::generate::{generate, GenerateOptions};
-use spark_tool::model::SparkModel;
+use spark_tool::model::{LoadOptions, SparkModel, W4Numerics};
 use spark_tool::sampling::SamplingParams;
 use spark_tool::tokenizer::{render_chat, SparkTokenizer, StreamDecoder};
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum NumericsArg {
+    Auto,
+    W4a8,
+    W4a16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum ActDtypeArg {
+    Auto,
+    Bf16,
+    F32,
+}
+
+/// How a quantized checkpoint is executed.
+#[derive(Args, Clone, Copy)]
+pub struct ExecArgs {
+    /// 4-bit numerics: auto = what the checkpoint records (spark-tool writes w4a8/w4a16; others W4A16).
+    #[arg(long, value_enum, default_value = "auto")]
+    w4_numerics: NumericsArg,
+    /// Activation dtype between linears: auto = bf16 for GPTQ (vLLM) artifacts, f32 for the original.
+    #[arg(long, value_enum, default_value = "auto")]
+    act_dtype: ActDtypeArg,
+}
+
+impl ExecArgs {
+    pub fn options(&self, ck: &Checkpoint, progress: bool) -> LoadOptions {
+        let mut o = LoadOptions::for_checkpoint(ck, progress);
+        match self.w4_numerics {
+            NumericsArg::Auto => {}
+            NumericsArg::W4a8 => o.exec.numerics = W4Numerics::W4A8,
+            NumericsArg::W4a16 => o.exec.numerics = W4Numerics::W4A16,
+        }
+        match self.act_dtype {
+            ActDtypeArg::Auto => {}
+            ActDtypeArg::Bf16 => o.exec.act_bf16 = true,
+            ActDtypeArg::F32 => o.exec.act_bf16 = false,
+        }
+        o
+    }
+}
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -56,9 +98,11 @@ pub struct RunArgs {
     /// Print per-phase timers to stderr.
     #[arg(long)]
     stats: bool,
-    /// No progress bar, no streamed text (final text still printed unless --tokens-only).
+    /// No progress bar and no streamed text.
     #[arg(long)]
     quiet: bool,
+    #[command(flatten)]
+    exec: ExecArgs,
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
@@ -102,7 +146,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt tokenized to zero tokens");
     }
-    let model = SparkModel::from_checkpoint(&ck, !a.quiet)?;
+    let model = SparkModel::load(&ck, a.exec.options(&ck, !a.quiet))?;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     drop(ck);
 

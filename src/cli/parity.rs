@@ -1,0 +1,160 @@
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+
+use spark_tool::checkpoint::Checkpoint;
+use spark_tool::model::{LoadOptions, SparkModel};
+use spark_tool::parity::{self, ParityInputs, Policy};
+use spark_tool::quantize::calibration;
+use spark_tool::tokenizer::SparkTokenizer;
+
+use super::run::ExecArgs;
+
+#[derive(Args)]
+pub struct ParityArgs {
+    /// The reference artifact (usually the original checkpoint).
+    reference: PathBuf,
+    /// The artifact under test.
+    candidate: PathBuf,
+    /// Prompt set (default: the bundled held-out set calibration/parity_prompts.json).
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Held-out text for perplexity (default calibration/heldout.jsonl; never used for calibration).
+    #[arg(long)]
+    eval_text: Option<PathBuf>,
+    /// Tokens of held-out text for perplexity, in windows of --eval-seq-len.
+    #[arg(long, default_value_t = 2048)]
+    eval_tokens: usize,
+    #[arg(long, default_value_t = 512)]
+    eval_seq_len: usize,
+    /// Thresholds as JSON ({"max_kl_mean": 0.05, ...}); flags below override it.
+    #[arg(long)]
+    policy: Option<PathBuf>,
+    #[arg(long)]
+    min_greedy_match: Option<f64>,
+    #[arg(long)]
+    min_top1: Option<f64>,
+    #[arg(long)]
+    min_top5: Option<f64>,
+    #[arg(long)]
+    max_kl_mean: Option<f64>,
+    #[arg(long)]
+    max_kl_p99: Option<f64>,
+    #[arg(long)]
+    min_snr_db: Option<f64>,
+    #[arg(long)]
+    max_ppl_ratio: Option<f64>,
+    /// Write the full report as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Execution of the candidate when it is quantized.
+    #[command(flatten)]
+    exec: ExecArgs,
+}
+
+fn bpw(ck: &Checkpoint) -> f64 {
+    let r = spark_tool::inspect::inspect(ck, 1);
+    r.bytes as f64 * 8.0 / r.parameters.max(1) as f64
+}
+
+/// Exit code: 0 within policy, 1 drift, 2 could not run (returned as an error).
+pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
+    let mut policy = match &a.policy {
+        Some(p) => Policy::from_file(p)?,
+        None => Policy::default(),
+    };
+    macro_rules! over {
+        ($($f:ident),*) => { $( if a.$f.is_some() { policy.$f = a.$f; } )* };
+    }
+    over!(
+        min_greedy_match,
+        min_top1,
+        min_top5,
+        max_kl_mean,
+        max_kl_p99,
+        min_snr_db,
+        max_ppl_ratio
+    );
+
+    let open =
+        |p: &PathBuf| Checkpoint::open(p).with_context(|| format!("opening {}", p.display()));
+    let (ckr, ckc) = (open(&a.reference)?, open(&a.candidate)?);
+    let reference = SparkModel::load(&ckr, LoadOptions::for_checkpoint(&ckr, false))?;
+    let candidate = SparkModel::load(&ckc, a.exec.options(&ckc, false))?;
+    let tokenizer = match ckr.tokenizer_path() {
+        Some(p) => Some(SparkTokenizer::from_file(&p)?),
+        None => None,
+    };
+    let prompts = parity::read_prompts(&a.prompts.clone().unwrap_or_else(parity::bundled_prompts))?;
+    let eval_windows = match (&tokenizer, a.eval_tokens) {
+        (_, 0) | (None, _) => Vec::new(),
+        (Some(tok), n) => {
+            let path = a
+                .eval_text
+                .clone()
+                .unwrap_or_else(parity::bundled_eval_text);
+            let seq = a.eval_seq_len.min(n).max(2);
+            let w = calibration::build(&[path], tok, n / seq, seq)?;
+            (0..w.samples).map(|s| w.sample(s).to_vec()).collect()
+        }
+    };
+    let inputs = ParityInputs {
+        reference: &reference,
+        candidate: &candidate,
+        reference_name: a.reference.display().to_string(),
+        candidate_name: a.candidate.display().to_string(),
+        reference_bpw: bpw(&ckr),
+        candidate_bpw: bpw(&ckc),
+        tokenizer: tokenizer.as_ref(),
+        prompts: &prompts,
+        max_new_tokens: a.max_new_tokens,
+        eval_windows,
+        policy,
+    };
+    println!(
+        "{:<24} {:>6} {:>7} {:>6} {:>6} {:>9} {:>9} {:>8} {:>7}",
+        "prompt", "tokens", "greedy", "top1", "top5", "KL mean", "KL max", "max|Δ|", "SNR dB"
+    );
+    let report = parity::run(inputs, |p| {
+        println!(
+            "{:<24} {:>6} {:>7} {:>6.3} {:>6.3} {:>9.2e} {:>9.2e} {:>8.3} {:>7.1}",
+            p.name,
+            p.prompt_tokens,
+            match p.first_divergence {
+                None => "same".to_string(),
+                Some(i) => format!("@{i}"),
+            },
+            p.top1,
+            p.top5,
+            p.kl_mean,
+            p.kl_max,
+            p.max_abs_dlogit,
+            p.snr_db
+        );
+    })?;
+    let o = &report.overall;
+    println!(
+        "overall: greedy identical {}/{} (mean {:.1} tokens to divergence), top-1 {:.4}, top-5 {:.4}, KL mean {:.3e} p99 {:.3e} max {:.3e}, max|Δlogit| {:.3}, SNR {:.1} dB over {} positions",
+        o.greedy_identical, o.prompts, o.mean_tokens_to_divergence, o.top1, o.top5, o.kl_mean, o.kl_p99, o.kl_max, o.max_abs_dlogit, o.snr_db, o.positions
+    );
+    println!(
+        "perplexity on {} held-out tokens: reference {:.4}, candidate {:.4}, ratio {:.4}; bits/weight {:.3} vs {:.3}",
+        o.eval_tokens, o.ppl_reference, o.ppl_candidate, o.ppl_ratio, report.reference_bpw, report.candidate_bpw
+    );
+    if let Some(path) = &a.json {
+        let tmp = path.with_extension("json.partial");
+        std::fs::write(&tmp, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if report.passed {
+        println!("PASS");
+        Ok(0)
+    } else {
+        println!("DRIFT: {}", report.failures.join("; "));
+        Ok(1)
+    }
+}

@@ -1,0 +1,455 @@
+//! `parity`: how closely a candidate artifact tracks a reference, on the
+//! same prompts, and whether that is within a policy.
+//!
+//! Per prompt: greedy continuations of both (identical? where do they first
+//! differ?), then teacher forcing on prompt + the reference's continuation:
+//! at every position, KL(ref‖cand) of the next-token distributions, top-1
+//! agreement, top-5 overlap, max |Δlogit| and the logits' signal-to-noise
+//! ratio. Plus perplexity of both on held-out text.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::generate::{generate, GenerateOptions};
+use crate::model::{Logits, ModelError, SparkModel};
+use crate::tokenizer::{render_chat, SparkTokenizer};
+
+/// One prompt of a prompt set (`{"prompts": [...]}`; same schema as the golden prompt sets).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct Prompt {
+    pub name: String,
+    #[serde(default)]
+    pub text: Option<String>,
+    #[serde(default)]
+    pub tokens: Option<Vec<u32>>,
+    #[serde(default)]
+    pub chat: bool,
+    #[serde(default)]
+    pub system: Option<String>,
+    #[serde(default = "yes")]
+    pub thinking: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+struct PromptFile {
+    prompts: Vec<Prompt>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ParityError {
+    #[error("{path}: {message}")]
+    Input { path: String, message: String },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+pub fn bundled_prompts() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("calibration/parity_prompts.json")
+}
+
+pub fn bundled_eval_text() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("calibration/heldout.jsonl")
+}
+
+pub fn read_prompts(path: &Path) -> Result<Vec<Prompt>, ParityError> {
+    let bad = |message: String| ParityError::Input {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let f: PromptFile = serde_json::from_str(&text).map_err(|e| {
+        bad(format!(
+            "expected {{\"prompts\": [{{\"name\", \"text\" | \"tokens\", \"chat\"?}}]}}: {e}"
+        ))
+    })?;
+    if f.prompts.is_empty() {
+        return Err(bad("no prompts".into()));
+    }
+    for p in &f.prompts {
+        if p.text.is_none() == p.tokens.is_none() {
+            return Err(bad(format!(
+                "prompt `{}` needs exactly one of \"text\" or \"tokens\"",
+                p.name
+            )));
+        }
+    }
+    Ok(f.prompts)
+}
+
+/// Thresholds; `None` = not checked.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    /// Fraction of prompts whose greedy continuation must be identical.
+    pub min_greedy_match: Option<f64>,
+    pub min_top1: Option<f64>,
+    pub min_top5: Option<f64>,
+    pub max_kl_mean: Option<f64>,
+    pub max_kl_p99: Option<f64>,
+    pub min_snr_db: Option<f64>,
+    pub max_ppl_ratio: Option<f64>,
+}
+
+impl Policy {
+    pub fn from_file(path: &Path) -> Result<Self, ParityError> {
+        let bad = |message: String| ParityError::Input {
+            path: path.display().to_string(),
+            message,
+        };
+        serde_json::from_str(&std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?)
+            .map_err(|e| bad(e.to_string()))
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptReport {
+    pub name: String,
+    pub prompt_tokens: usize,
+    pub greedy_identical: bool,
+    /// Index of the first generated token that differs (None when identical).
+    pub first_divergence: Option<usize>,
+    pub positions: usize,
+    pub top1: f64,
+    pub top5: f64,
+    pub kl_mean: f64,
+    pub kl_max: f64,
+    pub max_abs_dlogit: f64,
+    pub snr_db: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Overall {
+    pub greedy_identical: usize,
+    pub prompts: usize,
+    pub mean_tokens_to_divergence: f64,
+    pub positions: usize,
+    pub top1: f64,
+    pub top5: f64,
+    pub kl_mean: f64,
+    pub kl_p99: f64,
+    pub kl_max: f64,
+    pub max_abs_dlogit: f64,
+    pub snr_db: f64,
+    pub eval_tokens: usize,
+    pub ppl_reference: f64,
+    pub ppl_candidate: f64,
+    pub ppl_ratio: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ParityReport {
+    pub reference: String,
+    pub candidate: String,
+    pub reference_bpw: f64,
+    pub candidate_bpw: f64,
+    pub max_new_tokens: usize,
+    pub prompts: Vec<PromptReport>,
+    pub overall: Overall,
+    pub policy: Policy,
+    pub passed: bool,
+    /// Why the policy failed (empty when it passed).
+    pub failures: Vec<String>,
+}
+
+/// Per-position comparison statistics.
+#[derive(Default)]
+struct Acc {
+    kls: Vec<f64>,
+    top1: usize,
+    top5: usize,
+    max_abs: f64,
+    sig: f64,
+    noise: f64,
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)) as f64;
+    let lse = x.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln() + max;
+    x.iter().map(|v| *v as f64 - lse).collect()
+}
+
+fn top_k(x: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+impl Acc {
+    fn add(&mut self, r: &[f32], c: &[f32]) {
+        let (lr, lc) = (log_softmax(r), log_softmax(c));
+        let kl: f64 = lr.iter().zip(&lc).map(|(a, b)| a.exp() * (a - b)).sum();
+        self.kls.push(kl.max(0.0));
+        let (tr, tc) = (top_k(r, 5), top_k(c, 5));
+        self.top1 += (tr[0] == tc[0]) as usize;
+        self.top5 += tr.iter().filter(|t| tc.contains(t)).count();
+        for (a, b) in r.iter().zip(c) {
+            let d = (*a as f64 - *b as f64).abs();
+            self.max_abs = self.max_abs.max(d);
+            self.sig += (*a as f64).powi(2);
+            self.noise += d * d;
+        }
+    }
+    fn n(&self) -> usize {
+        self.kls.len()
+    }
+    fn snr_db(&self) -> f64 {
+        if self.noise == 0.0 {
+            f64::INFINITY
+        } else {
+            10.0 * (self.sig / self.noise).log10()
+        }
+    }
+}
+
+fn encode(tok: Option<&SparkTokenizer>, p: &Prompt) -> Result<Vec<u32>, ParityError> {
+    if let Some(t) = &p.tokens {
+        return Ok(t.clone());
+    }
+    let tok = tok.ok_or_else(|| {
+        ParityError::Mismatch(format!(
+            "prompt `{}` is text but the reference has no tokenizer.json",
+            p.name
+        ))
+    })?;
+    let text = p.text.as_deref().unwrap_or_default();
+    let text = if p.chat {
+        render_chat(text, p.system.as_deref(), p.thinking)
+    } else {
+        text.to_string()
+    };
+    Ok(tok.encode(&text)?)
+}
+
+fn perplexity(model: &SparkModel, windows: &[Vec<u32>]) -> Result<f64, ParityError> {
+    let (mut nll, mut n) = (0f64, 0usize);
+    let vocab = model.config().vocab_size;
+    for w in windows {
+        let mut cache = model.new_cache(w.len());
+        let logits = model.forward(w, &mut cache, Logits::All)?;
+        for (i, row) in logits.chunks_exact(vocab).enumerate().take(w.len() - 1) {
+            nll -= log_softmax(row)[w[i + 1] as usize];
+            n += 1;
+        }
+    }
+    Ok((nll / n.max(1) as f64).exp())
+}
+
+pub struct ParityInputs<'a> {
+    pub reference: &'a SparkModel,
+    pub candidate: &'a SparkModel,
+    pub reference_name: String,
+    pub candidate_name: String,
+    pub reference_bpw: f64,
+    pub candidate_bpw: f64,
+    pub tokenizer: Option<&'a SparkTokenizer>,
+    pub prompts: &'a [Prompt],
+    pub max_new_tokens: usize,
+    /// Held-out token windows for perplexity.
+    pub eval_windows: Vec<Vec<u32>>,
+    pub policy: Policy,
+}
+
+pub fn run(
+    inp: ParityInputs,
+    mut on_prompt: impl FnMut(&PromptReport),
+) -> Result<ParityReport, ParityError> {
+    let (r, c) = (inp.reference, inp.candidate);
+    if r.config().vocab_size != c.config().vocab_size {
+        return Err(ParityError::Mismatch(format!(
+            "vocabularies differ: reference {} vs candidate {}",
+            r.config().vocab_size,
+            c.config().vocab_size
+        )));
+    }
+    let vocab = r.config().vocab_size;
+    let mut all = Acc::default();
+    let mut reports = Vec::new();
+    let mut divergence_sum = 0usize;
+    for p in inp.prompts {
+        let ids = encode(inp.tokenizer, p)?;
+        let opts = GenerateOptions {
+            max_new_tokens: inp.max_new_tokens,
+            ignore_eos: false,
+            stop_ids: r.config().eos_token_ids.clone(),
+            sampling: None,
+            context: None,
+            capture_logits: false,
+        };
+        let gr = generate(r, &ids, &opts, |_| {})?;
+        let gc = generate(c, &ids, &opts, |_| {})?;
+        let (cr, cc) = (&gr.tokens[ids.len()..], &gc.tokens[ids.len()..]);
+        let first_divergence = cr
+            .iter()
+            .zip(cc)
+            .position(|(a, b)| a != b)
+            .or((cr.len() != cc.len()).then(|| cr.len().min(cc.len())));
+        divergence_sum += first_divergence.unwrap_or(cr.len());
+
+        // Teacher forcing on the reference's sequence; the last token predicts nothing we have.
+        let seq = &gr.tokens;
+        let mut cache_r = r.new_cache(seq.len());
+        let mut cache_c = c.new_cache(seq.len());
+        let lr = r.forward(seq, &mut cache_r, Logits::All)?;
+        let lc = c.forward(seq, &mut cache_c, Logits::All)?;
+        let mut acc = Acc::default();
+        for (a, b) in lr
+            .chunks_exact(vocab)
+            .zip(lc.chunks_exact(vocab))
+            .take(seq.len().saturating_sub(1).max(1))
+        {
+            acc.add(a, b);
+            all.add(a, b);
+        }
+        let n = acc.n().max(1) as f64;
+        let rep = PromptReport {
+            name: p.name.clone(),
+            prompt_tokens: ids.len(),
+            greedy_identical: first_divergence.is_none(),
+            first_divergence,
+            positions: acc.n(),
+            top1: acc.top1 as f64 / n,
+            top5: acc.top5 as f64 / (5.0 * n),
+            kl_mean: acc.kls.iter().sum::<f64>() / n,
+            kl_max: acc.kls.iter().fold(0f64, |m, v| m.max(*v)),
+            max_abs_dlogit: acc.max_abs,
+            snr_db: acc.snr_db(),
+        };
+        on_prompt(&rep);
+        reports.push(rep);
+    }
+    let (ppl_reference, ppl_candidate) = if inp.eval_windows.is_empty() {
+        (f64::NAN, f64::NAN)
+    } else {
+        (
+            perplexity(r, &inp.eval_windows)?,
+            perplexity(c, &inp.eval_windows)?,
+        )
+    };
+    let n = all.n().max(1) as f64;
+    let mut kls = all.kls.clone();
+    kls.sort_by(|a, b| a.total_cmp(b));
+    let p99 = kls
+        .get(((kls.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))
+        .copied()
+        .unwrap_or(0.0);
+    let overall = Overall {
+        greedy_identical: reports.iter().filter(|p| p.greedy_identical).count(),
+        prompts: reports.len(),
+        mean_tokens_to_divergence: divergence_sum as f64 / reports.len().max(1) as f64,
+        positions: all.n(),
+        top1: all.top1 as f64 / n,
+        top5: all.top5 as f64 / (5.0 * n),
+        kl_mean: all.kls.iter().sum::<f64>() / n,
+        kl_p99: p99,
+        kl_max: kls.last().copied().unwrap_or(0.0),
+        max_abs_dlogit: all.max_abs,
+        snr_db: all.snr_db(),
+        eval_tokens: inp.eval_windows.iter().map(|w| w.len()).sum(),
+        ppl_reference,
+        ppl_candidate,
+        ppl_ratio: ppl_candidate / ppl_reference,
+    };
+    let failures = check(&inp.policy, &overall);
+    Ok(ParityReport {
+        reference: inp.reference_name,
+        candidate: inp.candidate_name,
+        reference_bpw: inp.reference_bpw,
+        candidate_bpw: inp.candidate_bpw,
+        max_new_tokens: inp.max_new_tokens,
+        prompts: reports,
+        passed: failures.is_empty(),
+        failures,
+        policy: inp.policy,
+        overall,
+    })
+}
+
+pub fn check(p: &Policy, o: &Overall) -> Vec<String> {
+    let mut f = Vec::new();
+    let greedy = o.greedy_identical as f64 / o.prompts.max(1) as f64;
+    let mut min = |name: &str, got: f64, want: Option<f64>| {
+        if let Some(w) = want {
+            if got.is_nan() || got < w {
+                f.push(format!("{name} {got:.4} < {w}"));
+            }
+        }
+    };
+    min("greedy match", greedy, p.min_greedy_match);
+    min("top-1", o.top1, p.min_top1);
+    min("top-5 overlap", o.top5, p.min_top5);
+    min("logits SNR dB", o.snr_db, p.min_snr_db);
+    let mut max = |name: &str, got: f64, want: Option<f64>| {
+        if let Some(w) = want {
+            if got.is_nan() || got > w {
+                f.push(format!("{name} {got:.4} > {w}"));
+            }
+        }
+    };
+    max("KL mean", o.kl_mean, p.max_kl_mean);
+    max("KL p99", o.kl_p99, p.max_kl_p99);
+    max("perplexity ratio", o.ppl_ratio, p.max_ppl_ratio);
+    f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_logits_are_perfect() {
+        let mut a = Acc::default();
+        let r = [1.0f32, 2.0, -1.0, 0.5, 3.0, 0.0];
+        a.add(&r, &r);
+        assert_eq!((a.top1, a.top5), (1, 5));
+        assert!(a.kls[0].abs() < 1e-12 && a.snr_db().is_infinite());
+    }
+
+    #[test]
+    fn kl_matches_a_hand_computation() {
+        let mut a = Acc::default();
+        a.add(&[0.0, 0.0], &[0.0, (3f32).ln()]);
+        // p = (.5,.5), q = (.25,.75): KL = .5 ln 2 + .5 ln(2/3)
+        let want = 0.5 * 2f64.ln() + 0.5 * (2.0f64 / 3.0).ln();
+        assert!((a.kls[0] - want).abs() < 1e-6);
+    }
+
+    #[test]
+    fn policy_failures_name_the_metric() {
+        let o = Overall {
+            greedy_identical: 5,
+            prompts: 10,
+            mean_tokens_to_divergence: 3.0,
+            positions: 100,
+            top1: 0.9,
+            top5: 0.95,
+            kl_mean: 0.02,
+            kl_p99: 0.3,
+            kl_max: 1.0,
+            max_abs_dlogit: 2.0,
+            snr_db: 20.0,
+            eval_tokens: 10,
+            ppl_reference: 2.0,
+            ppl_candidate: 2.2,
+            ppl_ratio: 1.1,
+        };
+        let p = Policy {
+            min_greedy_match: Some(0.6),
+            max_kl_mean: Some(0.05),
+            max_ppl_ratio: Some(1.05),
+            ..Default::default()
+        };
+        let f = check(&p, &o);
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert!(f[0].starts_with("greedy match") && f[1].starts_with("perplexity ratio"));
+    }
+}

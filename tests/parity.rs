@@ -1,0 +1,102 @@
+//! `parity` as a CI gate: a faithful artifact passes, a damaged one drifts (exit 1),
+//! an incompatible pair cannot run (exit 2).
+
+mod common;
+
+use std::process::Command;
+
+use spark_tool::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
+use spark_tool::checkpoint::TensorStore;
+
+fn tool() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_spark-tool"))
+}
+
+fn parity(
+    reference: &std::path::Path,
+    candidate: &std::path::Path,
+    extra: &[&str],
+) -> (i32, String) {
+    let out = tool()
+        .arg("parity")
+        .arg(reference)
+        .arg(candidate)
+        .args(["--prompts"])
+        .arg(common::root().join("tests/golden/prompts/spark-tiny.json"))
+        .args([
+            "--max-new-tokens",
+            "16",
+            "--eval-tokens",
+            "512",
+            "--eval-seq-len",
+            "256",
+            "--policy",
+        ])
+        .arg(common::root().join("tests/parity_policy.json"))
+        .args(extra)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// A copy of spark-tiny with one MLP weight scaled: a plausible-looking but broken artifact.
+fn damaged_copy(dir: &std::path::Path) {
+    common::copy_dir(&common::fixture("spark-tiny"), dir);
+    let store = TensorStore::open(&common::fixture("spark-tiny")).unwrap();
+    let tensors: Vec<OwnedTensor> = store
+        .entries()
+        .map(|e| {
+            let mut data = store.bytes(e).to_vec();
+            if e.name == "model.layers.2.mlp.down_proj.weight" {
+                for c in data.chunks_exact_mut(2) {
+                    let v = half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32() * 3.0;
+                    c.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
+                }
+            }
+            OwnedTensor {
+                name: e.name.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                data,
+            }
+        })
+        .collect();
+    drop(store);
+    write_safetensors_atomic(&dir.join("model.safetensors"), &tensors, None).unwrap();
+}
+
+#[test]
+fn identical_artifact_passes_with_perfect_scores() {
+    let fx = common::fixture("spark-tiny");
+    let d = tempfile::tempdir().unwrap();
+    let json = d.path().join("r.json");
+    let (code, text) = parity(&fx, &fx, &["--json", json.to_str().unwrap()]);
+    assert_eq!(code, 0, "{text}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    assert_eq!(r["overall"]["top1"], 1.0);
+    assert_eq!(r["overall"]["kl_max"], 0.0);
+    assert_eq!(r["overall"]["greedy_identical"], r["overall"]["prompts"]);
+}
+
+#[test]
+fn damaged_artifact_is_reported_as_drift() {
+    let d = tempfile::tempdir().unwrap();
+    damaged_copy(d.path());
+    let (code, text) = parity(&common::fixture("spark-tiny"), d.path(), &[]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("DRIFT:"), "{text}");
+}
+
+#[test]
+fn incompatible_pair_cannot_run() {
+    let (code, text) = parity(
+        &common::fixture("spark-tiny"),
+        &common::fixture("spark-random"),
+        &[],
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("vocabularies differ"), "{text}");
+}
