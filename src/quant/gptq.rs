@@ -117,15 +117,19 @@ pub fn rtn(
 
 /// Upper factor U with H⁻¹ = UᵀU via one Cholesky and one triangular inverse
 /// of the index-reversed matrix (GPTQ.md §1.4): chol(J H J) = L̃, U = J L̃⁻¹ J.
+///
+/// In f32, as the reference implementations factor (torch float32): twice the
+/// SIMD width and half the memory traffic of f64, and a failure only means
+/// more damping (which the caller adds and logs).
 fn inverse_upper_factor(h: &[f64], k: usize) -> Option<Vec<f32>> {
-    let flipped = Mat::<f64>::from_fn(k, k, |i, j| h[(k - 1 - i) * k + (k - 1 - j)]);
+    let flipped = Mat::<f32>::from_fn(k, k, |i, j| h[(k - 1 - i) * k + (k - 1 - j)] as f32);
     let llt = flipped.llt(Side::Lower).ok()?;
-    let mut inv = Mat::<f64>::zeros(k, k);
+    let mut inv = Mat::<f32>::zeros(k, k);
     invert_lower_triangular(inv.as_mut(), llt.L(), Par::rayon(0));
     let mut u = vec![0f32; k * k];
     for i in 0..k {
         for j in i..k {
-            u[i * k + j] = inv[(k - 1 - i, k - 1 - j)] as f32;
+            u[i * k + j] = inv[(k - 1 - i, k - 1 - j)];
         }
     }
     u.iter().all(|x| x.is_finite()).then_some(u)
