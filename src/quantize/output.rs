@@ -361,12 +361,16 @@ impl Output {
             None => {}
         }
         let bytes: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
-        let params: u64 = ck
+        let mut params: u64 = ck
             .layout
             .expected
             .iter()
             .map(|t| t.shape.iter().product::<usize>() as u64)
             .sum();
+        if head.is_some() && ck.layout.tied {
+            // Untying stores the head as its own (4-bit) tensor next to the bf16 embedding.
+            params += (ck.config.vocab_size * ck.config.hidden_size) as u64;
+        }
 
         let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), "pt".to_string());
