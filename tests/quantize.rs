@@ -7,7 +7,9 @@ use std::path::Path;
 use spark_tool::checkpoint::{QkvLayout, TensorStore};
 use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::formats::gptq::{unpack_qweight, QZEROS_V1_SYM};
-use spark_tool::quantize::{calibration, quantize, QuantReport, QuantizeError, QuantizeOptions};
+use spark_tool::quantize::{
+    calibration, quantize, Method, QuantReport, QuantizeError, QuantizeOptions,
+};
 
 /// Small calibration so the tests stay fast (16 × 128 = 2048 tokens, > 3× the 768-wide MLP input).
 fn opts(out: &Path, format: WeightFormat, group_size: usize) -> QuantizeOptions {
@@ -16,6 +18,7 @@ fn opts(out: &Path, format: WeightFormat, group_size: usize) -> QuantizeOptions 
         out_dir: out.to_path_buf(),
         format,
         group_size,
+        method: Method::GptqSearch,
         path: device::decide(
             &device::CpuFeatures::default(),
             Target::X86,
@@ -48,13 +51,20 @@ fn i32s(store: &TensorStore, name: &str) -> Vec<i32> {
 fn check_every_linear_improves(r: &QuantReport) {
     assert!(!r.linears.is_empty());
     for l in &r.linears {
-        let (rtn, gptq) = (l.rtn_error.unwrap(), l.gptq_error.unwrap());
+        let (rtn, gptq, search) = (
+            l.rtn_error.unwrap(),
+            l.gptq_error.unwrap(),
+            l.gptq_search_error.unwrap(),
+        );
         assert!(gptq < rtn, "{}: GPTQ {gptq} not below RTN {rtn}", l.name);
         assert!(
-            l.gptq_search_error <= gptq,
-            "{}: scale search {} worse than plain GPTQ {gptq}",
-            l.name,
-            l.gptq_search_error
+            search <= gptq,
+            "{}: scale search {search} worse than plain GPTQ {gptq}",
+            l.name
+        );
+        assert_eq!(
+            l.error, search,
+            "the default writes the scale-search result"
         );
     }
 }
@@ -152,6 +162,30 @@ fn w4a16_g64_split_with_quantized_head() {
     // The dump holds what the quantizer computed with; tools/gptq_decode.py checks the checkpoint against it.
     let dump_store = TensorStore::open_file(&dump).unwrap();
     assert_eq!(dump_store.len(), 8 * 7 + 1);
+}
+
+#[test]
+fn baseline_methods_write_their_own_weights() {
+    let d = tempfile::tempdir().unwrap();
+    let mut errors = Vec::new();
+    for method in [Method::Rtn, Method::Gptq] {
+        let out = d.path().join(format!("{method:?}"));
+        let mut o = opts(&out, WeightFormat::W4A8, 128);
+        o.method = method;
+        o.compare = false;
+        let r = quantize(&o).unwrap();
+        assert!(r.linears.iter().all(|l| {
+            let measured = [l.rtn_error, l.gptq_error, l.gptq_search_error];
+            measured.iter().flatten().count() == 1 && measured[method as usize] == Some(l.error)
+        }));
+        errors.push(r.mean_error);
+    }
+    assert!(
+        errors[1] < errors[0],
+        "GPTQ {} should beat RTN {}",
+        errors[1],
+        errors[0]
+    );
 }
 
 #[test]

@@ -5,7 +5,7 @@ use clap::{Args, ValueEnum};
 
 use spark_tool::checkpoint::QkvLayout;
 use spark_tool::device::{self, Priority, Target, WeightFormat};
-use spark_tool::quantize::{calibration, quantize, QuantizeOptions};
+use spark_tool::quantize::{calibration, quantize, Method, QuantizeOptions};
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum FormatArg {
@@ -27,6 +27,13 @@ pub enum TargetArg {
     X86,
     Arm,
     Phone,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum MethodArg {
+    Rtn,
+    Gptq,
+    GptqSearch,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -110,6 +117,9 @@ pub struct QuantizeArgs {
     /// Default: 128 for W4A8, 64 for W4A16.
     #[arg(long)]
     group_size: Option<usize>,
+    /// The quantizer that writes the weights (rtn and gptq are baselines for comparisons).
+    #[arg(long, value_enum, default_value = "gptq-search")]
+    method: MethodArg,
     #[arg(long, value_enum, default_value = "speed")]
     priority: PriorityArg,
     #[arg(long, value_enum, default_value = "auto")]
@@ -182,6 +192,11 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         out_dir: a.out.clone(),
         format,
         group_size,
+        method: match a.method {
+            MethodArg::Rtn => Method::Rtn,
+            MethodArg::Gptq => Method::Gptq,
+            MethodArg::GptqSearch => Method::GptqSearch,
+        },
         path,
         calibration: if a.calibration.is_empty() {
             vec![calibration::bundled()]
@@ -225,20 +240,22 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
     let e = |v: Option<f64>| v.map(|v| format!("{v:.3e}")).unwrap_or_else(|| "-".into());
     for l in &report.linears {
         println!(
-            "{:<42} {:>11} {:>11} {:>11.3e} {:>7.3} {:>7.2}",
+            "{:<42} {:>11} {:>11} {:>11} {:>7.3} {:>7.2}",
             l.name,
             e(l.rtn_error),
             e(l.gptq_error),
-            l.gptq_search_error,
+            e(l.gptq_search_error),
             l.damp,
             l.seconds
         );
     }
     println!(
-        "mean relative output error: rtn {}, gptq {}, gptq+search {:.3e}",
+        "mean relative output error: rtn {}, gptq {}, gptq+search {}; written ({}) {:.3e}",
         e(report.mean_rtn_error),
         e(report.mean_gptq_error),
-        report.mean_gptq_search_error
+        e(report.mean_gptq_search_error),
+        serde_json::to_value(report.method)?.as_str().unwrap_or("?"),
+        report.mean_error
     );
     println!(
         "{:.3} bits per weight over all tensors ({:.2} MB), wall {:.1} s, peak RSS {}",

@@ -27,12 +27,25 @@ use crate::quant::{
 };
 use crate::tokenizer::SparkTokenizer;
 
+/// Which quantizer writes the weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Method {
+    /// Round to nearest with max/7.5 scales (baseline).
+    Rtn = 0,
+    /// GPTQ with max/7.5 scales.
+    Gptq = 1,
+    /// GPTQ with the importance-weighted scale search (the default).
+    GptqSearch = 2,
+}
+
 #[derive(Debug, Clone)]
 pub struct QuantizeOptions {
     pub model_dir: PathBuf,
     pub out_dir: PathBuf,
     pub format: WeightFormat,
     pub group_size: usize,
+    pub method: Method,
     /// Why this format (the probe's decision, or "explicit").
     pub path: WeightPath,
     pub calibration: Vec<PathBuf>,
@@ -59,10 +72,12 @@ pub struct LinearReport {
     pub out_features: usize,
     pub in_features: usize,
     /// ‖(W − Q)X‖² / ‖WX‖² on the calibration inputs of this linear.
-    /// Round-to-nearest and plain-GPTQ errors for comparison (absent with `compare: false`).
+    /// Error of the weights written.
+    pub error: f64,
+    /// Each method's error, when measured (all three with `compare`).
     pub rtn_error: Option<f64>,
     pub gptq_error: Option<f64>,
-    pub gptq_search_error: f64,
+    pub gptq_search_error: Option<f64>,
     pub damp: f64,
     pub dead_columns: usize,
     pub seconds: f64,
@@ -84,9 +99,11 @@ pub struct QuantReport {
     pub samples: usize,
     pub seq_len: usize,
     pub linears: Vec<LinearReport>,
+    pub method: Method,
+    pub mean_error: f64,
     pub mean_rtn_error: Option<f64>,
     pub mean_gptq_error: Option<f64>,
-    pub mean_gptq_search_error: f64,
+    pub mean_gptq_search_error: Option<f64>,
     pub bits_per_weight: f64,
     pub output_bytes: u64,
     pub wall_seconds: f64,
@@ -140,8 +157,9 @@ fn check_finite(x: &[f32], layer: usize, what: &'static str) -> Result<(), Quant
     }
 }
 
-/// Quantize every linear that reads `h`: RTN, plain GPTQ and GPTQ with the
-/// scale search are all measured; the scale-search result is the one kept.
+/// Quantize every linear that reads `h` with `method`; with `compare`, RTN,
+/// plain GPTQ and GPTQ + scale search are all measured for the report.
+#[allow(clippy::too_many_arguments)]
 fn quantize_group(
     names: &[String],
     weights: &[Vec<f32>],
@@ -149,48 +167,58 @@ fn quantize_group(
     h: &Hessian,
     group_size: usize,
     damp: f64,
+    method: Method,
     compare: bool,
 ) -> Result<(Vec<QuantizedWeight>, Vec<LinearReport>), QuantizeError> {
     let k = h.dim();
     let t0 = Instant::now();
     let solver = GptqSolver::new(&names.join("+"), h, damp)?;
     let setup = t0.elapsed().as_secs_f64() / names.len() as f64;
-    let plain_cfg = GptqConfig {
+    let cfg = |rule| GptqConfig {
         group_size,
         block_size: 128,
         damp,
-        rule: ScaleRule::MaxOver7_5,
+        rule,
     };
-    let search_cfg = GptqConfig {
-        rule: ScaleRule::Search,
-        ..plain_cfg
+    let variants: Vec<Method> = if compare {
+        vec![Method::Rtn, Method::Gptq, Method::GptqSearch]
+    } else {
+        vec![method]
     };
     let mut kept = Vec::new();
     let mut reports = Vec::new();
     for ((name, w), &n) in names.iter().zip(weights).zip(outs) {
-        let t = Instant::now();
-        let search = solver.quantize(w, n, &search_cfg)?;
-        let seconds = setup + t.elapsed().as_secs_f64();
         let err = |q: &QuantizedWeight| relative_output_error(w, &q.dequantize(), n, k, h);
-        let (rtn_error, gptq_error) = if compare {
-            let plain = solver.quantize(w, n, &plain_cfg)?;
-            let r = rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5);
-            (Some(err(&r)), Some(err(&plain)))
-        } else {
-            (None, None)
-        };
+        let mut errors = [None; 3];
+        let mut chosen = None;
+        let mut seconds = setup;
+        for &v in &variants {
+            let t = Instant::now();
+            let q = match v {
+                Method::Rtn => rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5),
+                Method::Gptq => solver.quantize(w, n, &cfg(ScaleRule::MaxOver7_5))?,
+                Method::GptqSearch => solver.quantize(w, n, &cfg(ScaleRule::Search))?,
+            };
+            errors[v as usize] = Some(err(&q));
+            if v == method {
+                seconds += t.elapsed().as_secs_f64();
+                chosen = Some(q);
+            }
+        }
+        let chosen = chosen.expect("the chosen method is always among the variants");
         reports.push(LinearReport {
             name: name.clone(),
             out_features: n,
             in_features: k,
-            rtn_error,
-            gptq_error,
-            gptq_search_error: err(&search),
+            error: errors[method as usize].expect("measured"),
+            rtn_error: errors[Method::Rtn as usize],
+            gptq_error: errors[Method::Gptq as usize],
+            gptq_search_error: errors[Method::GptqSearch as usize],
             damp: solver.damp_used,
             dead_columns: solver.dead_columns(),
             seconds,
         });
-        kept.push(search);
+        kept.push(chosen);
     }
     Ok((kept, reports))
 }
@@ -247,6 +275,7 @@ fn quantize_layer(
         &h_qkv,
         gs,
         damp,
+        opts.method,
         opts.compare,
     )?;
     reports.extend(r);
@@ -283,6 +312,7 @@ fn quantize_layer(
         &h_o,
         gs,
         damp,
+        opts.method,
         opts.compare,
     )?;
     reports.extend(r);
@@ -304,6 +334,7 @@ fn quantize_layer(
         &h_gu,
         gs,
         damp,
+        opts.method,
         opts.compare,
     )?;
     reports.extend(r);
@@ -327,6 +358,7 @@ fn quantize_layer(
         &h_down,
         gs,
         damp,
+        opts.method,
         opts.compare,
     )?;
     reports.extend(r);
@@ -367,6 +399,7 @@ fn quantize_head(
         &h,
         opts.group_size,
         opts.damp,
+        opts.method,
         opts.compare,
     )?;
     Ok((q.remove(0), r.remove(0)))
@@ -508,7 +541,11 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         out: opts.out_dir.display().to_string(),
         format: opts.format,
         group_size: opts.group_size,
-        scale_rule: ScaleRule::Search,
+        scale_rule: if opts.method == Method::GptqSearch {
+            ScaleRule::Search
+        } else {
+            ScaleRule::MaxOver7_5
+        },
         qkv_layout: opts.qkv_layout,
         quantize_head: opts.quantize_head,
         path: opts.path.clone(),
@@ -522,7 +559,9 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         seq_len: windows.seq_len,
         mean_rtn_error: mean_opt(&|r| r.rtn_error),
         mean_gptq_error: mean_opt(&|r| r.gptq_error),
-        mean_gptq_search_error: mean(&|r| r.gptq_search_error),
+        method: opts.method,
+        mean_error: mean(&|r| r.error),
+        mean_gptq_search_error: mean_opt(&|r| r.gptq_search_error),
         linears: reports,
         bits_per_weight: 0.0,
         output_bytes: 0,

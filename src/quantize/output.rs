@@ -466,6 +466,7 @@ impl Output {
                 "quantizer": [format!("spark-tool:{}", env!("CARGO_PKG_VERSION"))],
                 "spark_tool": {
                     "format": r.format,
+                    "method": r.method,
                     "scale_rule": r.scale_rule,
                     "qkv_layout": r.qkv_layout,
                     "device_path": r.path,
