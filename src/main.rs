@@ -24,6 +24,8 @@ enum Command {
     Inspect(cli::inspect::InspectArgs),
     /// Run a checkpoint on CPU: prompt or token ids in, streamed text out.
     Run(cli::run::RunArgs),
+    /// Measure prefill and decode throughput of one artifact (min/median/max over repeats).
+    Bench(cli::bench::BenchArgs),
     /// Compare an artifact against a reference (greedy, top-1/5, KL, SNR, perplexity); exit 1 on drift.
     Parity(cli::parity::ParityArgs),
     /// Detect this CPU and say which weight format runs best on it (and why).
@@ -47,6 +49,7 @@ fn main() {
         Command::Inspect(a) => cli::inspect::run(a).map(|_| 0),
         Command::Run(a) => cli::run::run(a).map(|_| 0),
         Command::Parity(a) => cli::parity::run(a),
+        Command::Bench(a) => cli::bench::run(a).map(|_| 0),
         Command::Probe(a) => cli::quantize::probe(a).map(|_| 0),
         Command::Quantize(a) => cli::quantize::run(a).map(|_| 0),
     };

@@ -127,3 +127,29 @@ fn errors_exit_2_with_a_reason() {
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("no tokenizer.json"));
 }
+
+#[test]
+fn bench_reports_throughput_with_spread() {
+    let (so, _) = ok(tool()
+        .args([
+            "bench",
+            "--prompt-len",
+            "40",
+            "--gen",
+            "5",
+            "--repeat",
+            "2",
+            "--json",
+        ])
+        .arg(common::fixture("spark-random")));
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["prompt_len"], 40);
+    assert_eq!(v["repeat"], 2);
+    for k in ["prefill_tok_s", "decode_tok_s", "time_to_first_token_ms"] {
+        let s = &v[k];
+        assert!(
+            s["min"].as_f64().unwrap() > 0.0 && s["min"].as_f64() <= s["median"].as_f64(),
+            "{k}: {s}"
+        );
+    }
+}
