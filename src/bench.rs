@@ -49,6 +49,14 @@ pub struct BenchReport {
     pub sampling_ms: Spread,
 }
 
+/// Peak resident set size of this process (Linux `VmHWM`), if the OS reports it.
+pub fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// Deterministic pseudo-random prompt ids below `vocab` (any ids cost the same).
 pub fn prompt_ids(len: usize, vocab: usize) -> Vec<u32> {
     let mut s = 0x9E37_79B9_7F4A_7C15u64;

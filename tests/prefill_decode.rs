@@ -11,17 +11,8 @@ use spark_tool::model::{Logits, SparkModel};
 const REL_TOL: f32 = 1e-4;
 
 fn prompt(model: &SparkModel, len: usize) -> Vec<u32> {
-    let v = model.config().vocab_size as u64;
-    // Deterministic pseudo-random ids (LCG); any ids exercise the caches equally.
-    let mut s = 12345u64;
-    (0..len)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % v) as u32
-        })
-        .collect()
+    // Any ids exercise the caches equally.
+    spark_tool::bench::prompt_ids(len, model.config().vocab_size)
 }
 
 fn assert_rows_close(a: &[f32], b: &[f32], vocab: usize, what: &str) {

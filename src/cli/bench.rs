@@ -25,18 +25,6 @@ pub struct BenchArgs {
     exec: ExecArgs,
 }
 
-fn peak_rss() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb: u64 = s
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()?;
-    Some(kb * 1024)
-}
-
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let dir = a
         .artifact
@@ -47,7 +35,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let model = SparkModel::load(&ck, a.exec.options(&ck, false))?;
     let load_ms = t.elapsed().as_secs_f64() * 1e3;
     let r = spark_tool::bench::run(&model, a.prompt_len, a.gen, a.repeat)?;
-    let rss = peak_rss();
+    let rss = spark_tool::bench::peak_rss();
     if a.json {
         let mut v = serde_json::to_value(&r)?;
         v["artifact"] = dir.display().to_string().into();

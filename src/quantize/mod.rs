@@ -405,13 +405,6 @@ fn quantize_head(
     Ok((q.remove(0), r.remove(0)))
 }
 
-fn peak_rss() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 /// The whole command. Progress goes to stderr; the report is returned.
 pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     let t0 = Instant::now();
@@ -576,7 +569,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     report.output_bytes = bytes;
     report.bits_per_weight = bytes as f64 * 8.0 / params as f64;
     report.wall_seconds = t0.elapsed().as_secs_f64();
-    report.peak_rss_bytes = peak_rss();
+    report.peak_rss_bytes = crate::bench::peak_rss();
     out.finish(&report)?;
     Ok(report)
 }
