@@ -4,7 +4,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::model::{Logits, ModelError, SparkModel};
+use crate::engine::Engine;
+use crate::model::{Logits, ModelError};
 use crate::sampling::{Sampler, SamplingParams};
 
 pub struct GenerateOptions {
@@ -51,14 +52,14 @@ pub struct GenerateOutput {
 
 /// Generate after `prompt`, calling `on_token` with each new id as soon as it is chosen.
 pub fn generate(
-    model: &SparkModel,
+    model: &dyn Engine,
     prompt: &[u32],
     opts: &GenerateOptions,
     mut on_token: impl FnMut(u32),
 ) -> Result<GenerateOutput, ModelError> {
     let vocab = model.config().vocab_size;
     let context = opts.context.unwrap_or(prompt.len() + opts.max_new_tokens);
-    let mut cache = model.new_cache(context);
+    let mut seq = model.start(context)?;
     let mut sampler = Sampler::new(opts.sampling);
     let mut stats = GenerateStats {
         prompt_tokens: prompt.len(),
@@ -71,7 +72,7 @@ pub fn generate(
     } else {
         Logits::Last
     };
-    let prompt_logits = model.forward(prompt, &mut cache, want)?;
+    let prompt_logits = seq.forward(prompt, want)?;
     stats.prefill_ms = t.elapsed().as_secs_f64() * 1e3;
     let mut last = prompt_logits[prompt_logits.len() - vocab..].to_vec();
 
@@ -95,7 +96,7 @@ pub fn generate(
             break;
         }
         let t = Instant::now();
-        last = model.forward(&[next], &mut cache, Logits::Last)?;
+        last = seq.forward(&[next], Logits::Last)?;
         stats.decode_ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
     stats.generated_tokens = tokens.len() - prompt.len();

@@ -332,6 +332,23 @@ impl std::fmt::Display for InspectReport {
     }
 }
 
+/// Parameters of the model `cfg` describes, counting a tied head once.
+pub fn parameters(cfg: &crate::checkpoint::SparkConfig) -> u64 {
+    let (h, i) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let (q, kv, heads) = (
+        cfg.q_dim() as u64,
+        cfg.kv_dim() as u64,
+        cfg.num_attention_heads as u64,
+    );
+    let layer = (q + 2 * kv + heads) * h + q * h + 3 * h * i + 2 * h;
+    let head = if cfg.tie_word_embeddings == Some(false) {
+        cfg.vocab_size as u64 * h
+    } else {
+        0
+    };
+    cfg.vocab_size as u64 * h + cfg.num_hidden_layers as u64 * layer + h + head
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

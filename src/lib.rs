@@ -5,12 +5,15 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod device;
+pub mod engine;
+pub mod export;
 pub mod formats;
 pub mod generate;
 pub mod inspect;
 pub mod kernels;
 pub mod model;
 pub mod parity;
+pub mod phone;
 pub mod quant;
 pub mod quantize;
 pub mod sampling;

@@ -32,6 +32,8 @@ enum Command {
     Probe(cli::quantize::ProbeArgs),
     /// GPTQ a checkpoint into a W4A8 or W4A16 GPTQ v1 checkpoint (format chosen by the probe).
     Quantize(cli::quantize::QuantizeArgs),
+    /// Export one decode step as a QNN-ready ONNX graph (f32 or calibrated w8a16) with per-layer-type KV caches.
+    ExportPhone(cli::export::ExportArgs),
 }
 
 fn main() {
@@ -52,6 +54,7 @@ fn main() {
         Command::Bench(a) => cli::bench::run(a).map(|_| 0),
         Command::Probe(a) => cli::quantize::probe(a).map(|_| 0),
         Command::Quantize(a) => cli::quantize::run(a).map(|_| 0),
+        Command::ExportPhone(a) => cli::export::run(a),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::engine::Engine;
 use crate::generate::{generate, GenerateOptions};
-use crate::model::{Logits, ModelError, SparkModel};
+use crate::model::{Logits, ModelError};
 use crate::tokenizer::{render_chat, SparkTokenizer};
 
 /// One prompt of a prompt set (`{"prompts": [...]}`; same schema as the golden prompt sets).
@@ -230,12 +231,11 @@ fn encode(tok: Option<&SparkTokenizer>, p: &Prompt) -> Result<Vec<u32>, ParityEr
     Ok(tok.encode(&text)?)
 }
 
-fn perplexity(model: &SparkModel, windows: &[Vec<u32>]) -> Result<f64, ParityError> {
+fn perplexity(model: &dyn Engine, windows: &[Vec<u32>]) -> Result<f64, ParityError> {
     let (mut nll, mut n) = (0f64, 0usize);
     let vocab = model.config().vocab_size;
     for w in windows {
-        let mut cache = model.new_cache(w.len());
-        let logits = model.forward(w, &mut cache, Logits::All)?;
+        let logits = model.start(w.len())?.forward(w, Logits::All)?;
         for (i, row) in logits.chunks_exact(vocab).enumerate().take(w.len() - 1) {
             nll -= log_softmax(row)[w[i + 1] as usize];
             n += 1;
@@ -245,8 +245,8 @@ fn perplexity(model: &SparkModel, windows: &[Vec<u32>]) -> Result<f64, ParityErr
 }
 
 pub struct ParityInputs<'a> {
-    pub reference: &'a SparkModel,
-    pub candidate: &'a SparkModel,
+    pub reference: &'a dyn Engine,
+    pub candidate: &'a dyn Engine,
     pub reference_name: String,
     pub candidate_name: String,
     pub reference_bpw: f64,
@@ -297,10 +297,8 @@ pub fn run(
 
         // Teacher forcing on the reference's sequence; the last token predicts nothing we have.
         let seq = &gr.tokens;
-        let mut cache_r = r.new_cache(seq.len());
-        let mut cache_c = c.new_cache(seq.len());
-        let lr = r.forward(seq, &mut cache_r, Logits::All)?;
-        let lc = c.forward(seq, &mut cache_c, Logits::All)?;
+        let lr = r.start(seq.len())?.forward(seq, Logits::All)?;
+        let lc = c.start(seq.len())?.forward(seq, Logits::All)?;
         let mut acc = Acc::default();
         for (a, b) in lr
             .chunks_exact(vocab)

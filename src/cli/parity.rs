@@ -3,8 +3,6 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use spark_tool::checkpoint::Checkpoint;
-use spark_tool::model::{LoadOptions, SparkModel};
 use spark_tool::parity::{self, ParityInputs, Policy};
 use spark_tool::quantize::calibration;
 use spark_tool::tokenizer::SparkTokenizer;
@@ -55,11 +53,6 @@ pub struct ParityArgs {
     exec: ExecArgs,
 }
 
-fn bpw(ck: &Checkpoint) -> f64 {
-    let r = spark_tool::inspect::inspect(ck, 1);
-    r.bytes as f64 * 8.0 / r.parameters.max(1) as f64
-}
-
 /// Exit code: 0 within policy, 1 drift, 2 could not run (returned as an error).
 pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
     let mut policy = match &a.policy {
@@ -79,13 +72,11 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         max_ppl_ratio
     );
 
-    let open =
-        |p: &PathBuf| Checkpoint::open(p).with_context(|| format!("opening {}", p.display()));
-    let (ckr, ckc) = (open(&a.reference)?, open(&a.candidate)?);
-    let reference = SparkModel::load(&ckr, LoadOptions::for_checkpoint(&ckr, false))?;
-    let candidate = SparkModel::load(&ckc, a.exec.options(&ckc, false))?;
-    let tokenizer = match ckr.tokenizer_path() {
-        Some(p) => Some(SparkTokenizer::from_file(&p)?),
+    let progress = false;
+    let reference = super::load(&a.reference, &super::run::ExecArgs::original(), progress)?;
+    let candidate = super::load(&a.candidate, &a.exec, progress)?;
+    let tokenizer = match &reference.tokenizer {
+        Some(p) => Some(SparkTokenizer::from_file(p)?),
         None => None,
     };
     let prompts = parity::read_prompts(&a.prompts.clone().unwrap_or_else(parity::bundled_prompts))?;
@@ -102,12 +93,12 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         }
     };
     let inputs = ParityInputs {
-        reference: &reference,
-        candidate: &candidate,
+        reference: reference.engine.as_ref(),
+        candidate: candidate.engine.as_ref(),
         reference_name: a.reference.display().to_string(),
         candidate_name: a.candidate.display().to_string(),
-        reference_bpw: bpw(&ckr),
-        candidate_bpw: bpw(&ckc),
+        reference_bpw: reference.bpw,
+        candidate_bpw: candidate.bpw,
         tokenizer: tokenizer.as_ref(),
         prompts: &prompts,
         max_new_tokens: a.max_new_tokens,

@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use spark_tool::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use spark_tool::checkpoint::Checkpoint;
 use spark_tool::generate::{generate, GenerateOptions};
-use spark_tool::model::{LoadOptions, SparkModel, W4Numerics};
+use spark_tool::model::{LoadOptions, W4Numerics};
 use spark_tool::sampling::SamplingParams;
 use spark_tool::tokenizer::{render_chat, SparkTokenizer, StreamDecoder};
 
@@ -38,6 +38,14 @@ pub struct ExecArgs {
 }
 
 impl ExecArgs {
+    /// Whatever the checkpoint records (the reference side of `parity`).
+    pub fn original() -> Self {
+        ExecArgs {
+            w4_numerics: NumericsArg::Auto,
+            act_dtype: ActDtypeArg::Auto,
+        }
+    }
+
     pub fn options(&self, ck: &Checkpoint, progress: bool) -> LoadOptions {
         let mut o = LoadOptions::for_checkpoint(ck, progress);
         match self.w4_numerics {
@@ -117,12 +125,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(spark_tool::bundled_fixture);
     let t_load = Instant::now();
-    let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-    for w in &ck.layout.warnings {
+    let loaded = super::load(&dir, &a.exec, !a.quiet)?;
+    for w in &loaded.warnings {
         eprintln!("warning: {w}");
     }
-    let tokenizer = match ck.tokenizer_path() {
-        Some(p) => Some(SparkTokenizer::from_file(&p)?),
+    let tokenizer = match &loaded.tokenizer {
+        Some(p) => Some(SparkTokenizer::from_file(p)?),
         None => None,
     };
     let prompt: Vec<u32> = match (&a.prompt, &a.tokens) {
@@ -146,9 +154,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt tokenized to zero tokens");
     }
-    let model = SparkModel::load(&ck, a.exec.options(&ck, !a.quiet))?;
+    let model = loaded.engine;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-    drop(ck);
 
     let cfg = model.config();
     let opts = GenerateOptions {
@@ -167,7 +174,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     let mut stream = StreamDecoder::default();
     let mut stream_err = None;
-    let out = generate(&model, &prompt, &opts, |id| {
+    let out = generate(model.as_ref(), &prompt, &opts, |id| {
         if a.quiet {
             return;
         }

@@ -38,6 +38,8 @@ pub enum ModelError {
     TokenOutOfRange { id: u32, index: usize, vocab: usize },
     #[error("empty input: at least one token is needed")]
     Empty,
+    #[error("{0}")]
+    Runtime(String),
 }
 
 /// One projection of a decoder layer.

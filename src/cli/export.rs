@@ -1,0 +1,96 @@
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+
+use spark_tool::export::{export_phone, ExportOptions, Precision};
+use spark_tool::phone::QType;
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PrecisionArg {
+    F32,
+    W8a16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum KvArg {
+    /// Symmetric int16 (no u16×u16 attention matmul on HTP; PHONE.md §3.2).
+    Int16,
+    /// Symmetric uint8 (zero point 128), AI Hub's choice: half the cache memory.
+    Uint8,
+}
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// The original checkpoint folder (bf16/f16/f32 safetensors).
+    model: PathBuf,
+    /// Output folder (parts, manifest, encodings, embedding table).
+    #[arg(long)]
+    out: PathBuf,
+    /// Positions the full-attention caches hold (sliding layers always keep sliding_window − 1).
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    #[arg(long, value_enum, default_value = "w8a16")]
+    precision: PrecisionArg,
+    /// KV-cache integer type of w8a16 exports.
+    #[arg(long, value_enum, default_value = "int16")]
+    kv_dtype: KvArg,
+    /// Split into N parts at residual boundaries (balanced by parameters; the head counts as a unit).
+    #[arg(long, default_value_t = 1)]
+    parts: usize,
+    /// Calibration text for w8a16 activation ranges (default: calibration/spark-calib.jsonl).
+    #[arg(long)]
+    calibration: Vec<PathBuf>,
+    /// Calibration sequences, each decoded token by token through the float graph.
+    #[arg(long, default_value_t = 8)]
+    calib_samples: usize,
+    #[arg(long, default_value_t = 256)]
+    calib_seq_len: usize,
+    /// Replace OUT if it exists.
+    #[arg(long)]
+    force: bool,
+    #[arg(long)]
+    quiet: bool,
+    /// Print the export report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
+    let opts = ExportOptions {
+        context: a.context,
+        precision: match a.precision {
+            PrecisionArg::F32 => Precision::F32,
+            PrecisionArg::W8a16 => Precision::W8A16,
+        },
+        kv: match a.kv_dtype {
+            KvArg::Int16 => QType::Int16,
+            KvArg::Uint8 => QType::Uint8,
+        },
+        parts: a.parts,
+        calibration: a.calibration,
+        calib_samples: a.calib_samples,
+        calib_seq_len: a.calib_seq_len,
+        force: a.force,
+        progress: !a.quiet && !a.json,
+        threads: rayon::current_num_threads(),
+    };
+    let r = export_phone(&a.model, &a.out, &opts)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else if !a.quiet {
+        for p in &r.parts {
+            println!(
+                "{:<16} layers {:>2}..{:<2} head {:<5} {:>6} nodes  {:>9} B proto  {:>13} B weights",
+                p.file, p.layers[0], p.layers[1], p.head, p.nodes, p.proto_bytes, p.external_bytes
+            );
+        }
+        if r.calibration_tokens > 0 {
+            println!(
+                "calibrated on {} tokens in {:.1} s",
+                r.calibration_tokens, r.calibration_seconds
+            );
+        }
+        println!("wrote {} in {:.1} s", r.out, r.seconds);
+    }
+    Ok(0)
+}

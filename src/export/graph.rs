@@ -1,0 +1,555 @@
+//! One decode step of Spark2_5 as an ONNX graph (PHONE.md §1.1, §6):
+//! static shapes, the KV cache as explicit per-layer tensors sized by layer
+//! type, per-type additive masks and rotary cos/sin fed by the host.
+//!
+//! Per layer (norm weights and the 1/√d attention scale are folded into the
+//! following MatMul weights, which is exact algebra and keeps constant
+//! multiplies out of the quantized graph):
+//! ```text
+//! n = x / sqrt(mean(x²) + eps)
+//! q,k,v,g = n·W{q,k,v,g}'          q,k rotated with the layer type's cos/sin
+//! K = concat(past_key_in, k)       V = concat(past_value_in, v)
+//! a = softmax(q·K + mask)·V        a_head *= sigmoid(g_head)
+//! x += a·Wo;  n2 = norm(x);  x += (gelu(n2·Wgate') ⊙ n2·Wup')·Wdown
+//! ```
+
+use std::ops::Range;
+
+use super::onnx::{Attr, DType, Graph};
+use crate::checkpoint::{LayerType, QkvLayout, SparkConfig};
+
+/// How a MatMul weight is materialised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repr {
+    /// f32 `[K, N]`.
+    F32,
+    /// int8 symmetric per output channel `[K, N]` (range −127…127).
+    Q8,
+    /// The f32 per-channel scales `[N]` of [`Repr::Q8`].
+    Q8Scale,
+}
+
+/// A MatMul weight `[K, N]` = (rows `rows` of checkpoint tensor `[N_all, K]`)ᵀ,
+/// each input column scaled by the folded norm weight and by `mul`.
+#[derive(Debug, Clone)]
+pub struct WeightSpec {
+    pub tensor: String,
+    pub rows: Range<usize>,
+    pub k: usize,
+    pub fold: Option<String>,
+    pub mul: f32,
+    pub repr: Repr,
+}
+
+/// Which layers (and whether the head) one exported part holds.
+#[derive(Debug, Clone)]
+pub struct PartPlan {
+    pub index: usize,
+    pub of: usize,
+    pub layers: Range<usize>,
+    pub head: bool,
+}
+
+impl PartPlan {
+    pub fn file(&self) -> String {
+        if self.of == 1 {
+            "model.onnx".into()
+        } else {
+            format!("part{}_of_{}.onnx", self.index + 1, self.of)
+        }
+    }
+    /// Qualcomm's Genie naming for token-generator graphs.
+    pub fn graph_name(&self, context: usize) -> String {
+        format!("token_ar1_cl{context}_{}_of_{}", self.index + 1, self.of)
+    }
+}
+
+/// Split `layers` decoder layers plus the head into `parts` contiguous
+/// parts with the largest part (by parameters) as small as possible.
+pub fn plan_parts(cfg: &SparkConfig, parts: usize) -> Vec<PartPlan> {
+    let h = cfg.hidden_size;
+    let layer = (cfg.q_dim() + 2 * cfg.kv_dim() + cfg.num_attention_heads) * h
+        + cfg.q_dim() * h
+        + 3 * h * cfg.intermediate_size;
+    let mut units = vec![layer; cfg.num_hidden_layers];
+    units.push(cfg.vocab_size * h);
+    let n = units.len();
+    let parts = parts.clamp(1, n);
+    // best[i][p]: minimal max-part cost splitting units[..i] into p parts.
+    let prefix: Vec<usize> = std::iter::once(0)
+        .chain(units.iter().scan(0, |s, u| {
+            *s += u;
+            Some(*s)
+        }))
+        .collect();
+    let mut best = vec![vec![usize::MAX; parts + 1]; n + 1];
+    let mut cut = vec![vec![0usize; parts + 1]; n + 1];
+    best[0][0] = 0;
+    for i in 1..=n {
+        for p in 1..=parts.min(i) {
+            for j in (p - 1)..i {
+                if best[j][p - 1] == usize::MAX {
+                    continue;
+                }
+                let c = best[j][p - 1].max(prefix[i] - prefix[j]);
+                if c < best[i][p] {
+                    best[i][p] = c;
+                    cut[i][p] = j;
+                }
+            }
+        }
+    }
+    let mut bounds = vec![n];
+    let (mut i, mut p) = (n, parts);
+    while p > 0 {
+        i = cut[i][p];
+        bounds.push(i);
+        p -= 1;
+    }
+    bounds.reverse();
+    let layers = cfg.num_hidden_layers;
+    bounds
+        .windows(2)
+        .enumerate()
+        .map(|(index, w)| PartPlan {
+            index,
+            of: parts,
+            layers: w[0]..w[1].min(layers),
+            head: w[1] == n,
+        })
+        .collect()
+}
+
+/// Past entries a layer type keeps: W−1 for sliding, C−1 for full.
+pub fn past_len(cfg: &SparkConfig, t: LayerType, context: usize) -> usize {
+    match t {
+        LayerType::Sliding => cfg.sliding_window.min(context) - 1,
+        LayerType::Full => context - 1,
+    }
+}
+
+pub fn type_name(t: LayerType) -> &'static str {
+    match t {
+        LayerType::Sliding => "sliding",
+        LayerType::Full => "full",
+    }
+}
+
+pub fn mask_input(t: LayerType) -> String {
+    format!("attention_mask_{}", type_name(t))
+}
+pub fn cos_input(t: LayerType) -> String {
+    format!("position_ids_cos_{}", type_name(t))
+}
+pub fn sin_input(t: LayerType) -> String {
+    format!("position_ids_sin_{}", type_name(t))
+}
+pub fn key_in(l: usize) -> String {
+    format!("past_key_{l}_in")
+}
+pub fn value_in(l: usize) -> String {
+    format!("past_value_{l}_in")
+}
+pub fn key_out(l: usize) -> String {
+    format!("past_key_{l}_out")
+}
+pub fn value_out(l: usize) -> String {
+    format!("past_value_{l}_out")
+}
+pub const EMBEDS: &str = "input_embeds";
+pub const LOGITS: &str = "logits";
+
+/// Residual stream entering a part (`input_embeds` for the first) and
+/// leaving a part without the head; the host passes one part's output to the next.
+pub fn hidden_in(p: &PartPlan) -> String {
+    if p.index == 0 {
+        EMBEDS.into()
+    } else {
+        "hidden_states_in".into()
+    }
+}
+pub const HIDDEN_OUT: &str = "hidden_states_out";
+
+pub struct StepBuilder<'a> {
+    pub cfg: &'a SparkConfig,
+    pub qkv: &'a [QkvLayout],
+    pub tied: bool,
+    pub context: usize,
+}
+
+impl StepBuilder<'_> {
+    #[allow(clippy::too_many_arguments)]
+    fn weight(
+        &self,
+        g: &mut Graph<WeightSpec>,
+        name: &str,
+        tensor: String,
+        rows: Range<usize>,
+        k: usize,
+        fold: Option<String>,
+        mul: f32,
+    ) -> String {
+        let n = rows.len();
+        g.init(
+            name,
+            DType::F32,
+            &[k, n],
+            super::onnx::Source::Deferred(WeightSpec {
+                tensor,
+                rows,
+                k,
+                fold,
+                mul,
+                repr: Repr::F32,
+            }),
+        )
+    }
+
+    /// `x / sqrt(mean(x²) + eps)` over the last axis of `[1, 1, H]`.
+    fn norm(&self, g: &mut Graph<WeightSpec>, p: &str, x: &str) -> String {
+        let h = self.cfg.hidden_size;
+        let axes = g.const_i64("axes_last", &[-1]);
+        let eps = g.const_f32("rms_eps", &[self.cfg.rms_norm_eps], &[]);
+        let sq = g.f("Mul", &format!("{p}_sq"), &[x, x], &[1, 1, h]);
+        let ms = g.node(
+            "ReduceMean",
+            &format!("{p}_ms"),
+            &[&sq, &axes],
+            DType::F32,
+            &[1, 1, 1],
+            vec![("keepdims", Attr::Int(1))],
+        );
+        let var = g.f("Add", &format!("{p}_mse"), &[&ms, &eps], &[1, 1, 1]);
+        let rms = g.f("Sqrt", &format!("{p}_rms"), &[&var], &[1, 1, 1]);
+        g.f("Div", &format!("{p}_out"), &[x, &rms], &[1, 1, h])
+    }
+
+    /// NeoX rotate-half over the first R dims of `[.., heads, hd]`.
+    fn rope(&self, g: &mut Graph<WeightSpec>, p: &str, x: &str, t: LayerType) -> String {
+        let hd = self.cfg.head_dim;
+        let r = self.cfg.rope_for(t).rotary_dims;
+        let shape = g.shape(x).to_vec();
+        let heads = shape[2];
+        let half = [1, 1, heads, r / 2];
+        let (cos, sin) = (cos_input(t), sin_input(t));
+        let ax = g.const_i64("axis3", &[3]);
+        let slice = |g: &mut Graph<WeightSpec>, name: &str, a: usize, b: usize| {
+            let s = g.const_i64(&format!("i64_{a}"), &[a as i64]);
+            let e = g.const_i64(&format!("i64_{b}"), &[b as i64]);
+            g.f(
+                "Slice",
+                &format!("{p}_{name}"),
+                &[x, &s, &e, &ax],
+                &[1, 1, heads, b - a],
+            )
+        };
+        let x1 = slice(g, "x1", 0, r / 2);
+        let x2 = slice(g, "x2", r / 2, r);
+        let pass = (r < hd).then(|| slice(g, "pass", r, hd));
+        let a = g.f("Mul", &format!("{p}_x1c"), &[&x1, &cos], &half);
+        let b = g.f("Mul", &format!("{p}_x2s"), &[&x2, &sin], &half);
+        let c = g.f("Mul", &format!("{p}_x2c"), &[&x2, &cos], &half);
+        let d = g.f("Mul", &format!("{p}_x1s"), &[&x1, &sin], &half);
+        let r1 = g.f("Sub", &format!("{p}_r1"), &[&a, &b], &half);
+        let r2 = g.f("Add", &format!("{p}_r2"), &[&c, &d], &half);
+        let mut parts = vec![r1.as_str(), r2.as_str()];
+        if let Some(pass) = &pass {
+            parts.push(pass);
+        }
+        g.node(
+            "Concat",
+            &format!("{p}_rot"),
+            &parts,
+            DType::F32,
+            &[1, 1, heads, hd],
+            vec![("axis", Attr::Int(3))],
+        )
+    }
+
+    fn reshape(&self, g: &mut Graph<WeightSpec>, out: &str, x: &str, shape: &[usize]) -> String {
+        let s: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let key = format!(
+            "shape_{}",
+            s.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join("x")
+        );
+        let sh = g.const_i64(&key, &s);
+        g.f("Reshape", out, &[x, &sh], shape)
+    }
+
+    fn layer(&self, g: &mut Graph<WeightSpec>, l: usize, x: &str) -> String {
+        let cfg = self.cfg;
+        let t = cfg.layer_types[l];
+        let (h, hd, nh, kvh) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+        );
+        let (qd, kvd, inter, grp) = (
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+            cfg.gqa_group(),
+        );
+        let past = past_len(cfg, t, self.context);
+        let p = format!("l{l}");
+        let pre = format!("model.layers.{l}.");
+        let ln1 = Some(format!("{pre}input_layernorm.weight"));
+        let ln2 = Some(format!("{pre}post_attention_layernorm.weight"));
+
+        let n = self.norm(g, &format!("{p}_ln1"), x);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (wq, wk, wv) = match self.qkv[l] {
+            QkvLayout::Fused => {
+                let f = format!("{pre}self_attn.q_k_v_proj.weight");
+                (
+                    self.weight(
+                        g,
+                        &format!("{p}_wq"),
+                        f.clone(),
+                        0..qd,
+                        h,
+                        ln1.clone(),
+                        scale,
+                    ),
+                    self.weight(
+                        g,
+                        &format!("{p}_wk"),
+                        f.clone(),
+                        qd..qd + kvd,
+                        h,
+                        ln1.clone(),
+                        1.0,
+                    ),
+                    self.weight(
+                        g,
+                        &format!("{p}_wv"),
+                        f,
+                        qd + kvd..qd + 2 * kvd,
+                        h,
+                        ln1.clone(),
+                        1.0,
+                    ),
+                )
+            }
+            QkvLayout::Split => (
+                self.weight(
+                    g,
+                    &format!("{p}_wq"),
+                    format!("{pre}self_attn.q_proj.weight"),
+                    0..qd,
+                    h,
+                    ln1.clone(),
+                    scale,
+                ),
+                self.weight(
+                    g,
+                    &format!("{p}_wk"),
+                    format!("{pre}self_attn.k_proj.weight"),
+                    0..kvd,
+                    h,
+                    ln1.clone(),
+                    1.0,
+                ),
+                self.weight(
+                    g,
+                    &format!("{p}_wv"),
+                    format!("{pre}self_attn.v_proj.weight"),
+                    0..kvd,
+                    h,
+                    ln1.clone(),
+                    1.0,
+                ),
+            ),
+        };
+        let wg = self.weight(
+            g,
+            &format!("{p}_wg"),
+            format!("{pre}self_attn.g_proj.weight"),
+            0..nh,
+            h,
+            ln1,
+            1.0,
+        );
+        let q = g.f("MatMul", &format!("{p}_q"), &[&n, &wq], &[1, 1, qd]);
+        let k = g.f("MatMul", &format!("{p}_k"), &[&n, &wk], &[1, 1, kvd]);
+        let v = g.f("MatMul", &format!("{p}_v"), &[&n, &wv], &[1, 1, kvd]);
+        let gate = g.f("MatMul", &format!("{p}_g"), &[&n, &wg], &[1, 1, nh]);
+
+        let q4 = self.reshape(g, &format!("{p}_q4"), &q, &[1, 1, nh, hd]);
+        let k4 = self.reshape(g, &format!("{p}_k4"), &k, &[1, 1, kvh, hd]);
+        let qr = self.rope(g, &format!("{p}_qrope"), &q4, t);
+        let kr = self.rope(g, &format!("{p}_krope"), &k4, t);
+        let qa = self.reshape(g, &format!("{p}_qa"), &qr, &[kvh, grp, 1, hd]);
+        let k_new = self.reshape(g, &key_out(l), &kr, &[kvh, 1, hd, 1]);
+        let v_new = self.reshape(g, &value_out(l), &v, &[kvh, 1, 1, hd]);
+        let kin = g.input(&key_in(l), DType::F32, &[kvh, 1, hd, past]);
+        let vin = g.input(&value_in(l), DType::F32, &[kvh, 1, past, hd]);
+        let kall = g.node(
+            "Concat",
+            &format!("{p}_kall"),
+            &[&kin, &k_new],
+            DType::F32,
+            &[kvh, 1, hd, past + 1],
+            vec![("axis", Attr::Int(3))],
+        );
+        let vall = g.node(
+            "Concat",
+            &format!("{p}_vall"),
+            &[&vin, &v_new],
+            DType::F32,
+            &[kvh, 1, past + 1, hd],
+            vec![("axis", Attr::Int(2))],
+        );
+        let s = g.f(
+            "MatMul",
+            &format!("{p}_scores"),
+            &[&qa, &kall],
+            &[kvh, grp, 1, past + 1],
+        );
+        let sm = g.f(
+            "Add",
+            &format!("{p}_masked"),
+            &[&s, &mask_input(t)],
+            &[kvh, grp, 1, past + 1],
+        );
+        let pr = g.node(
+            "Softmax",
+            &format!("{p}_probs"),
+            &[&sm],
+            DType::F32,
+            &[kvh, grp, 1, past + 1],
+            vec![("axis", Attr::Int(-1))],
+        );
+        let o = g.f(
+            "MatMul",
+            &format!("{p}_attn"),
+            &[&pr, &vall],
+            &[kvh, grp, 1, hd],
+        );
+        let o4 = self.reshape(g, &format!("{p}_attn4"), &o, &[1, 1, nh, hd]);
+        let gs = g.f("Sigmoid", &format!("{p}_gate"), &[&gate], &[1, 1, nh]);
+        let gs4 = self.reshape(g, &format!("{p}_gate4"), &gs, &[1, 1, nh, 1]);
+        let og = g.f("Mul", &format!("{p}_gated"), &[&o4, &gs4], &[1, 1, nh, hd]);
+        let o2 = self.reshape(g, &format!("{p}_gated2"), &og, &[1, 1, qd]);
+        let wo = self.weight(
+            g,
+            &format!("{p}_wo"),
+            format!("{pre}self_attn.out_proj.weight"),
+            0..h,
+            qd,
+            None,
+            1.0,
+        );
+        let a = g.f("MatMul", &format!("{p}_o"), &[&o2, &wo], &[1, 1, h]);
+        let x1 = g.f("Add", &format!("{p}_resid1"), &[x, &a], &[1, 1, h]);
+
+        let n2 = self.norm(g, &format!("{p}_ln2"), &x1);
+        let wgate = self.weight(
+            g,
+            &format!("{p}_wgate"),
+            format!("{pre}mlp.gate_proj.weight"),
+            0..inter,
+            h,
+            ln2.clone(),
+            1.0,
+        );
+        let wup = self.weight(
+            g,
+            &format!("{p}_wup"),
+            format!("{pre}mlp.up_proj.weight"),
+            0..inter,
+            h,
+            ln2,
+            1.0,
+        );
+        let wdown = self.weight(
+            g,
+            &format!("{p}_wdown"),
+            format!("{pre}mlp.down_proj.weight"),
+            0..h,
+            inter,
+            None,
+            1.0,
+        );
+        let gt = g.f(
+            "MatMul",
+            &format!("{p}_mlp_gate"),
+            &[&n2, &wgate],
+            &[1, 1, inter],
+        );
+        let up = g.f(
+            "MatMul",
+            &format!("{p}_mlp_up"),
+            &[&n2, &wup],
+            &[1, 1, inter],
+        );
+        let ge = g.node(
+            "Gelu",
+            &format!("{p}_mlp_gelu"),
+            &[&gt],
+            DType::F32,
+            &[1, 1, inter],
+            vec![("approximate", Attr::Str("none".into()))],
+        );
+        let m = g.f("Mul", &format!("{p}_mlp_act"), &[&ge, &up], &[1, 1, inter]);
+        let d = g.f(
+            "MatMul",
+            &format!("{p}_mlp_down"),
+            &[&m, &wdown],
+            &[1, 1, h],
+        );
+        g.f("Add", &format!("{p}_resid2"), &[&x1, &d], &[1, 1, h])
+    }
+
+    /// The float graph of one part.
+    pub fn build(&self, plan: &PartPlan) -> Graph<WeightSpec> {
+        let cfg = self.cfg;
+        let h = cfg.hidden_size;
+        let mut g = Graph::new(&plan.graph_name(self.context));
+        let mut x = g.input(&hidden_in(plan), DType::F32, &[1, 1, h]);
+        let mut types: Vec<LayerType> = cfg.layer_types[plan.layers.clone()].to_vec();
+        types.sort();
+        types.dedup();
+        for &t in &types {
+            let past = past_len(cfg, t, self.context);
+            let r = cfg.rope_for(t).rotary_dims;
+            g.input(&mask_input(t), DType::F32, &[1, 1, 1, past + 1]);
+            g.input(&cos_input(t), DType::F32, &[1, 1, 1, r / 2]);
+            g.input(&sin_input(t), DType::F32, &[1, 1, 1, r / 2]);
+        }
+        for l in plan.layers.clone() {
+            x = self.layer(&mut g, l, &x);
+        }
+        if plan.head {
+            let n = self.norm(&mut g, "final_norm", &x);
+            let (tensor, fold) = if self.tied {
+                ("model.embedding.weight", "model.norm.weight")
+            } else {
+                ("lm_head.weight", "model.norm.weight")
+            };
+            let w = self.weight(
+                &mut g,
+                "lm_head_w",
+                tensor.into(),
+                0..cfg.vocab_size,
+                h,
+                Some(fold.into()),
+                1.0,
+            );
+            g.f("MatMul", LOGITS, &[&n, &w], &[1, 1, cfg.vocab_size]);
+            g.output(LOGITS);
+        } else {
+            g.rename(&x, HIDDEN_OUT);
+            g.output(HIDDEN_OUT);
+        }
+        for l in plan.layers.clone() {
+            g.output(&key_out(l));
+            g.output(&value_out(l));
+        }
+        g
+    }
+}

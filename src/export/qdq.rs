@@ -1,0 +1,347 @@
+//! Float decode-step graph → w8a16 QDQ graph (PHONE.md §2, §3, §7):
+//! int8 symmetric per-output-channel weights on every MatMul; uint16
+//! asymmetric per-tensor activations from calibrated ranges; the KV side
+//! (cache inputs, new entries, the concatenated caches and the rotated key
+//! feeding them) symmetric int16 (or uint8) with one encoding per layer and
+//! side, so the host copies raw integers from `_out` to `_in`; Sigmoid
+//! outputs fixed at scale 1/65536 as the QNN EP requires.
+
+use std::collections::{HashMap, HashSet};
+
+use super::graph::{key_in, key_out, value_in, value_out, Repr, WeightSpec};
+use super::onnx::{Attr, DType, Graph, Node, Source, TensorInfo};
+use crate::phone::manifest::{Encoding, QType};
+
+/// Calibrated [min, max] per float tensor.
+#[derive(Debug, Default, Clone)]
+pub struct Ranges(pub HashMap<String, (f32, f32)>);
+
+impl Ranges {
+    pub fn observe(&mut self, name: &str, values: &[f32]) {
+        let (lo, hi) = values
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+                (a.min(v), b.max(v))
+            });
+        let e = self
+            .0
+            .entry(name.to_string())
+            .or_insert((f32::INFINITY, f32::NEG_INFINITY));
+        e.0 = e.0.min(lo);
+        e.1 = e.1.max(hi);
+    }
+}
+
+fn qtype_dtype(q: QType) -> DType {
+    match q {
+        QType::Uint16 => DType::U16,
+        QType::Int16 => DType::I16,
+        QType::Uint8 => DType::U8,
+    }
+}
+
+fn zp_bytes(e: &Encoding) -> Vec<u8> {
+    match e.dtype {
+        QType::Uint16 => (e.zero_point as u16).to_le_bytes().to_vec(),
+        QType::Int16 => (e.zero_point as i16).to_le_bytes().to_vec(),
+        QType::Uint8 => vec![e.zero_point as u8],
+    }
+}
+
+pub struct Quantized {
+    pub graph: Graph<WeightSpec>,
+    /// Encoding of every quantized activation (by its float tensor name) and graph I/O.
+    pub encodings: HashMap<String, Encoding>,
+}
+
+/// Encodings for every float activation of `g`, or the names without a range.
+pub fn plan_encodings(
+    g: &Graph<WeightSpec>,
+    layers: std::ops::Range<usize>,
+    ranges: &Ranges,
+    kv: QType,
+) -> Result<HashMap<String, Encoding>, Vec<String>> {
+    let mut enc = HashMap::new();
+    let mut missing = Vec::new();
+    // KV groups: one symmetric encoding per layer and side.
+    for l in layers {
+        let rk = format!("l{l}_krope_rot");
+        for (group, src) in [
+            (
+                vec![key_in(l), key_out(l), format!("l{l}_kall"), rk.clone()],
+                vec![key_out(l), rk],
+            ),
+            (
+                vec![
+                    value_in(l),
+                    value_out(l),
+                    format!("l{l}_vall"),
+                    format!("l{l}_v"),
+                ],
+                vec![value_out(l)],
+            ),
+        ] {
+            let absmax = src
+                .iter()
+                .filter_map(|s| ranges.0.get(s))
+                .fold(0f32, |m, (a, b)| m.max(a.abs()).max(b.abs()));
+            if absmax == 0.0 {
+                missing.push(src[0].clone());
+            }
+            let e = Encoding::symmetric(kv, absmax);
+            for t in group {
+                enc.insert(t, e);
+            }
+        }
+    }
+    let producer: HashMap<&str, &Node> = g
+        .nodes
+        .iter()
+        .flat_map(|n| n.outputs.iter().map(move |o| (o.as_str(), n)))
+        .collect();
+    let floats: Vec<String> = g
+        .inputs
+        .iter()
+        .map(|i| i.name.clone())
+        .chain(g.nodes.iter().flat_map(|n| n.outputs.clone()))
+        .filter(|t| g.info[t].dtype == DType::F32)
+        .collect();
+    for t in &floats {
+        if enc.contains_key(t) {
+            continue;
+        }
+        let node = producer.get(t.as_str());
+        let e = match node.map(|n| n.op.as_str()) {
+            Some("Sigmoid") => Encoding {
+                dtype: QType::Uint16,
+                scale: 1.0 / 65536.0,
+                zero_point: 0,
+                min: 0.0,
+                max: 65535.0 / 65536.0,
+            },
+            _ => match ranges.0.get(t) {
+                Some(&(lo, hi)) if lo.is_finite() && hi.is_finite() => {
+                    Encoding::asymmetric(QType::Uint16, lo, hi)
+                }
+                _ => {
+                    missing.push(t.clone());
+                    continue;
+                }
+            },
+        };
+        enc.insert(t.clone(), e);
+    }
+    // Pure data movement keeps its input's encoding (no requantization).
+    for n in &g.nodes {
+        if n.op == "Reshape" && !enc_is_kv(&n.outputs[0]) {
+            if let Some(e) = enc.get(&n.inputs[0]).copied() {
+                enc.insert(n.outputs[0].clone(), e);
+            }
+        }
+    }
+    if missing.is_empty() {
+        Ok(enc)
+    } else {
+        Err(missing)
+    }
+}
+
+fn enc_is_kv(t: &str) -> bool {
+    t.starts_with("past_")
+}
+
+/// Rewrite `g` into QDQ form with `enc` (from [`plan_encodings`]).
+pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantized {
+    let outputs: HashSet<String> = g.outputs.iter().map(|o| o.name.clone()).collect();
+    let inits: HashSet<String> = g.inits.iter().map(|i| i.info.name.clone()).collect();
+    let mut q = Graph::new(&g.name);
+    // Names: float value, integer value, dequantized value.
+    let float_name = |t: &str| -> String {
+        if outputs.contains(t) {
+            format!("{t}_f")
+        } else {
+            t.to_string()
+        }
+    };
+    let q_name = |t: &str| -> String {
+        if enc_is_kv(t) {
+            t.to_string()
+        } else {
+            format!("{t}_q")
+        }
+    };
+    let dq_name = |t: &str| -> String {
+        if outputs.contains(t) && !enc_is_kv(t) {
+            t.to_string()
+        } else {
+            format!("{t}_dq")
+        }
+    };
+    let add_qdq = |q: &mut Graph<WeightSpec>, t: &str, e: &Encoding, with_q: bool| {
+        let shape = g.info[t].shape.clone();
+        let sc = q.const_f32(&format!("{t}_scale"), &[e.scale], &[]);
+        let zp = q.init(
+            &format!("{t}_zp"),
+            qtype_dtype(e.dtype),
+            &[],
+            Source::Bytes(zp_bytes(e)),
+        );
+        if with_q {
+            q.node(
+                "QuantizeLinear",
+                &q_name(t),
+                &[&float_name(t), &sc, &zp],
+                qtype_dtype(e.dtype),
+                &shape,
+                Vec::new(),
+            );
+        }
+        q.node(
+            "DequantizeLinear",
+            &dq_name(t),
+            &[&q_name(t), &sc, &zp],
+            DType::F32,
+            &shape,
+            Vec::new(),
+        );
+    };
+
+    for i in &g.inputs {
+        let e = enc[&i.name];
+        if enc_is_kv(&i.name) {
+            q.input(&i.name, qtype_dtype(e.dtype), &i.shape);
+            add_qdq(&mut q, &i.name, &e, false);
+        } else {
+            q.input(&i.name, DType::F32, &i.shape);
+            add_qdq(&mut q, &i.name, &e, true);
+        }
+    }
+    let mut weights: HashMap<String, String> = HashMap::new();
+    for init in g.inits {
+        let name = init.info.name.clone();
+        match init.source {
+            Source::Deferred(spec) => {
+                let [k, n] = [init.info.shape[0], init.info.shape[1]];
+                let wq = q.init(
+                    &format!("{name}_q"),
+                    DType::I8,
+                    &[k, n],
+                    Source::Deferred(WeightSpec {
+                        repr: Repr::Q8,
+                        ..spec.clone()
+                    }),
+                );
+                let ws = q.init(
+                    &format!("{name}_scale"),
+                    DType::F32,
+                    &[n],
+                    Source::Deferred(WeightSpec {
+                        repr: Repr::Q8Scale,
+                        ..spec
+                    }),
+                );
+                let wz = q.init(
+                    &format!("{name}_zp"),
+                    DType::I8,
+                    &[n],
+                    Source::Bytes(vec![0; n]),
+                );
+                let dq = q.node(
+                    "DequantizeLinear",
+                    &format!("{name}_dq"),
+                    &[&wq, &ws, &wz],
+                    DType::F32,
+                    &[k, n],
+                    vec![("axis", Attr::Int(1))],
+                );
+                weights.insert(name, dq);
+            }
+            Source::Bytes(b) if init.info.dtype == DType::F32 => {
+                // A float constant (the RMSNorm epsilon): exact uint16 code 65535.
+                let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                let e = Encoding {
+                    dtype: QType::Uint16,
+                    scale: v / 65535.0,
+                    zero_point: 0,
+                    min: 0.0,
+                    max: v,
+                };
+                let c = q.init(
+                    &format!("{name}_q"),
+                    DType::U16,
+                    &init.info.shape,
+                    Source::Bytes(65535u16.to_le_bytes().to_vec()),
+                );
+                let sc = q.const_f32(&format!("{name}_scale"), &[e.scale], &[]);
+                let zp = q.init(
+                    &format!("{name}_zp"),
+                    DType::U16,
+                    &[],
+                    Source::Bytes(zp_bytes(&e)),
+                );
+                let dq = q.node(
+                    "DequantizeLinear",
+                    &format!("{name}_dq"),
+                    &[&c, &sc, &zp],
+                    DType::F32,
+                    &init.info.shape,
+                    Vec::new(),
+                );
+                weights.insert(name, dq);
+            }
+            src => {
+                q.init(&name, init.info.dtype, &init.info.shape, src);
+            }
+        }
+    }
+    for n in g.nodes {
+        let inputs: Vec<String> = n
+            .inputs
+            .iter()
+            .map(|t| {
+                if let Some(w) = weights.get(t) {
+                    w.clone()
+                } else if inits.contains(t) || g.info[t].dtype != DType::F32 {
+                    t.clone()
+                } else {
+                    dq_name(t)
+                }
+            })
+            .collect();
+        let out = n.outputs[0].clone();
+        let info = g.info[&out].clone();
+        q.push(
+            Node {
+                name: format!("{}/{}", float_name(&out), n.op),
+                op: n.op,
+                inputs,
+                outputs: vec![float_name(&out)],
+                attrs: n.attrs,
+            },
+            info.dtype,
+            &info.shape,
+        );
+        if info.dtype == DType::F32 {
+            add_qdq(&mut q, &out, &enc[&out], true);
+        }
+    }
+    for o in &g.outputs {
+        let e = enc[&o.name];
+        let name = if enc_is_kv(&o.name) {
+            q_name(&o.name)
+        } else {
+            dq_name(&o.name)
+        };
+        let info = q.info[&name].clone();
+        debug_assert!(enc_is_kv(&o.name) == (info.dtype == qtype_dtype(e.dtype)));
+        q.outputs.push(TensorInfo {
+            name,
+            dtype: info.dtype,
+            shape: info.shape,
+        });
+    }
+    Quantized {
+        graph: q,
+        encodings: enc,
+    }
+}
