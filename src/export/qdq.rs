@@ -72,12 +72,7 @@ pub fn plan_encodings(
                 vec![key_out(l), rk],
             ),
             (
-                vec![
-                    value_in(l),
-                    value_out(l),
-                    format!("l{l}_vall"),
-                    format!("l{l}_v"),
-                ],
+                vec![value_in(l), value_out(l), format!("l{l}_vall")],
                 vec![value_out(l)],
             ),
         ] {
