@@ -94,12 +94,20 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, help="keep only the first N layers (per-layer benchmarks)")
+    ap.add_argument("--layer-types", help="comma-separated sliding/full per layer, replacing the preset's "
+                    "pattern (e.g. sliding,full: one layer of each type for export checks)")
     ap.add_argument("--tokenizer-from", type=Path,
                     help="copy tokenizer files from this checkpoint (its ids must fit the vocab), so text calibration works")
     a = ap.parse_args()
     p = dict(PRESETS[a.preset])
     if a.layers:
         p["layers"] = p["layers"][: a.layers]
+    if a.layer_types:
+        names = {"sliding": "sliding_attention", "full": "full_attention"}
+        try:
+            p["layers"] = [names[t.strip()] for t in a.layer_types.split(",")]
+        except KeyError as e:
+            ap.error(f"--layer-types: {e} is not sliding or full")
     a.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(a.seed)
     specs = list(tensor_specs(p))

@@ -29,4 +29,21 @@ for fmt in "w4a8 --group-size 128" "w4a16 --group-size 64 --qkv-layout split --q
   cargo run --release -q -- parity fixtures/spark-tiny "$fresh/$name" --policy tests/parity_policy.json \
     --json "$fresh/$name.parity.json"
 done
+
+# Phone export: official onnx checker on the w8a16 fixture graph, then QNN HTP
+# readiness with Qualcomm's own backend (simulator): the fixture export, and a
+# Spark-1.7B-shaped random export of one sliding + one full layer at 4096 plus the head.
+cargo run --release -q -- export-phone fixtures/spark-tiny --out "$fresh/phone" --context 2048 --quiet
+python3 -c "import onnx, sys; onnx.checker.check_model(sys.argv[1], full_check=True)" "$fresh/phone/model.onnx"
+qnn_venv=${QNN_VENV:-$fresh/venv-qnn}
+if [ ! -x "$qnn_venv/bin/python" ]; then
+  python3 -m venv "$qnn_venv"
+  "$qnn_venv/bin/pip" install --quiet --disable-pip-version-check -r tools/requirements-qnn.txt
+fi
+"$qnn_venv/bin/python" tools/qnn_check.py "$fresh/phone" --run --out "$fresh/qnn-tiny" --json "$fresh/qnn-tiny.json" | tail -1
+python3 tools/make_random_checkpoint.py 1.7b "$fresh/r17" --layer-types sliding,full --tokenizer-from fixtures/spark-tiny > /dev/null
+cargo run --release -q -- export-phone "$fresh/r17" --out "$fresh/r17-phone" --context 4096 --parts 2 \
+  --calib-samples 2 --calib-seq-len 64 --quiet
+rm -rf "$fresh/r17"
+"$qnn_venv/bin/python" tools/qnn_check.py "$fresh/r17-phone" --run --out "$fresh/qnn-r17" --json "$fresh/qnn-r17.json" | tail -1
 echo "all tests passed"

@@ -45,6 +45,10 @@ pub struct ExportArgs {
     calib_samples: usize,
     #[arg(long, default_value_t = 256)]
     calib_seq_len: usize,
+    /// Widen calibrated activation/KV ranges by this factor: 16-bit codes have resolution to
+    /// spare, clipping unseen outliers costs more (measured in docs/PHONE_EXPORT.md).
+    #[arg(long, default_value_t = 2.0)]
+    range_margin: f32,
     /// Replace OUT if it exists.
     #[arg(long)]
     force: bool,
@@ -70,6 +74,7 @@ pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
         calibration: a.calibration,
         calib_samples: a.calib_samples,
         calib_seq_len: a.calib_seq_len,
+        range_margin: a.range_margin,
         force: a.force,
         progress: !a.quiet && !a.json,
         threads: rayon::current_num_threads(),

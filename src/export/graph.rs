@@ -553,3 +553,83 @@ impl StepBuilder<'_> {
         g
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> SparkConfig {
+        SparkConfig::from_json_str(
+            include_str!("../../fixtures/spark-tiny/config.json"),
+            "spark-tiny",
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn parts_are_contiguous_cover_everything_and_end_with_the_head() {
+        let cfg = tiny();
+        for n in 1..=cfg.num_hidden_layers + 1 {
+            let p = plan_parts(&cfg, n);
+            assert_eq!(p.len(), n);
+            assert_eq!(p[0].layers.start, 0);
+            for w in p.windows(2) {
+                assert_eq!(w[0].layers.end, w[1].layers.start);
+                assert!(!w[0].head);
+            }
+            assert!(p[n - 1].head);
+            assert_eq!(p[n - 1].layers.end, cfg.num_hidden_layers);
+            assert!(p.iter().all(|x| !x.layers.is_empty() || x.head));
+        }
+    }
+
+    #[test]
+    fn cache_sizes_follow_the_layer_type() {
+        let cfg = tiny();
+        assert_eq!(
+            past_len(&cfg, LayerType::Sliding, 4096),
+            cfg.sliding_window - 1
+        );
+        assert_eq!(past_len(&cfg, LayerType::Full, 4096), 4095);
+        // A context shorter than the window caps the sliding cache too.
+        assert_eq!(past_len(&cfg, LayerType::Sliding, 16), 15);
+    }
+
+    #[test]
+    fn graph_has_per_type_inputs_and_only_new_kv_outputs() {
+        let cfg = tiny();
+        let qkv = vec![QkvLayout::Fused; cfg.num_hidden_layers];
+        let b = StepBuilder {
+            cfg: &cfg,
+            qkv: &qkv,
+            tied: true,
+            context: 256,
+        };
+        let g = b.build(&plan_parts(&cfg, 1)[0]);
+        let names: Vec<&str> = g.inputs.iter().map(|i| i.name.as_str()).collect();
+        for n in [
+            "input_embeds",
+            "attention_mask_sliding",
+            "attention_mask_full",
+            "position_ids_cos_sliding",
+            "position_ids_sin_full",
+        ] {
+            assert!(names.contains(&n), "{n} missing");
+        }
+        let r_full = cfg.rope_for(LayerType::Full).rotary_dims;
+        assert_eq!(g.shape("position_ids_cos_full"), &[1, 1, 1, r_full / 2]);
+        assert_eq!(
+            g.shape("past_key_0_out"),
+            &[cfg.num_key_value_heads, 1, cfg.head_dim, 1]
+        );
+        assert_eq!(g.outputs.len(), 1 + 2 * cfg.num_hidden_layers);
+        assert!(
+            g.nodes.iter().all(|n| n.op != "Erf"),
+            "GELU must be the Gelu op"
+        );
+        assert_eq!(
+            g.nodes.iter().filter(|n| n.op == "Gelu").count(),
+            cfg.num_hidden_layers
+        );
+    }
+}

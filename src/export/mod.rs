@@ -43,6 +43,8 @@ pub struct ExportOptions {
     pub calibration: Vec<PathBuf>,
     pub calib_samples: usize,
     pub calib_seq_len: usize,
+    /// Calibrated activation ranges are widened by this factor (≥ 1).
+    pub range_margin: f32,
     pub force: bool,
     pub progress: bool,
     pub threads: usize,
@@ -430,6 +432,12 @@ pub fn export_phone(
             model_dir.join("config.json").display()
         )));
     }
+    if !(opts.range_margin >= 1.0 && opts.range_margin.is_finite()) {
+        return Err(ExportError::Invalid(format!(
+            "--range-margin {} must be a finite number >= 1",
+            opts.range_margin
+        )));
+    }
     if opts.parts == 0 || opts.parts > cfg.num_hidden_layers + 1 {
         return Err(ExportError::Invalid(format!(
             "--parts {} must be in 1..={} (layers + head)",
@@ -459,6 +467,23 @@ pub fn export_phone(
     }
     std::fs::create_dir_all(&stage).map_err(io(&stage))?;
 
+    let r = export_staged(&ck, model_dir, out, &stage, opts, t0);
+    if r.is_err() {
+        // Never leave a half-written export behind, not even the staging folder.
+        let _ = std::fs::remove_dir_all(&stage);
+    }
+    r
+}
+
+fn export_staged(
+    ck: &Checkpoint,
+    model_dir: &Path,
+    out: &Path,
+    stage: &Path,
+    opts: &ExportOptions,
+    t0: Instant,
+) -> Result<ExportReport, ExportError> {
+    let cfg = &ck.config;
     let builder = StepBuilder {
         cfg,
         qkv: &ck.layout.qkv,
@@ -496,17 +521,17 @@ pub fn export_phone(
         metadata.insert("bos_token_id".into(), b.to_string());
     }
     let mut reader = WeightReader {
-        ck: &ck,
+        ck,
         norms: HashMap::new(),
         scales: BTreeMap::new(),
     };
     write_safetensors_atomic(
         &stage.join("embed_tokens.safetensors"),
-        &[embedding_tensor(&ck)?],
+        &[embedding_tensor(ck)?],
         None,
     )
     .map_err(|e| ExportError::Invalid(e.to_string()))?;
-    copy_side_files(&ck, &stage)?;
+    copy_side_files(ck, stage)?;
     let total_inits: usize = graphs.iter().map(|g| g.inits.len()).sum();
     let mut calibration_tokens = 0;
     let mut calibration_seconds = 0.0;
@@ -520,9 +545,9 @@ pub fn export_phone(
         Precision::W8A16 => {
             let tc = Instant::now();
             let ranges = calibrate(
-                &ck,
+                ck,
                 opts,
-                &stage,
+                stage,
                 &plans,
                 &graphs,
                 &metadata,
@@ -534,20 +559,20 @@ pub fn export_phone(
             let mut qs = Vec::new();
             let mut encs = Vec::new();
             for (g, p) in graphs.into_iter().zip(&plans) {
-                let enc = qdq::plan_encodings(&g, p.layers.clone(), &ranges, opts.kv).map_err(
-                    |missing| {
-                        ExportError::Calibration(format!(
-                            "no calibrated range for {} tensor(s): {}",
-                            missing.len(),
-                            missing
-                                .iter()
-                                .take(8)
-                                .cloned()
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ))
-                    },
-                )?;
+                let enc =
+                    qdq::plan_encodings(&g, p.layers.clone(), &ranges, opts.kv, opts.range_margin)
+                        .map_err(|missing| {
+                            ExportError::Calibration(format!(
+                                "no calibrated range for {} tensor(s): {}",
+                                missing.len(),
+                                missing
+                                    .iter()
+                                    .take(8)
+                                    .cloned()
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ))
+                        })?;
                 let q = qdq::quantize(g, enc);
                 encs.push(q.encodings);
                 qs.push(q.graph);
@@ -567,7 +592,7 @@ pub fn export_phone(
         let w = write_part(
             g,
             p,
-            &stage,
+            stage,
             &mut reader,
             &metadata,
             encodings.as_ref().map(|e| &e[i]),
@@ -591,7 +616,7 @@ pub fn export_phone(
         },
     };
     let m = build_manifest(
-        &ck,
+        ck,
         opts,
         precision,
         parts,
@@ -613,7 +638,7 @@ pub fn export_phone(
     if out.exists() {
         std::fs::remove_dir_all(out).map_err(io(out))?;
     }
-    std::fs::rename(&stage, out).map_err(io(out))?;
+    std::fs::rename(stage, out).map_err(io(out))?;
     Ok(ExportReport {
         out: out.display().to_string(),
         precision: opts.precision,

@@ -55,11 +55,15 @@ pub struct Quantized {
 }
 
 /// Encodings for every float activation of `g`, or the names without a range.
+/// Calibrated ranges are widened by `margin`: 16-bit codes have resolution to
+/// spare, while clipping an activation the calibration text never produced
+/// (another language, a rare token) costs far more.
 pub fn plan_encodings(
     g: &Graph<WeightSpec>,
     layers: std::ops::Range<usize>,
     ranges: &Ranges,
     kv: QType,
+    margin: f32,
 ) -> Result<HashMap<String, Encoding>, Vec<String>> {
     let mut enc = HashMap::new();
     let mut missing = Vec::new();
@@ -83,7 +87,7 @@ pub fn plan_encodings(
             if absmax == 0.0 {
                 missing.push(src[0].clone());
             }
-            let e = Encoding::symmetric(kv, absmax);
+            let e = Encoding::symmetric(kv, absmax * margin);
             for t in group {
                 enc.insert(t, e);
             }
@@ -116,7 +120,7 @@ pub fn plan_encodings(
             },
             _ => match ranges.0.get(t) {
                 Some(&(lo, hi)) if lo.is_finite() && hi.is_finite() => {
-                    Encoding::asymmetric(QType::Uint16, lo, hi)
+                    Encoding::asymmetric(QType::Uint16, lo * margin, hi * margin)
                 }
                 _ => {
                     missing.push(t.clone());

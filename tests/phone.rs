@@ -1,0 +1,228 @@
+//! `export-phone` end to end on the trained fixture: the float graph driven
+//! through ONNX Runtime reproduces the engine over a long decode; the
+//! calibrated w8a16 graph passes the parity gate; bad requests fail cleanly.
+//! Needs the pip `onnxruntime` (tools/requirements.txt); a missing runtime is
+//! a test failure, not a skip.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use spark_tool::engine::Engine;
+use spark_tool::export::{export_phone, ExportOptions, Precision};
+use spark_tool::model::Logits;
+use spark_tool::phone::{Manifest, PhoneModel, QType};
+use spark_tool::quantize::calibration;
+use spark_tool::tokenizer::SparkTokenizer;
+
+fn options(precision: Precision, context: usize) -> ExportOptions {
+    ExportOptions {
+        context,
+        precision,
+        kv: QType::Int16,
+        parts: 1,
+        calibration: Vec::new(),
+        // The CLI defaults: 2048 calibration tokens (4×128 clips the zh/de prompts' outliers).
+        calib_samples: 8,
+        calib_seq_len: 256,
+        range_margin: 2.0,
+        force: false,
+        progress: false,
+        threads: 2,
+    }
+}
+
+fn exported(precision: Precision, parts: usize) -> PathBuf {
+    static F32: OnceLock<PathBuf> = OnceLock::new();
+    static W8: OnceLock<PathBuf> = OnceLock::new();
+    let cell = match precision {
+        Precision::F32 => &F32,
+        Precision::W8A16 => &W8,
+    };
+    cell.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap().keep().join("export");
+        let mut o = options(precision, 2048);
+        o.parts = parts;
+        export_phone(&common::fixture("spark-tiny"), &dir, &o).expect("export succeeds");
+        dir
+    })
+    .clone()
+}
+
+fn snr_db(r: &[f32], c: &[f32]) -> f64 {
+    let (mut s, mut n) = (0f64, 0f64);
+    for (a, b) in r.iter().zip(c) {
+        s += (*a as f64).powi(2);
+        n += (*a as f64 - *b as f64).powi(2);
+    }
+    10.0 * (s / n.max(1e-300)).log10()
+}
+
+fn top_k(x: &[f32], k: usize) -> Vec<usize> {
+    let mut i: Vec<usize> = (0..x.len()).collect();
+    i.sort_by(|&a, &b| x[b].total_cmp(&x[a]));
+    i.truncate(k);
+    i.sort();
+    i
+}
+
+#[test]
+fn float_graph_matches_the_engine_over_a_1100_token_decode() {
+    let dir = exported(Precision::F32, 2);
+    let phone = PhoneModel::open(&dir, 2).expect("ONNX Runtime loads the export");
+    assert_eq!(
+        phone.manifest.parts.len(),
+        2,
+        "split at a residual boundary"
+    );
+    let model = common::load("spark-tiny");
+    let tok =
+        SparkTokenizer::from_file(&common::fixture("spark-tiny").join("tokenizer.json")).unwrap();
+    let w = calibration::build(&[spark_tool::parity::bundled_eval_text()], &tok, 1, 1100).unwrap();
+    let seq = w.sample(0);
+    let vocab = model.config().vocab_size;
+    let want = model
+        .start(seq.len())
+        .unwrap()
+        .forward(seq, Logits::All)
+        .unwrap();
+    // Token by token through the graph: >16 laps of the 63-slot sliding ring.
+    let got = phone
+        .start(seq.len())
+        .unwrap()
+        .forward(seq, Logits::All)
+        .unwrap();
+    assert_eq!(got.len(), want.len());
+    let snr = snr_db(&want, &got);
+    assert!(snr >= 120.0, "logits SNR {snr:.1} dB < 120 dB");
+    for (i, (r, c)) in want
+        .chunks_exact(vocab)
+        .zip(got.chunks_exact(vocab))
+        .enumerate()
+    {
+        assert_eq!(top_k(r, 1), top_k(c, 1), "top-1 differs at step {i}");
+        assert_eq!(top_k(r, 5), top_k(c, 5), "top-5 differs at step {i}");
+    }
+}
+
+#[test]
+fn w8a16_graph_passes_the_parity_gate_and_ties_cache_encodings() {
+    let dir = exported(Precision::W8A16, 1);
+    let m = Manifest::read(&dir).unwrap();
+    assert_eq!(m.precision, "w8a16");
+    assert!(!m.runs_in_vllm);
+    let io: Vec<_> = m
+        .parts
+        .iter()
+        .flat_map(|p| p.inputs.iter().chain(&p.outputs))
+        .collect();
+    for c in &m.caches {
+        let enc = |n: &str| {
+            io.iter()
+                .find(|i| i.name == n)
+                .and_then(|i| i.encoding)
+                .unwrap()
+        };
+        assert_eq!(
+            enc(&c.key_in),
+            enc(&c.key_out),
+            "layer {} key encodings differ",
+            c.layer
+        );
+        assert_eq!(
+            enc(&c.value_in),
+            enc(&c.value_out),
+            "layer {} value encodings differ",
+            c.layer
+        );
+        assert_eq!(enc(&c.key_in).zero_point, 0, "int16 KV is symmetric");
+        let t = &m.types[&c.layer_type];
+        assert_eq!(c.key_shape[3], t.past_len);
+        assert_eq!(c.value_shape[2], t.past_len);
+    }
+    assert_eq!(m.types["sliding"].past_len, 63, "sliding_window − 1");
+    assert_eq!(m.types["full"].past_len, 2047, "context − 1");
+    assert!(dir.join("model.encodings").is_file());
+
+    let out = Command::new(env!("CARGO_BIN_EXE_spark-tool"))
+        .arg("parity")
+        .arg(common::fixture("spark-tiny"))
+        .arg(&dir)
+        .arg("--prompts")
+        .arg(common::root().join("tests/golden/prompts/spark-tiny.json"))
+        .args(["--max-new-tokens", "16", "--eval-tokens", "0", "--policy"])
+        .arg(common::root().join("tests/phone_parity_policy.json"))
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("PASS"), "{text}");
+}
+
+fn export_err(model: &Path, o: &ExportOptions) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x");
+    let e = export_phone(model, &out, o)
+        .expect_err("must fail")
+        .to_string();
+    assert!(!out.exists(), "nothing written on failure");
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(
+        leftovers.is_empty(),
+        "no staging folder left behind: {leftovers:?}"
+    );
+    e
+}
+
+#[test]
+fn bad_requests_fail_with_a_clear_error_and_write_nothing() {
+    let tiny = common::fixture("spark-tiny");
+    let e = export_err(&tiny, &options(Precision::F32, 1));
+    assert!(e.contains("--context 1"), "{e}");
+    let mut o = options(Precision::F32, 256);
+    o.parts = 99;
+    assert!(export_err(&tiny, &o).contains("--parts 99"));
+    // spark-random has no tokenizer: w8a16 cannot calibrate on text.
+    let e = export_err(
+        &common::fixture("spark-random"),
+        &options(Precision::W8A16, 256),
+    );
+    assert!(e.contains("tokenizer.json"), "{e}");
+    // An existing output is not replaced without --force.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("keep.txt"), "user data").unwrap();
+    let e = export_phone(&tiny, dir.path(), &options(Precision::F32, 256))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--force"), "{e}");
+    assert!(dir.path().join("keep.txt").is_file());
+}
+
+#[test]
+fn untied_split_qkv_checkpoint_exports_and_runs() {
+    // spark-random: untied head, split q/k/v, q_dim ≠ hidden, partial rotary.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("p");
+    export_phone(
+        &common::fixture("spark-random"),
+        &out,
+        &options(Precision::F32, 64),
+    )
+    .unwrap();
+    let phone = PhoneModel::open(&out, 2).unwrap();
+    let model = common::load("spark-random");
+    let seq: Vec<u32> = (0..40).map(|i| (i * 37 % 500) as u32).collect();
+    let want = model.start(64).unwrap().forward(&seq, Logits::All).unwrap();
+    let got = phone.start(64).unwrap().forward(&seq, Logits::All).unwrap();
+    let snr = snr_db(&want, &got);
+    assert!(snr >= 110.0, "SNR {snr:.1} dB");
+    let e = phone
+        .start(65)
+        .err()
+        .expect("context is enforced")
+        .to_string();
+    assert!(e.contains("--context 65"), "{e}");
+}
