@@ -120,7 +120,13 @@ pub fn plan_encodings(
             },
             _ => match ranges.0.get(t) {
                 Some(&(lo, hi)) if lo.is_finite() && hi.is_finite() => {
-                    Encoding::asymmetric(QType::Uint16, lo * margin, hi * margin)
+                    // Masks and cos/sin are built by the host: their range is exact.
+                    let m = if t.starts_with("attention_mask_") || t.starts_with("position_ids_") {
+                        1.0
+                    } else {
+                        margin
+                    };
+                    Encoding::asymmetric(QType::Uint16, lo * m, hi * m)
                 }
                 _ => {
                     missing.push(t.clone());
