@@ -36,9 +36,11 @@ fn options(precision: Precision, context: usize) -> ExportOptions {
 
 fn exported(precision: Precision, parts: usize) -> PathBuf {
     static F32: OnceLock<PathBuf> = OnceLock::new();
+    static F16: OnceLock<PathBuf> = OnceLock::new();
     static W8: OnceLock<PathBuf> = OnceLock::new();
     let cell = match precision {
         Precision::F32 => &F32,
+        Precision::F16 => &F16,
         Precision::W8A16 => &W8,
     };
     cell.get_or_init(|| {
@@ -225,4 +227,38 @@ fn untied_split_qkv_checkpoint_exports_and_runs() {
         .expect("context is enforced")
         .to_string();
     assert!(e.contains("--context 65"), "{e}");
+}
+
+#[test]
+fn f16_export_halves_the_weights_and_stays_close() {
+    let dir = exported(Precision::F16, 1);
+    let f32_dir = exported(Precision::F32, 2);
+    let size = |d: &Path| -> u64 {
+        std::fs::read_dir(d)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".onnx.data"))
+            .map(|e| e.metadata().unwrap().len())
+            .sum()
+    };
+    let (h, f) = (size(&dir), size(&f32_dir));
+    assert!(
+        h * 2 <= f + 4096 && h * 2 + 4096 >= f,
+        "f16 {h} B vs f32 {f} B"
+    );
+    let phone = PhoneModel::open(&dir, 2).unwrap();
+    let model = common::load("spark-tiny");
+    let seq: Vec<u32> = (0..100).map(|i| (i * 53 % 4000) as u32).collect();
+    let want = model
+        .start(100)
+        .unwrap()
+        .forward(&seq, Logits::All)
+        .unwrap();
+    let got = phone
+        .start(100)
+        .unwrap()
+        .forward(&seq, Logits::All)
+        .unwrap();
+    let snr = snr_db(&want, &got);
+    assert!((50.0..110.0).contains(&snr), "f16 weights: SNR {snr:.1} dB");
 }

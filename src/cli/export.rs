@@ -8,6 +8,8 @@ use spark_tool::phone::QType;
 #[derive(Clone, Copy, ValueEnum)]
 enum PrecisionArg {
     F32,
+    /// float16 weights cast to float32 in the graph (half the size of f32).
+    F16,
     W8a16,
 }
 
@@ -64,6 +66,7 @@ pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
         context: a.context,
         precision: match a.precision {
             PrecisionArg::F32 => Precision::F32,
+            PrecisionArg::F16 => Precision::F16,
             PrecisionArg::W8a16 => Precision::W8A16,
         },
         kv: match a.kv_dtype {

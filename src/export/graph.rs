@@ -27,6 +27,8 @@ pub enum Repr {
     Q8,
     /// The f32 per-channel scales `[N]` of [`Repr::Q8`].
     Q8Scale,
+    /// IEEE half `[K, N]` (rounded to nearest even).
+    F16,
 }
 
 /// A MatMul weight `[K, N]` = (rows `rows` of checkpoint tensor `[N_all, K]`)ᵀ,

@@ -30,6 +30,8 @@ use onnx::{DType, Graph, TensorInfo};
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     F32,
+    /// float16 weights (half the bytes), cast to float32 in the graph; float activations.
+    F16,
     W8A16,
 }
 
@@ -144,6 +146,10 @@ impl WeightReader<'_> {
         };
         Ok(match s.repr {
             Repr::F32 => m.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Repr::F16 => m
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
             Repr::Q8 => {
                 let sc = scales();
                 m.chunks_exact(n)
@@ -171,6 +177,7 @@ impl WeightReader<'_> {
 fn dtype_name(d: DType) -> &'static str {
     match d {
         DType::F32 => "float32",
+        DType::F16 => "float16",
         DType::I8 => "int8",
         DType::U8 => "uint8",
         DType::I16 => "int16",
@@ -310,7 +317,7 @@ fn build_manifest(
         .sum();
     let all_full = (cfg.num_hidden_layers * 2 * kvh * hd * (opts.context - 1) * kv_elem) as u64;
     let mask_value = match opts.precision {
-        Precision::F32 => -1000.0,
+        Precision::F32 | Precision::F16 => -1000.0,
         Precision::W8A16 => -50.0,
     };
     Manifest {
@@ -542,6 +549,7 @@ fn export_staged(
         Option<Vec<HashMap<String, Encoding>>>,
     ) = match opts.precision {
         Precision::F32 => (graphs, None),
+        Precision::F16 => (graphs.into_iter().map(half_weights).collect(), None),
         Precision::W8A16 => {
             let tc = Instant::now();
             let ranges = calibrate(
@@ -610,6 +618,7 @@ fn export_staged(
     pb.finish_and_clear();
     let (precision, kv_dtype, kv_elem) = match opts.precision {
         Precision::F32 => ("f32", "float32", 4),
+        Precision::F16 => ("f16", "float32", 4),
         Precision::W8A16 => match opts.kv {
             QType::Uint8 => ("w8a16", "uint8", 1),
             _ => ("w8a16", "int16", 2),
@@ -648,6 +657,48 @@ fn export_staged(
         calibration_seconds,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Store every MatMul weight as float16 and `Cast` it to float32 where it is used.
+fn half_weights(mut g: Graph<WeightSpec>) -> Graph<WeightSpec> {
+    let mut casts = Vec::new();
+    for init in &mut g.inits {
+        if let onnx::Source::Deferred(spec) = &mut init.source {
+            spec.repr = Repr::F16;
+            init.info.dtype = DType::F16;
+            casts.push((init.info.name.clone(), init.info.shape.clone()));
+        }
+    }
+    let mut nodes = Vec::with_capacity(g.nodes.len() + casts.len());
+    for (name, shape) in casts {
+        let out = format!("{name}_f32");
+        g.info.get_mut(&name).expect("initializer info").dtype = DType::F16;
+        g.info.insert(
+            out.clone(),
+            TensorInfo {
+                name: out.clone(),
+                dtype: DType::F32,
+                shape,
+            },
+        );
+        nodes.push(onnx::Node {
+            op: "Cast".into(),
+            name: format!("{out}/Cast"),
+            inputs: vec![name.clone()],
+            outputs: vec![out.clone()],
+            attrs: vec![("to".into(), onnx::Attr::Int(DType::F32.onnx() as i64))],
+        });
+        for n in &mut g.nodes {
+            for i in &mut n.inputs {
+                if *i == name {
+                    *i = out.clone();
+                }
+            }
+        }
+    }
+    nodes.append(&mut g.nodes);
+    g.nodes = nodes;
+    g
 }
 
 /// Ranges of every float tensor: write the float graphs with every

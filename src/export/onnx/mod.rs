@@ -21,6 +21,7 @@ use serde::Serialize;
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,
+    F16,
     I8,
     U8,
     I16,
@@ -34,6 +35,7 @@ impl DType {
         use pb::tensor_proto::DataType as D;
         (match self {
             DType::F32 => D::Float,
+            DType::F16 => D::Float16,
             DType::I8 => D::Int8,
             DType::U8 => D::Uint8,
             DType::I16 => D::Int16,
@@ -309,7 +311,7 @@ pub fn write_model<W>(
         let elem = match init.info.dtype {
             DType::F32 | DType::I32 => 4,
             DType::I8 | DType::U8 => 1,
-            DType::I16 | DType::U16 => 2,
+            DType::I16 | DType::U16 | DType::F16 => 2,
             DType::I64 => 8,
         };
         let numel: usize = init.info.shape.iter().product();
