@@ -221,27 +221,21 @@ impl PhoneModel {
     }
 
     pub fn sequence(&self) -> Result<PhoneSequence<'_>, PhoneError> {
+        // Unwritten slots hold the encoding's zero (they are masked anyway).
+        let zero = |name: &str| {
+            self.manifest
+                .parts
+                .iter()
+                .flat_map(|p| &p.inputs)
+                .find(|i| i.name == name)
+                .and_then(|i| i.encoding)
+                .map_or(0, |e| e.zero_point)
+        };
         let mut caches = Vec::new();
         for c in &self.manifest.caches {
-            let zero = self
-                .manifest
-                .parts
-                .iter()
-                .flat_map(|p| &p.inputs)
-                .find(|i| i.name == c.key_in)
-                .and_then(|i| i.encoding)
-                .map_or(0, |e| e.zero_point);
-            let vzero = self
-                .manifest
-                .parts
-                .iter()
-                .flat_map(|p| &p.inputs)
-                .find(|i| i.name == c.value_in)
-                .and_then(|i| i.encoding)
-                .map_or(0, |e| e.zero_point);
             caches.push((
-                Buf::new(&c.dtype, c.key_shape.iter().product(), zero)?,
-                Buf::new(&c.dtype, c.value_shape.iter().product(), vzero)?,
+                Buf::new(&c.dtype, c.key_shape.iter().product(), zero(&c.key_in))?,
+                Buf::new(&c.dtype, c.value_shape.iter().product(), zero(&c.value_in))?,
             ));
         }
         Ok(PhoneSequence {
