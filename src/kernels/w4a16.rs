@@ -152,8 +152,15 @@ impl PackedW4A16 {
         let out = ColumnsOut::new(y, m, n);
         for_ranges(n.div_ceil(COLS_BLOCK), n * k, |blocks| {
             let cols = blocks.start * COLS_BLOCK..(blocks.end * COLS_BLOCK).min(n);
-            for c0 in cols.clone().step_by(COLS_BLOCK) {
-                let cb = c0..(c0 + COLS_BLOCK).min(cols.end);
+            // Up to 4 rows: the whole range in one call (its streams far apart);
+            // more rows: blocks of columns that stay in cache across row chunks.
+            let step = if m <= 4 {
+                cols.len().max(1)
+            } else {
+                COLS_BLOCK
+            };
+            for c0 in cols.clone().step_by(step) {
+                let cb = c0..(c0 + step).min(cols.end);
                 for r0 in (0..m).step_by(4) {
                     let rows = r0..(r0 + 4).min(m);
                     match isa {
