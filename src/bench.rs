@@ -7,6 +7,10 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::generate::{generate, GenerateOptions};
+use crate::kernels::w4::{self, W4Nibbles, W4Weights};
+use crate::kernels::w4a16::PackedW4A16;
+use crate::kernels::w4a8::PackedW4A8;
+use crate::kernels::{self, bf16, F32Matmul};
 use crate::model::{ModelError, SparkModel};
 
 #[derive(Debug, Clone, Serialize)]
@@ -113,6 +117,223 @@ pub fn run(
         decode_ms_per_token: Spread::of(&per_tok),
         sampling_ms: Spread::of(&samp),
     })
+}
+
+/// One kernel on one weight shape: time per call and the weight bytes it streams.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelRow {
+    pub kernel: String,
+    /// Output features (weight rows).
+    pub n: usize,
+    /// Input features.
+    pub k: usize,
+    /// Activation rows per call (1 = decode).
+    pub m: usize,
+    pub weight_bytes: usize,
+    pub us_per_call: Spread,
+    /// Weight bytes ÷ median time.
+    pub gb_s: f64,
+}
+
+/// The kernels `bench --kernels` compares: today's paths and the ones they replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelKind {
+    /// f32 weights through the `gemm` crate (dense linears before bf16 storage; W4A16 before packing).
+    F32Gemm,
+    /// bf16 weights, widened in registers.
+    Bf16,
+    /// Packed nibbles, dequantized on the fly, g128.
+    W4A16,
+    /// Packed nibbles, int8 activations, bit-exact recipe, g128.
+    W4A8,
+    /// The scalar W4A8 recipe over one i8 code per weight (what W4A8 ran before packing).
+    W4A8Scalar,
+}
+
+impl KernelKind {
+    pub fn all() -> [KernelKind; 5] {
+        use KernelKind::*;
+        [F32Gemm, Bf16, W4A16, W4A8, W4A8Scalar]
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelKind::F32Gemm => "f32 gemm",
+            KernelKind::Bf16 => "bf16",
+            KernelKind::W4A16 => "w4a16 g128",
+            KernelKind::W4A8 => "w4a8 g128",
+            KernelKind::W4A8Scalar => "w4a8 g128 scalar",
+        }
+    }
+}
+
+/// Cheap deterministic bytes (weights for timing only).
+fn noise(len: usize, seed: u64) -> impl Iterator<Item = u64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len).map(move |_| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    })
+}
+
+/// Weights of one kind ready to multiply.
+enum BenchWeight {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+    W4A16(PackedW4A16),
+    W4A8(PackedW4A8),
+    W4A8Scalar(Vec<i8>, Vec<f32>),
+}
+
+fn bench_weight(kind: KernelKind, n: usize, k: usize, seed: u64) -> (BenchWeight, usize) {
+    let g = 128.min(k);
+    let groups = k / g;
+    let q = || -> Vec<u8> { noise(n * k, seed).map(|v| (v >> 40) as u8 & 15).collect() };
+    let scales: Vec<f32> = noise(n * groups, seed + 1)
+        .map(|v| w4::round_bf16(1e-3 + (v >> 44) as f32 * 1e-9))
+        .collect();
+    let zeros = vec![8i32; n * groups];
+    let small = |v: u64| ((v >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
+    match kind {
+        KernelKind::F32Gemm => (
+            BenchWeight::F32(noise(n * k, seed).map(small).collect()),
+            4 * n * k,
+        ),
+        KernelKind::Bf16 => (
+            BenchWeight::Bf16(
+                noise(n * k, seed)
+                    .map(|v| half::bf16::from_f32(small(v)).to_bits())
+                    .collect(),
+            ),
+            2 * n * k,
+        ),
+        KernelKind::W4A16 | KernelKind::W4A8 => {
+            let q = q();
+            let nib = W4Nibbles {
+                q: &q,
+                zeros: &zeros,
+                scales: &scales,
+                n,
+                k,
+                g,
+            };
+            if kind == KernelKind::W4A16 {
+                let p = PackedW4A16::pack(nib);
+                let b = p.bytes();
+                (BenchWeight::W4A16(p), b)
+            } else {
+                let p = PackedW4A8::pack(nib);
+                let b = p.bytes();
+                (BenchWeight::W4A8(p), b)
+            }
+        }
+        KernelKind::W4A8Scalar => {
+            let codes: Vec<i8> = q().iter().map(|&v| v as i8 - 8).collect();
+            let b = codes.len() + 4 * scales.len();
+            (BenchWeight::W4A8Scalar(codes, scales), b)
+        }
+    }
+}
+
+impl BenchWeight {
+    fn matmul(&self, x: &[f32], m: usize, n: usize, k: usize, y: &mut [f32]) {
+        match self {
+            BenchWeight::F32(w) => kernels::GemmCrateMatmul.matmul_nt(x, m, k, w, n, y),
+            BenchWeight::Bf16(w) => bf16::matmul_nt(x, m, k, w, n, y),
+            BenchWeight::W4A16(p) => p.matmul(x, m, y),
+            BenchWeight::W4A8(p) => p.matmul(x, m, y),
+            BenchWeight::W4A8Scalar(codes, scales) => w4::w4a8_matmul(
+                x,
+                m,
+                W4Weights {
+                    codes,
+                    scales,
+                    n,
+                    k,
+                    g: 128.min(k),
+                },
+                y,
+            ),
+        }
+    }
+}
+
+/// Time `kind` on `[n, k]` weights with `m` activation rows. Enough distinct
+/// weight copies are cycled that their total (≥ 256 MB) never fits in cache:
+/// decode reads every weight from DRAM. A `working_set` (bytes) small enough
+/// to fit in cache measures the kernel's compute bound instead.
+pub fn bench_kernel(
+    kind: KernelKind,
+    n: usize,
+    k: usize,
+    m: usize,
+    repeat: usize,
+    working_set: Option<usize>,
+) -> KernelRow {
+    let (first, bytes) = bench_weight(kind, n, k, 1);
+    let copies = working_set
+        .unwrap_or(256_000_000)
+        .div_ceil(bytes.max(1))
+        .clamp(1, 64);
+    let mut ws = vec![first];
+    for c in 1..copies {
+        ws.push(bench_weight(kind, n, k, 1 + c as u64).0);
+    }
+    let x: Vec<f32> = noise(m * k, 99)
+        .map(|v| w4::round_bf16((v >> 40) as f32 / (1u64 << 24) as f32 - 0.5))
+        .collect();
+    let mut y = vec![0f32; m * n];
+    for w in &ws {
+        w.matmul(&x, m, n, k, &mut y); // warm up (page faults, thread pool)
+    }
+    let mut us = vec![];
+    for _ in 0..repeat.max(1) {
+        let t = Instant::now();
+        for w in &ws {
+            w.matmul(&x, m, n, k, &mut y);
+        }
+        us.push(t.elapsed().as_secs_f64() * 1e6 / ws.len() as f64);
+    }
+    let us_per_call = Spread::of(&us);
+    KernelRow {
+        kernel: kind.name().into(),
+        n,
+        k,
+        m,
+        weight_bytes: bytes,
+        gb_s: bytes as f64 / (us_per_call.median * 1e3),
+        us_per_call,
+    }
+}
+
+/// Streaming read of a 1 GB buffer split across the pool's threads: the
+/// bandwidth ceiling decode kernels are measured against.
+pub fn stream_read_gb_s(repeat: usize) -> Spread {
+    use rayon::prelude::*;
+    let buf: Vec<u64> = noise(1 << 27, 7).collect();
+    let threads = rayon::current_num_threads();
+    let mut gbs = vec![];
+    for _ in 0..repeat.max(1) + 1 {
+        let t = Instant::now();
+        let s: u64 = buf
+            .par_chunks(buf.len().div_ceil(threads))
+            .map(|c| {
+                // Eight independent sums: the loop is bound by memory, not by an add chain.
+                let mut acc = [0u64; 8];
+                for v in c.chunks_exact(8) {
+                    for i in 0..8 {
+                        acc[i] = acc[i].wrapping_add(v[i]);
+                    }
+                }
+                acc.iter().fold(0u64, |a, v| a.wrapping_add(*v))
+            })
+            .reduce(|| 0, u64::wrapping_add);
+        std::hint::black_box(s);
+        gbs.push((buf.len() * 8) as f64 / (t.elapsed().as_secs_f64() * 1e9));
+    }
+    gbs.remove(0); // first pass warms the pool
+    Spread::of(&gbs)
 }
 
 #[cfg(test)]

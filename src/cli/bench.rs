@@ -21,8 +21,87 @@ pub struct BenchArgs {
     repeat: usize,
     #[arg(long)]
     json: bool,
+    /// Instead of the model: time each linear kernel on the artifact's weight
+    /// shapes (random weights, decode rows) and the streaming-read bandwidth.
+    #[arg(long)]
+    kernels: bool,
+    /// With --kernels: activation rows per call.
+    #[arg(long, default_value_t = 1, requires = "kernels")]
+    rows: usize,
+    /// With --kernels: only rows whose "linear kernel" label contains this, e.g. `lm_head` or `w4a8`.
+    #[arg(long, requires = "kernels")]
+    only: Option<String>,
+    /// With --kernels: weight bytes cycled per kernel (default 256 MB, more than any cache);
+    /// a value that fits in cache (e.g. 1) measures compute speed instead of memory speed.
+    #[arg(long, requires = "kernels")]
+    working_set_mb: Option<f64>,
     #[command(flatten)]
     exec: ExecArgs,
+}
+
+fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
+    use spark_tool::bench::{bench_kernel, stream_read_gb_s, KernelKind};
+    let c = &ck.config;
+    let (h, inter) = (c.hidden_size, c.intermediate_size);
+    let shapes = [
+        ("q_k_v_proj", c.q_dim() + 2 * c.kv_dim(), h),
+        ("gate_proj/up_proj", inter, h),
+        ("down_proj", h, inter),
+        ("lm_head", c.vocab_size, h),
+    ];
+    let bw = stream_read_gb_s(a.repeat);
+    let mut rows = vec![];
+    for (name, n, k) in shapes {
+        for kind in KernelKind::all() {
+            if name == "lm_head" && kind != KernelKind::Bf16 && kind != KernelKind::F32Gemm {
+                continue; // the head stays dense
+            }
+            if let Some(f) = &a.only {
+                if !format!("{name} {}", kind.name()).contains(f.as_str()) {
+                    continue;
+                }
+            }
+            let ws = a.working_set_mb.map(|mb| (mb * 1e6) as usize);
+            let r = bench_kernel(kind, n, k, a.rows, a.repeat, ws);
+            if !a.json {
+                println!(
+                    "{name:<18} {:>7} x {:<6} {:<17} {:>8.1} MB  median {:>9.1} us (min {:>9.1})  {:>6.1} GB/s  {:>4.0}% of stream",
+                    n,
+                    k,
+                    r.kernel,
+                    r.weight_bytes as f64 / 1e6,
+                    r.us_per_call.median,
+                    r.us_per_call.min,
+                    r.gb_s,
+                    100.0 * r.gb_s / bw.median
+                );
+            }
+            rows.push((name, r));
+        }
+    }
+    if a.json {
+        let v = serde_json::json!({
+            "threads": rayon::current_num_threads(),
+            "rows": a.rows,
+            "stream_read_gb_s": bw,
+            "kernels": rows.iter().map(|(name, r)| {
+                let mut v = serde_json::to_value(r).expect("plain struct");
+                v["linear"] = (*name).into();
+                v
+            }).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "stream read {:.1} GB/s median (min {:.1}, max {:.1}), {} threads, {} activation rows",
+            bw.median,
+            bw.min,
+            bw.max,
+            rayon::current_num_threads(),
+            a.rows
+        );
+    }
+    Ok(())
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
@@ -32,6 +111,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         .unwrap_or_else(spark_tool::bundled_fixture);
     let t = Instant::now();
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    if a.kernels {
+        return run_kernels(&a, &ck);
+    }
     let model = SparkModel::load(&ck, a.exec.options(&ck, false))?;
     let load_ms = t.elapsed().as_secs_f64() * 1e3;
     let r = spark_tool::bench::run(&model, a.prompt_len, a.gen, a.repeat)?;

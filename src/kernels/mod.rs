@@ -1,10 +1,24 @@
 //! Numeric kernels, kept apart from the model. Every kernel has a plain
 //! scalar reference; fast paths are tested against it.
 
+// AVX-512 intrinsics are stable since 1.89 (the crate still declares 1.85).
+// The kernels index several register arrays ([stream][row]) by one counter.
+#[cfg(target_arch = "x86_64")]
+#[clippy::msrv = "1.89"]
+#[allow(clippy::needless_range_loop)]
+mod avx512;
+pub mod bf16;
 pub mod convert;
+pub mod isa;
+pub mod par;
 pub mod w4;
+pub mod w4a16;
+pub mod w4a8;
 
+use std::ops::Range;
 use std::sync::OnceLock;
+
+use par::{for_ranges, ColumnsOut};
 
 /// `y[m, n] = x[m, k] · w[n, k]ᵀ` — the shape every linear layer needs
 /// (weights stored PyTorch-style, `[out_features, in_features]`).
@@ -89,6 +103,61 @@ pub fn matmul() -> &'static dyn F32Matmul {
         Ok("reference") => &ReferenceMatmul,
         _ => &GemmCrateMatmul,
     })
+}
+
+/// `y[m, n] = x[m, k] · Wᵀ` for weights stored compactly (bf16, 4-bit) and
+/// many rows `m`: each job widens a panel of weight rows to f32 with
+/// `expand(rows, out[rows.len() × k])` and multiplies it with `gemm`, so the
+/// compact weights are never expanded all at once.
+pub fn panel_matmul(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    y: &mut [f32],
+    expand: impl Fn(Range<usize>, &mut [f32]) + Sync,
+) {
+    assert_eq!((x.len(), y.len()), (m * k, m * n));
+    if m == 0 || n == 0 {
+        return;
+    }
+    // ~1 MiB of f32 per panel: it stays in L2 while gemm sweeps the rows.
+    let p = ((1usize << 18) / k.max(1)).clamp(16, 256) / 16 * 16;
+    let out = ColumnsOut::new(y, m, n);
+    for_ranges(n.div_ceil(p), m * n * k, |panels| {
+        let mut buf = vec![0f32; p * k];
+        for pi in panels {
+            let cols = pi * p..((pi + 1) * p).min(n);
+            let w = &mut buf[..cols.len() * k];
+            expand(cols.clone(), w);
+            // SAFETY: lhs x is m×k row-major (rs k, cs 1); rhs is the panel
+            // transposed, element (kk, j) at w[j*k + kk] (rs 1, cs k); dst is
+            // columns `cols` of y (rs n, cs 1), owned by this job alone.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    cols.len(),
+                    k,
+                    out.ptr_at(0, cols.start),
+                    1,
+                    n as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    w.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        }
+    });
 }
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -37,6 +37,101 @@ pub fn quantize_activation_row(x: &[f32], a: &mut [i32]) -> f32 {
     sa
 }
 
+/// 4-bit weights as GPTQ stores them, `[n, k]` row-major: nibbles `q`
+/// (0…15) with a zero point and a scale per (row, group) — code c = q − zero.
+/// What the packed kernels ([`super::w4a8`], [`super::w4a16`]) are built from.
+#[derive(Clone, Copy)]
+pub struct W4Nibbles<'a> {
+    pub q: &'a [u8],
+    /// `[n, k/g]`
+    pub zeros: &'a [i32],
+    /// `[n, k/g]`, bf16 values (what vLLM holds after loading).
+    pub scales: &'a [f32],
+    pub n: usize,
+    pub k: usize,
+    pub g: usize,
+}
+
+impl W4Nibbles<'_> {
+    pub fn groups(&self) -> usize {
+        self.k / self.g
+    }
+
+    /// Panics on inconsistent sizes (a caller bug, not bad input: the loader
+    /// validates checkpoints before building these).
+    pub(crate) fn check(&self) {
+        let (n, k, g) = (self.n, self.k, self.g);
+        assert!(
+            g > 0 && k % g == 0,
+            "k {k} is not a multiple of the group {g}"
+        );
+        assert_eq!(self.q.len(), n * k, "nibbles");
+        assert_eq!(self.zeros.len(), n * (k / g), "zeros");
+        assert_eq!(self.scales.len(), n * (k / g), "scales");
+        assert!(self.q.iter().all(|&q| q < 16), "nibbles above 15");
+        assert!(
+            self.scales
+                .iter()
+                .all(|s| round_bf16(*s).to_bits() == s.to_bits()),
+            "scales must be bf16 values"
+        );
+    }
+
+    /// The signed codes `q − zero` (the form [`w4a8_matmul`] takes).
+    pub fn codes(&self) -> Vec<i8> {
+        let groups = self.groups();
+        (0..self.n * self.k)
+            .map(|i| {
+                let (row, kk) = (i / self.k, i % self.k);
+                (self.q[i] as i32 - self.zeros[row * groups + kk / self.g]) as i8
+            })
+            .collect()
+    }
+}
+
+/// Zero points of a packed layout: one value for the whole matrix (GPTQ
+/// symmetric: 8) or one per (row, group) in the layout's order.
+#[derive(Clone, Debug)]
+pub(crate) enum Zeros {
+    Uniform(i32),
+    PerGroup(Vec<i8>),
+}
+
+impl Zeros {
+    /// `order` lists the source index (into `zeros`) for each stored slot;
+    /// `None` marks padding.
+    pub(crate) fn new(zeros: &[i32], order: impl Iterator<Item = Option<usize>>) -> Self {
+        match zeros.first() {
+            Some(&z0) if zeros.iter().all(|&z| z == z0) => Zeros::Uniform(z0),
+            None => Zeros::Uniform(0),
+            Some(_) => Zeros::PerGroup(
+                order
+                    .map(|i| {
+                        i.map_or(0, |i| {
+                            i8::try_from(zeros[i]).expect("zero point outside i8 range")
+                        })
+                    })
+                    .collect(),
+            ),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn get(&self, slot: usize) -> i32 {
+        match self {
+            Zeros::Uniform(z) => *z,
+            Zeros::PerGroup(v) => v[slot] as i32,
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Zeros::Uniform(_) => 0,
+            Zeros::PerGroup(v) => v.len(),
+        }
+    }
+}
+
 /// Signed 4-bit codes `[n, k]` with scales `[n, k/g]`.
 #[derive(Clone, Copy)]
 pub struct W4Weights<'a> {
@@ -74,9 +169,11 @@ pub fn w4a8_matmul(x: &[f32], m: usize, w: W4Weights, y: &mut [f32]) {
                     let s = &scales[col * groups..(col + 1) * groups];
                     let mut acc_f = 0f32;
                     for b0 in (0..k).step_by(bk) {
-                        let acc: i32 = a[b0..b0 + bk]
+                        // A last, shorter block only when G does not divide into 128-blocks.
+                        let b1 = (b0 + bk).min(k);
+                        let acc: i32 = a[b0..b1]
                             .iter()
-                            .zip(&c[b0..b0 + bk])
+                            .zip(&c[b0..b1])
                             .map(|(&p, &q)| p * q as i32)
                             .sum();
                         let t = acc as f32 * sa;

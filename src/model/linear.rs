@@ -1,10 +1,13 @@
 //! Every projection in the model is a [`Linear`]; the model never asks
-//! which kind. Dense f32 lives here; quantized kinds plug in behind the
-//! same trait.
+//! which kind. Dense weights (f32, or bf16 kept as bf16) live here;
+//! quantized kinds plug in behind the same trait.
 
 use std::sync::Arc;
 
-use crate::kernels;
+use safetensors::Dtype;
+
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::kernels::{self, bf16};
 
 pub trait Linear: Send + Sync {
     fn in_features(&self) -> usize;
@@ -17,15 +20,82 @@ pub trait Linear: Send + Sync {
     fn dequantize(&self) -> Vec<f32>;
 }
 
-/// A dense weight `[out, in]` held as f32 (converted from bf16/f16/f32 at load).
+/// A dense row-major weight. bf16 checkpoints stay bf16 (half the bytes a
+/// token streams; widening to f32 is exact); f16 and f32 become f32.
+#[derive(Clone)]
+pub enum DenseWeight {
+    F32(Arc<[f32]>),
+    /// bf16 bit patterns.
+    Bf16(Arc<[u16]>),
+}
+
+impl DenseWeight {
+    /// Rows `rows` (all when `None`) of the 2-D tensor `name`.
+    pub fn load(
+        ck: &Checkpoint,
+        name: &str,
+        rows: Option<std::ops::Range<usize>>,
+    ) -> Result<Self, CheckpointError> {
+        let e = ck.entry(name)?;
+        if e.dtype == Dtype::BF16 {
+            let cols: usize = e.shape[1..].iter().product();
+            let bytes = ck.store.bytes(e);
+            let bytes = match rows {
+                Some(r) => &bytes[r.start * cols * 2..r.end * cols * 2],
+                None => bytes,
+            };
+            return Ok(DenseWeight::Bf16(bf16::bits_from_le_bytes(bytes).into()));
+        }
+        let w = match rows {
+            Some(r) => ck.store.rows_to_f32(e, r.start, r.end)?,
+            None => ck.store.to_f32(e)?,
+        };
+        Ok(DenseWeight::F32(w.into()))
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            DenseWeight::F32(w) => w.len(),
+            DenseWeight::Bf16(w) => w.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copy elements `range` into `out` as f32 (e.g. one embedding row).
+    pub fn read_f32(&self, range: std::ops::Range<usize>, out: &mut [f32]) {
+        match self {
+            DenseWeight::F32(w) => out.copy_from_slice(&w[range]),
+            DenseWeight::Bf16(w) => {
+                for (o, b) in out.iter_mut().zip(&w[range]) {
+                    *o = bf16::widen(*b);
+                }
+            }
+        }
+    }
+
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut v = vec![0f32; self.len()];
+        self.read_f32(0..self.len(), &mut v);
+        v
+    }
+}
+
+/// A dense weight `[out, in]`.
 pub struct DenseLinear {
-    weight: Arc<[f32]>,
+    weight: DenseWeight,
     out_features: usize,
     in_features: usize,
 }
 
 impl DenseLinear {
     pub fn new(weight: Arc<[f32]>, out_features: usize, in_features: usize) -> Self {
+        Self::from_weight(DenseWeight::F32(weight), out_features, in_features)
+    }
+
+    pub fn from_weight(weight: DenseWeight, out_features: usize, in_features: usize) -> Self {
         assert_eq!(
             weight.len(),
             out_features * in_features,
@@ -38,7 +108,7 @@ impl DenseLinear {
         }
     }
 
-    pub fn weight(&self) -> &[f32] {
+    pub fn weight(&self) -> &DenseWeight {
         &self.weight
     }
 }
@@ -51,12 +121,19 @@ impl Linear for DenseLinear {
         self.out_features
     }
     fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        kernels::matmul().matmul_nt(x, m, self.in_features, &self.weight, self.out_features, y);
+        let (k, n) = (self.in_features, self.out_features);
+        match &self.weight {
+            DenseWeight::F32(w) => kernels::matmul().matmul_nt(x, m, k, w, n, y),
+            DenseWeight::Bf16(w) => bf16::matmul_nt(x, m, k, w, n, y),
+        }
     }
     fn kind(&self) -> String {
-        "dense f32".into()
+        match self.weight {
+            DenseWeight::F32(_) => "dense f32".into(),
+            DenseWeight::Bf16(_) => "dense bf16".into(),
+        }
     }
     fn dequantize(&self) -> Vec<f32> {
-        self.weight.to_vec()
+        self.weight.to_f32()
     }
 }

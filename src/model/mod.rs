@@ -15,16 +15,14 @@ pub mod linear;
 pub mod quantized;
 pub mod rope;
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
-
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
+use std::collections::BTreeMap;
 
 use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, QkvLayout, SparkConfig};
 use crate::kernels::{self, gelu_erf, rms_norm, sigmoid, softmax};
 pub use kv_cache::{CacheError, KvCache};
-pub use linear::{DenseLinear, Linear};
+pub use linear::{DenseLinear, DenseWeight, Linear};
 pub use quantized::{QuantExec, W4Numerics};
 use rope::Rope;
 
@@ -88,15 +86,15 @@ struct DecoderLayer {
 
 pub struct SparkModel {
     config: SparkConfig,
-    embedding: Arc<[f32]>,
+    embedding: DenseWeight,
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
     lm_head: Box<dyn Linear>,
     ropes: BTreeMap<LayerType, Rope>,
 }
 
-fn dense(w: Vec<f32>, out: usize, inp: usize) -> Box<dyn Linear> {
-    Box::new(DenseLinear::new(w.into(), out, inp))
+fn dense(w: DenseWeight, out: usize, inp: usize) -> Box<dyn Linear> {
+    Box::new(DenseLinear::from_weight(w, out, inp))
 }
 
 /// How to build the model from a checkpoint.
@@ -188,11 +186,7 @@ impl SparkModel {
                 // GptqLinear applies bf16 activation rounding itself.
                 return quantized::load_gptq(ck, &prefix, r, opts.exec);
             }
-            let e = ck.entry(&format!("{prefix}.weight"))?;
-            let w = match rows {
-                Some(r) => ck.store.rows_to_f32(e, r.start, r.end)?,
-                None => ck.store.to_f32(e)?,
-            };
+            let w = DenseWeight::load(ck, &format!("{prefix}.weight"), rows)?;
             Ok(wrap(dense(w, n, k)))
         };
         let bar = if progress {
@@ -208,7 +202,7 @@ impl SparkModel {
             ProgressBar::hidden()
         };
         bar.set_message("embedding");
-        let embedding: Arc<[f32]> = ck.tensor_f32("model.embedding.weight")?.into();
+        let embedding = DenseWeight::load(ck, "model.embedding.weight", None)?;
         bar.inc(1);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, kind) in cfg.layer_types.iter().enumerate() {
@@ -256,11 +250,7 @@ impl SparkModel {
         }
         let norm = ck.tensor_f32("model.norm.weight")?;
         let lm_head: Box<dyn Linear> = if ck.layout.tied {
-            wrap(Box::new(DenseLinear::new(
-                embedding.clone(),
-                cfg.vocab_size,
-                h,
-            )))
+            wrap(dense(embedding.clone(), cfg.vocab_size, h))
         } else {
             lin("lm_head".into(), None, cfg.vocab_size, h)?
         };
@@ -381,7 +371,7 @@ impl SparkModel {
                     vocab: self.config.vocab_size,
                 });
             }
-            row.copy_from_slice(&self.embedding[t * hidden..(t + 1) * hidden]);
+            self.embedding.read_f32(t * hidden..(t + 1) * hidden, row);
         }
         Ok(x)
     }

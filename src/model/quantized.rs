@@ -8,7 +8,10 @@ use serde::Serialize;
 use super::linear::Linear;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::formats::gptq::{unpack_qweight, unpack_qzeros_v1};
-use crate::kernels::{self, w4};
+use crate::kernels::bf16;
+use crate::kernels::w4::{self, W4Nibbles};
+use crate::kernels::w4a16::PackedW4A16;
+use crate::kernels::w4a8::PackedW4A8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -29,13 +32,19 @@ pub struct GptqLinear {
     n: usize,
     k: usize,
     g: usize,
-    /// `q − zero`, `[N, K]`.
-    codes: Vec<i8>,
-    /// `[N, K/G]`, bf16 values (what vLLM holds after loading).
-    scales: Vec<f32>,
-    /// W4A16: the bf16-rounded dequantized matrix `[N, K]`.
-    w16: Option<Vec<f32>>,
+    weights: GptqWeights,
     exec: QuantExec,
+}
+
+/// The weight in the layout its kernel reads (repacked at load, never on disk).
+enum GptqWeights {
+    /// Nibbles in 16-column VNNI tiles, 0.5 byte/weight + scales.
+    W4A8(PackedW4A8),
+    /// Nibbles per column, dequantized on the fly, 0.5 byte/weight + scales.
+    W4A16(PackedW4A16),
+    /// Act-order checkpoints (g_idx ≠ k/G), W4A16 only: the dequantized
+    /// bf16((q − z)·s) matrix `[N, K]` as bf16 (exact), 2 bytes/weight.
+    W4A16ActOrder(Vec<u16>),
 }
 
 impl Linear for GptqLinear {
@@ -53,42 +62,24 @@ impl Linear for GptqLinear {
         } else {
             x
         };
-        match (&self.w16, self.exec.numerics) {
-            (Some(w), W4Numerics::W4A16) => {
-                kernels::matmul().matmul_nt(x, m, self.k, w, self.n, y);
-                if self.exec.act_bf16 {
-                    y.iter_mut().for_each(|v| *v = w4::round_bf16(*v));
-                }
-            }
-            _ => w4::w4a8_matmul(
-                x,
-                m,
-                w4::W4Weights {
-                    codes: &self.codes,
-                    scales: &self.scales,
-                    n: self.n,
-                    k: self.k,
-                    g: self.g,
-                },
-                y,
-            ),
+        match &self.weights {
+            // The recipe rounds its output to bf16 itself.
+            GptqWeights::W4A8(p) => p.matmul(x, m, y),
+            GptqWeights::W4A16(p) => p.matmul(x, m, y),
+            GptqWeights::W4A16ActOrder(w) => bf16::matmul_nt(x, m, self.k, w, self.n, y),
+        }
+        if self.exec.act_bf16 && !matches!(self.weights, GptqWeights::W4A8(_)) {
+            y.iter_mut().for_each(|v| *v = w4::round_bf16(*v));
         }
     }
     fn kind(&self) -> String {
         format!("gptq {:?} g{}", self.exec.numerics, self.g)
     }
     fn dequantize(&self) -> Vec<f32> {
-        match &self.w16 {
-            Some(w) => w.clone(),
-            None => {
-                let groups = self.k / self.g;
-                (0..self.n * self.k)
-                    .map(|i| {
-                        self.codes[i] as f32
-                            * self.scales[(i / self.k) * groups + (i % self.k) / self.g]
-                    })
-                    .collect()
-            }
+        match &self.weights {
+            GptqWeights::W4A8(p) => p.dequantize(),
+            GptqWeights::W4A16(p) => p.dequantize(),
+            GptqWeights::W4A16ActOrder(w) => w.iter().map(|b| bf16::widen(*b)).collect(),
         }
     }
 }
@@ -153,34 +144,49 @@ pub fn load_gptq(
         });
     }
     let n = cols.len();
-    let mut codes = vec![0i8; n * k];
+    let mut q = vec![0u8; n * k];
+    let mut zeros_ng = vec![0i32; n * groups];
     let mut scales = vec![0f32; n * groups];
     for (j, col) in cols.clone().enumerate() {
         for kk in 0..k {
-            let gi = g_idx[kk];
-            codes[j * k + kk] =
-                (codes_kn[kk * n_all + col] as i32 - zeros[gi * n_all + col] as i32) as i8;
+            q[j * k + kk] = codes_kn[kk * n_all + col];
         }
         for gi in 0..groups {
+            zeros_ng[j * groups + gi] = zeros[gi * n_all + col] as i32;
             scales[j * groups + gi] = scales_gn[gi * n_all + col];
         }
     }
-    let w16 = (exec.numerics == W4Numerics::W4A16).then(|| {
-        if contiguous {
-            w4::w4a16_weights(&codes, &scales, n, k, g)
-        } else {
-            (0..n * k)
-                .map(|i| w4::round_bf16(codes[i] as f32 * scales[(i / k) * groups + g_idx[i % k]]))
-                .collect()
+    drop(codes_kn);
+    let weights = if !contiguous {
+        // Only W4A16 gets here (checked above).
+        let mut w = vec![0u16; n * k];
+        for j in 0..n {
+            for kk in 0..k {
+                let gi = j * groups + g_idx[kk];
+                let c = q[j * k + kk] as i32 - zeros_ng[gi];
+                w[j * k + kk] = half::bf16::from_f32(c as f32 * scales[gi]).to_bits();
+            }
         }
-    });
+        GptqWeights::W4A16ActOrder(w)
+    } else {
+        let nib = W4Nibbles {
+            q: &q,
+            zeros: &zeros_ng,
+            scales: &scales,
+            n,
+            k,
+            g,
+        };
+        match exec.numerics {
+            W4Numerics::W4A8 => GptqWeights::W4A8(PackedW4A8::pack(nib)),
+            W4Numerics::W4A16 => GptqWeights::W4A16(PackedW4A16::pack(nib)),
+        }
+    };
     Ok(Box::new(GptqLinear {
         n,
         k,
         g,
-        codes,
-        scales,
-        w16,
+        weights,
         exec,
     }))
 }

@@ -1,0 +1,194 @@
+//! Dense bf16 weights kept as bf16 (half the bytes of f32): `y = x · Wᵀ`
+//! with every weight widened to f32 in registers (exact: bf16 is the top
+//! half of an f32) and f32 multiply-adds. Results equal f32 math on the
+//! bf16 values up to summation order.
+//!
+//! Decode (few rows) streams the weights once through a row-dot kernel;
+//! prefill (many rows) widens panels of weight rows to f32 and runs `gemm`
+//! on them, see [`super::panel_matmul`].
+
+use super::isa::{isa, Isa};
+use super::par::{for_ranges, ColumnsOut};
+
+/// From this many activation rows on, panels + `gemm` beat streaming.
+pub const GEMM_MIN_ROWS: usize = 16;
+
+/// Weight rows (output columns) a job handles together, so that all
+/// activation rows reuse them from L2: 8 × 6656 × 2 bytes ≈ 104 KiB.
+const COLS_BLOCK: usize = 8;
+
+/// Exact bf16 → f32.
+#[inline]
+pub fn widen(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// Little-endian bf16 bytes (as safetensors stores them) → bits.
+pub fn bits_from_le_bytes(bytes: &[u8]) -> Vec<u16> {
+    bytes
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect()
+}
+
+/// The scalar reference: widen, multiply-add in order.
+pub fn matmul_nt_reference(x: &[f32], m: usize, k: usize, w: &[u16], n: usize, y: &mut [f32]) {
+    assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n));
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = 0f32;
+            for kk in 0..k {
+                s += x[i * k + kk] * widen(w[j * k + kk]);
+            }
+            y[i * n + j] = s;
+        }
+    }
+}
+
+/// `y[m, n] = x[m, k] · w[n, k]ᵀ` with the tier in use.
+pub fn matmul_nt(x: &[f32], m: usize, k: usize, w: &[u16], n: usize, y: &mut [f32]) {
+    matmul_nt_with(isa(), x, m, k, w, n, y);
+}
+
+/// [`matmul_nt`] with an explicit tier (tests run every available one).
+pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usize, y: &mut [f32]) {
+    assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n));
+    if m == 0 || n == 0 {
+        return;
+    }
+    if m >= GEMM_MIN_ROWS {
+        super::panel_matmul(x, m, k, n, y, |cols, out| {
+            for (j, o) in cols.zip(out.chunks_exact_mut(k)) {
+                for (d, s) in o.iter_mut().zip(&w[j * k..(j + 1) * k]) {
+                    *d = widen(*s);
+                }
+            }
+        });
+        return;
+    }
+    let xp = deinterleave(x, m, k);
+    let out = ColumnsOut::new(y, m, n);
+    for_ranges(n.div_ceil(COLS_BLOCK), n * k, |blocks| {
+        let cols = blocks.start * COLS_BLOCK..(blocks.end * COLS_BLOCK).min(n);
+        // Up to 4 rows: the whole range in one call (its streams far apart);
+        // more rows: blocks of columns that stay in cache across row chunks.
+        let step = if m <= 4 {
+            cols.len().max(1)
+        } else {
+            COLS_BLOCK
+        };
+        for c0 in cols.clone().step_by(step) {
+            let cb = c0..(c0 + step).min(cols.end);
+            for r0 in (0..m).step_by(4) {
+                let rows = r0..(r0 + 4).min(m);
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    isa if isa.avx512() => {
+                        // SAFETY: the tier was detected on this CPU; bounds asserted above.
+                        unsafe { super::avx512::bf16_gemv(w, k, &xp, rows, cb.clone(), &out) }
+                    }
+                    _ => gemv_portable(w, k, &xp, rows, cb.clone(), &out),
+                }
+            }
+        }
+    });
+}
+
+/// Each row's full 32-element chunks reordered as 16 even then 16 odd
+/// elements (the order a 32-bit lane split of 32 bf16 yields); the tail
+/// (`k % 32`) stays in place.
+pub(crate) fn deinterleave(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let mut xp = x.to_vec();
+    for r in 0..m {
+        for c in 0..k / 32 {
+            let base = r * k + 32 * c;
+            for i in 0..16 {
+                xp[base + i] = x[base + 2 * i];
+                xp[base + 16 + i] = x[base + 2 * i + 1];
+            }
+        }
+    }
+    xp
+}
+
+fn gemv_portable(
+    w: &[u16],
+    k: usize,
+    xp: &[f32],
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    out: &ColumnsOut,
+) {
+    let k32 = k / 32 * 32;
+    for r in rows {
+        let xr = &xp[r * k..(r + 1) * k];
+        // SAFETY: this job owns columns `cols` (disjoint ranges per job).
+        let yr = unsafe { out.row_mut(r, cols.clone()) };
+        for (j, o) in cols.clone().zip(yr.iter_mut()) {
+            let wr = &w[j * k..(j + 1) * k];
+            let mut acc = [0f32; 16];
+            for (wc, xc) in wr[..k32].chunks_exact(32).zip(xr[..k32].chunks_exact(32)) {
+                for i in 0..16 {
+                    acc[i] += widen(wc[2 * i]) * xc[i] + widen(wc[2 * i + 1]) * xc[16 + i];
+                }
+            }
+            let mut s: f32 = acc.iter().sum();
+            for (wv, xv) in wr[k32..].iter().zip(&xr[k32..]) {
+                s += widen(*wv) * xv;
+            }
+            *o = s;
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Any summation order of K products: |error| ≤ γ_K·Σ|x·w| with
+    /// γ_K ≈ K·2⁻²⁴ per side, so two orders differ by at most twice that.
+    pub(crate) fn assert_close_sum_order(got: &[f32], want: &[f32], abs: &[f32], k: usize) {
+        let gamma = (k as f32 + 2.0) * f32::EPSILON;
+        for (i, ((g, w), a)) in got.iter().zip(want).zip(abs).enumerate() {
+            assert!(
+                (g - w).abs() <= gamma * a + f32::MIN_POSITIVE,
+                "element {i}: {g} vs {w} (Σ|x·w| {a}, k {k})"
+            );
+        }
+    }
+
+    #[test]
+    fn every_tier_matches_the_reference_on_odd_shapes() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (1, 32, 1),
+            (1, 2048, 33),
+            (2, 96, 17),
+            (3, 130, 9),
+            (4, 384, 31),
+            (5, 64, 8),
+            (16, 160, 40),
+            (19, 2080, 7),
+        ] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|_| rng.random::<f32>() * 2.0 - 1.0)
+                .collect();
+            let w: Vec<u16> = (0..n * k)
+                .map(|_| half::bf16::from_f32(rng.random::<f32>() * 2.0 - 1.0).to_bits())
+                .collect();
+            let mut want = vec![0f32; m * n];
+            matmul_nt_reference(&x, m, k, &w, n, &mut want);
+            let mut abs = vec![0f32; m * n];
+            let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+            let wa: Vec<u16> = w.iter().map(|b| b & 0x7FFF).collect();
+            matmul_nt_reference(&xa, m, k, &wa, n, &mut abs);
+            for isa in Isa::available() {
+                let mut got = vec![f32::NAN; m * n];
+                matmul_nt_with(isa, &x, m, k, &w, n, &mut got);
+                assert_close_sum_order(&got, &want, &abs, k);
+            }
+        }
+    }
+}

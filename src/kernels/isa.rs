@@ -1,0 +1,66 @@
+//! Which SIMD tier the fast kernels run, detected once at run time.
+//!
+//! Every packed kernel has a portable version in plain Rust over the same
+//! packed layout (it is what other architectures run) and, on x86-64, an
+//! AVX-512 version. `SPARK_KERNELS=portable` (or `reference`) forces the
+//! portable tier, for comparisons and for debugging.
+
+use std::sync::OnceLock;
+
+/// Tiers in increasing order; each includes the ones before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Plain Rust; runs everywhere.
+    Portable,
+    /// AVX-512 F/BW/VL with VNNI (`vpdpbusd`): Ice Lake, Zen 4 and later.
+    Avx512Vnni,
+    /// The above plus AVX512-BF16 (`vdpbf16ps`): Cooper/Sapphire Rapids, Zen 4.
+    Avx512Bf16,
+}
+
+impl Isa {
+    /// The best tier this CPU can run, ignoring `SPARK_KERNELS`.
+    pub fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                if is_x86_feature_detected!("avx512bf16") {
+                    return Isa::Avx512Bf16;
+                }
+                return Isa::Avx512Vnni;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every tier this CPU can run (what the tests compare against each other).
+    pub fn available() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx512Vnni, Isa::Avx512Bf16]
+            .into_iter()
+            .filter(|t| *t <= Isa::best())
+            .collect()
+    }
+
+    /// Whether the AVX-512 kernels may run.
+    pub fn avx512(self) -> bool {
+        self >= Isa::Avx512Vnni
+    }
+}
+
+/// The tier in use: [`Isa::best`], or at most `SPARK_KERNELS` = `portable`
+/// (also `reference`), `avx512vnni` or `avx512bf16`.
+pub fn isa() -> Isa {
+    static CHOSEN: OnceLock<Isa> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let cap = match std::env::var("SPARK_KERNELS").as_deref() {
+            Ok("portable") | Ok("reference") => Isa::Portable,
+            Ok("avx512vnni") => Isa::Avx512Vnni,
+            _ => Isa::Avx512Bf16,
+        };
+        Isa::best().min(cap)
+    })
+}

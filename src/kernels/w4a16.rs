@@ -1,0 +1,267 @@
+//! W4A16 from packed nibbles (vLLM `cpu_gemm_wna16`, FORMATS.md §7.2):
+//! every weight is dequantized on the fly to w = bf16((q − z)·s) — the
+//! product is exact in f32 (≤ 5 × 8 significant bits), so w is exactly the
+//! value [`super::w4::w4a16_weights`] gives — and multiplied with f32
+//! multiply-adds. Outputs equal the scalar reference up to summation order
+//! (bound in the tests: (k + 2)·ε_f32·Σ|x·w|).
+//!
+//! Layout (built at load, never on disk): per output column, per 64 inputs
+//! 32 bytes; byte i holds q[64c + i] in its low nibble and q[64c + 32 + i]
+//! in its high one. Widened to lanes, the nibbles index a 16-entry table of
+//! the group's dequantized values: 16 f32 lanes (`vpermps` reads the low 4
+//! bits of an index), or 32 bf16 lanes (`vpermw` reads 5 bits; the table is
+//! stored twice) when the activations are bf16 values and the CPU has
+//! AVX512-BF16 — then `vdpbf16ps` multiplies pairs exactly and accumulates
+//! in f32 (denormal inputs read as zero: an absolute error below 2⁻¹²⁶·|w|
+//! per product).
+
+use std::ops::Range;
+
+use super::bf16::{widen, GEMM_MIN_ROWS};
+use super::isa::{isa, Isa};
+use super::par::{for_ranges, ColumnsOut};
+use super::w4::{round_bf16, W4Nibbles, Zeros};
+
+/// Columns a job handles together so that all activation rows reuse them from L1/L2.
+const COLS_BLOCK: usize = 8;
+
+/// A `[n, k]` 4-bit weight packed for W4A16.
+pub struct PackedW4A16 {
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) g: usize,
+    pub(super) groups: usize,
+    /// `ceil(k / 64)`
+    pub(super) chunks: usize,
+    /// `[n][chunks][32]`
+    pub(super) nib: Vec<u8>,
+    /// bf16 bits `[n][groups]`
+    pub(super) scales: Vec<u16>,
+    /// `[n][groups]`
+    pub(super) zeros: Zeros,
+    /// Whether the SIMD kernels apply: whole 64-input chunks, groups of
+    /// 2^half_shift 32-input halves.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) simd_ok: bool,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) half_shift: u32,
+}
+
+impl PackedW4A16 {
+    pub fn pack(w: W4Nibbles) -> Self {
+        w.check();
+        let (n, k, g) = (w.n, w.k, w.g);
+        let chunks = k.div_ceil(64);
+        let mut nib = vec![0u8; n * chunks * 32];
+        for col in 0..n {
+            for kk in 0..k {
+                let byte = (col * chunks + kk / 64) * 32 + kk % 32;
+                nib[byte] |= w.q[col * k + kk] << (4 * ((kk % 64) / 32));
+            }
+        }
+        PackedW4A16 {
+            n,
+            k,
+            g,
+            groups: w.groups(),
+            chunks,
+            nib,
+            scales: w
+                .scales
+                .iter()
+                .map(|s| half::bf16::from_f32(*s).to_bits())
+                .collect(),
+            zeros: Zeros::new(w.zeros, (0..w.zeros.len()).map(Some)),
+            simd_ok: g % 32 == 0 && (g / 32).is_power_of_two() && k % 64 == 0,
+            half_shift: (g / 32).max(1).trailing_zeros(),
+        }
+    }
+
+    /// Bytes held (weights, scales, zero points).
+    pub fn bytes(&self) -> usize {
+        self.nib.len() + 2 * self.scales.len() + self.zeros.bytes()
+    }
+
+    /// The 16 dequantized values of nibbles 0…15 in group `gi` of column `col`.
+    fn lut(&self, col: usize, gi: usize) -> [f32; 16] {
+        let sl = col * self.groups + gi;
+        let (z, s) = (self.zeros.get(sl), widen(self.scales[sl]));
+        std::array::from_fn(|q| round_bf16((q as i32 - z) as f32 * s))
+    }
+
+    #[inline]
+    fn q(&self, col: usize, kk: usize) -> usize {
+        let byte = self.nib[(col * self.chunks + kk / 64) * 32 + kk % 32];
+        ((byte >> (4 * ((kk % 64) / 32))) & 15) as usize
+    }
+
+    /// Weight rows `cols` as f32, `[cols.len(), k]` (the effective weights).
+    pub fn expand(&self, cols: Range<usize>, out: &mut [f32]) {
+        self.expand_with(isa(), cols, out);
+    }
+
+    fn expand_with(&self, isa: Isa, cols: Range<usize>, out: &mut [f32]) {
+        assert_eq!(out.len(), cols.len() * self.k);
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            isa if isa.avx512() && self.simd_ok => {
+                // SAFETY: the tier was detected on this CPU; sizes asserted above.
+                unsafe { super::avx512::w4a16_expand(self, cols, out) }
+            }
+            _ => {
+                for (col, o) in cols.zip(out.chunks_exact_mut(self.k)) {
+                    for gi in 0..self.groups {
+                        let lut = self.lut(col, gi);
+                        for kk in gi * self.g..(gi + 1) * self.g {
+                            o[kk] = lut[self.q(col, kk)];
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The effective weight `[n, k]`: bf16((q − z)·s).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut w = vec![0f32; self.n * self.k];
+        self.expand_with(Isa::Portable, 0..self.n, &mut w);
+        w
+    }
+
+    /// `y[m, n] = x[m, k] · Wᵀ` in f32 (no output rounding).
+    pub fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        self.matmul_with(isa(), x, m, y);
+    }
+
+    /// [`matmul`](Self::matmul) on an explicit tier (tests run every available one).
+    pub fn matmul_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) {
+        let (n, k) = (self.n, self.k);
+        assert_eq!((x.len(), y.len()), (m * k, m * n));
+        if m == 0 || n == 0 {
+            return;
+        }
+        if m >= GEMM_MIN_ROWS {
+            super::panel_matmul(x, m, k, n, y, |cols, out| self.expand_with(isa, cols, out));
+            return;
+        }
+        // bf16 activations as bf16 bits, for `vdpbf16ps` (exact products).
+        #[cfg(target_arch = "x86_64")]
+        let xb: Option<Vec<u16>> =
+            (isa >= Isa::Avx512Bf16 && self.simd_ok && x.iter().all(|v| v.to_bits() & 0xFFFF == 0))
+                .then(|| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
+        let out = ColumnsOut::new(y, m, n);
+        for_ranges(n.div_ceil(COLS_BLOCK), n * k, |blocks| {
+            let cols = blocks.start * COLS_BLOCK..(blocks.end * COLS_BLOCK).min(n);
+            // Up to 4 rows: the whole range in one call (its streams far apart);
+            // more rows: blocks of columns that stay in cache across row chunks.
+            let step = if m <= 4 {
+                cols.len().max(1)
+            } else {
+                COLS_BLOCK
+            };
+            for c0 in cols.clone().step_by(step) {
+                let cb = c0..(c0 + step).min(cols.end);
+                for r0 in (0..m).step_by(4) {
+                    let rows = r0..(r0 + 4).min(m);
+                    match isa {
+                        #[cfg(target_arch = "x86_64")]
+                        isa if isa.avx512() && self.simd_ok => {
+                            // SAFETY: the tier was detected on this CPU; this job owns `cb`.
+                            unsafe {
+                                super::avx512::w4a16_gemv(
+                                    self,
+                                    x,
+                                    xb.as_deref(),
+                                    rows,
+                                    cb.clone(),
+                                    &out,
+                                )
+                            }
+                        }
+                        _ => self.gemv_portable(x, rows, cb.clone(), &out),
+                    }
+                }
+            }
+        });
+    }
+
+    fn gemv_portable(&self, x: &[f32], rows: Range<usize>, cols: Range<usize>, out: &ColumnsOut) {
+        let k = self.k;
+        for col in cols {
+            let mut acc = [[0f32; 16]; 4];
+            for gi in 0..self.groups {
+                let lut = self.lut(col, gi);
+                for kk in gi * self.g..(gi + 1) * self.g {
+                    let w = lut[self.q(col, kk)];
+                    for (r, acc) in rows.clone().zip(acc.iter_mut()) {
+                        acc[kk % 16] += w * x[r * k + kk];
+                    }
+                }
+            }
+            for (r, acc) in rows.clone().zip(acc) {
+                // SAFETY: this job owns column `col`.
+                unsafe { out.row_mut(r, col..col + 1)[0] = acc.iter().sum() };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::bf16::tests::assert_close_sum_order;
+    use crate::kernels::w4::w4a16_weights;
+    use crate::kernels::w4a8::tests::{activations, Case};
+    use crate::kernels::{F32Matmul, ReferenceMatmul};
+    use rand::SeedableRng;
+
+    #[test]
+    fn every_tier_matches_the_reference_up_to_summation_order() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for &(n, k, g) in &[
+            (1, 32, 32),
+            (17, 96, 32),
+            (33, 384, 128),
+            (16, 640, 64),
+            (7, 512, 256),
+            (40, 2048, 128),
+            (9, 136, 136),
+            (5, 48, 16),
+            (3, 24, 8),
+            (6, 192, 32),
+            (4, 192, 96),
+            (11, 6656, 128),
+        ] {
+            for sym in [true, false] {
+                let case = Case::random(&mut rng, n, k, g, sym);
+                let w = w4a16_weights(&case.nibbles().codes(), &case.scales, n, k, g);
+                let packed = PackedW4A16::pack(case.nibbles());
+                assert_eq!(
+                    packed.dequantize(),
+                    w,
+                    "dequantized weights ({n}, {k}, g{g})"
+                );
+                let wa: Vec<f32> = w.iter().map(|v| v.abs()).collect();
+                for m in [1, 2, 3, 4, 5, 16, 19] {
+                    // bf16 activations (the vdpbf16ps path) and plain f32 ones.
+                    let mut x = activations(&mut rng, m, k);
+                    if m % 2 == 0 {
+                        x.iter_mut().for_each(|v| *v *= 1.0 + f32::EPSILON);
+                    }
+                    let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+                    let (mut want, mut abs) = (vec![0f32; m * n], vec![0f32; m * n]);
+                    ReferenceMatmul.matmul_nt(&x, m, k, &w, n, &mut want);
+                    ReferenceMatmul.matmul_nt(&xa, m, k, &wa, n, &mut abs);
+                    for isa in Isa::available() {
+                        let mut got = vec![f32::NAN; m * n];
+                        packed.matmul_with(isa, &x, m, &mut got);
+                        assert_close_sum_order(&got, &want, &abs, k);
+                        let mut e = vec![0f32; n * k];
+                        packed.expand_with(isa, 0..n, &mut e);
+                        assert_eq!(e, w, "{isa:?} expand");
+                    }
+                }
+            }
+        }
+    }
+}

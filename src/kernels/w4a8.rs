@@ -1,0 +1,383 @@
+//! W4A8 from packed nibbles, bit-exact to vLLM's `int4_scaled_mm_cpu`
+//! (FORMATS.md §7.1, the scalar [`super::w4::w4a8_matmul`]).
+//!
+//! Layout (built at load, never on disk): output columns in tiles of 16; per
+//! tile, per 8 input rows ("octet") 64 bytes where byte `4·lane + j` holds
+//! q[lane][8o + j] in its low nibble and q[lane][8o + 4 + j] in its high one.
+//! A 32-bit lane of a 512-bit load is then four weights of one column, the
+//! shape `vpdpbusd` multiplies (unsigned weight bytes × signed activation
+//! bytes, four products summed into one i32 lane per column).
+//!
+//! The integers are those of the recipe: per block of `bk = min(G, 128)`
+//! inputs, Σ a·(q − z) = Σ a·q − z·Σ a, exact in i32 (|Σ| ≤ 127·16·128 <
+//! 2²⁴, so `float(acc)` is exact too); the f32 steps `t = float(acc)·sa`,
+//! `out = fma(t, s, out)` run per column in block order, then bf16 rounding.
+//! Each SIMD lane does exactly those IEEE operations, so every tier gives
+//! the same bits.
+
+use std::ops::Range;
+
+use super::isa::{isa, Isa};
+use super::par::{for_ranges, ColumnsOut};
+use super::w4::{round_bf16, W4Nibbles, Zeros};
+
+pub(crate) const TILE: usize = 16;
+
+/// A `[n, k]` 4-bit weight packed for W4A8.
+pub struct PackedW4A8 {
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) g: usize,
+    /// Inner block of the recipe, `min(g, 128)`.
+    pub(super) bk: usize,
+    pub(super) groups: usize,
+    pub(super) tiles: usize,
+    /// `ceil(k / 8)`
+    pub(super) octets: usize,
+    /// `[tiles][octets][64]`
+    pub(super) nib: Vec<u8>,
+    /// bf16 bits `[tiles][groups][16]`
+    pub(super) scales: Vec<u16>,
+    /// `[tiles][groups][16]`
+    pub(super) zeros: Zeros,
+    /// Pieces of blocks with one zero point each: block b covers
+    /// `segs[block_segs[b]..block_segs[b + 1]]`. One per block unless a
+    /// block straddles groups (G > 128 and not a multiple of 128).
+    segs: Vec<Seg>,
+    block_segs: Vec<usize>,
+    /// Whether the SIMD kernels apply: whole blocks of whole octets, one segment each.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) simd_ok: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Seg {
+    k0: usize,
+    k1: usize,
+    group: usize,
+}
+
+/// Activation rows quantized once per call, shared by all jobs.
+pub(super) struct Acts {
+    /// `[m][octets·8]`, zero padded.
+    pub(super) a: Vec<i8>,
+    pub(super) stride: usize,
+    pub(super) sa: Vec<f32>,
+    /// Σ a over each segment, `[m][segs]` (= per block on the SIMD path).
+    pub(super) sums: Vec<i32>,
+    pub(super) nsegs: usize,
+    pub(super) m: usize,
+}
+
+impl PackedW4A8 {
+    pub fn pack(w: W4Nibbles) -> Self {
+        w.check();
+        let (n, k, g) = (w.n, w.k, w.g);
+        let groups = w.groups();
+        let bk = g.min(128);
+        let tiles = n.div_ceil(TILE);
+        let octets = k.div_ceil(8);
+        let mut nib = vec![0u8; tiles * octets * 64];
+        for col in 0..n {
+            let (t, lane) = (col / TILE, col % TILE);
+            for kk in 0..k {
+                let byte = (t * octets + kk / 8) * 64 + lane * 4 + kk % 4;
+                nib[byte] |= w.q[col * k + kk] << (4 * ((kk % 8) / 4));
+            }
+        }
+        // Slot (t, gi, lane) of the per-group arrays ↔ column 16t + lane.
+        let slots = || {
+            (0..tiles).flat_map(move |t| {
+                (0..groups).flat_map(move |gi| {
+                    (0..TILE).map(move |lane| {
+                        let col = t * TILE + lane;
+                        (col < n).then_some(col * groups + gi)
+                    })
+                })
+            })
+        };
+        let scales = slots()
+            .map(|i| i.map_or(0, |i| half::bf16::from_f32(w.scales[i]).to_bits()))
+            .collect();
+        let zeros = Zeros::new(w.zeros, slots());
+        let mut segs = vec![];
+        let mut block_segs = vec![0];
+        for b0 in (0..k).step_by(bk) {
+            let b1 = (b0 + bk).min(k);
+            let mut s0 = b0;
+            while s0 < b1 {
+                let s1 = ((s0 / g + 1) * g).min(b1);
+                segs.push(Seg {
+                    k0: s0,
+                    k1: s1,
+                    group: s0 / g,
+                });
+                s0 = s1;
+            }
+            block_segs.push(segs.len());
+        }
+        let simd_ok = bk % 8 == 0 && k % bk == 0 && segs.len() == block_segs.len() - 1;
+        PackedW4A8 {
+            n,
+            k,
+            g,
+            bk,
+            groups,
+            tiles,
+            octets,
+            nib,
+            scales,
+            zeros,
+            segs,
+            block_segs,
+            simd_ok,
+        }
+    }
+
+    /// Bytes held (weights, scales, zero points).
+    pub fn bytes(&self) -> usize {
+        self.nib.len() + 2 * self.scales.len() + self.zeros.bytes()
+    }
+
+    #[inline]
+    fn q(&self, col: usize, kk: usize) -> u8 {
+        let (t, lane) = (col / TILE, col % TILE);
+        let byte = self.nib[(t * self.octets + kk / 8) * 64 + lane * 4 + kk % 4];
+        (byte >> (4 * ((kk % 8) / 4))) & 15
+    }
+
+    #[inline]
+    fn slot(&self, col: usize, gi: usize) -> usize {
+        ((col / TILE) * self.groups + gi) * TILE + col % TILE
+    }
+
+    /// The effective weight `[n, k]`: c·s in f32 (exact), as the recipe uses it.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut w = vec![0f32; self.n * self.k];
+        for col in 0..self.n {
+            for kk in 0..self.k {
+                let sl = self.slot(col, kk / self.g);
+                let c = self.q(col, kk) as i32 - self.zeros.get(sl);
+                w[col * self.k + kk] = c as f32 * super::bf16::widen(self.scales[sl]);
+            }
+        }
+        w
+    }
+
+    /// `y[m, n]` (bf16 values) from activation rows `x[m, k]` (bf16 values).
+    pub fn matmul(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        self.matmul_with(isa(), x, m, y);
+    }
+
+    /// [`matmul`](Self::matmul) on an explicit tier (tests run every available one).
+    pub fn matmul_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) {
+        assert_eq!((x.len(), y.len()), (m * self.k, m * self.n));
+        if m == 0 || self.n == 0 {
+            return;
+        }
+        let acts = self.quantize_acts(x, m);
+        let out = ColumnsOut::new(y, m, self.n);
+        for_ranges(self.tiles, self.n * self.k, |tiles| match isa {
+            #[cfg(target_arch = "x86_64")]
+            isa if isa.avx512() && self.simd_ok => {
+                // SAFETY: the tier was detected on this CPU; jobs own disjoint tiles.
+                unsafe { super::avx512::w4a8_tiles(self, &acts, tiles, &out) }
+            }
+            _ => self.tiles_portable(&acts, tiles, &out),
+        });
+    }
+
+    /// Per-token dynamic symmetric int8 (steps 1–2 of the recipe) and the
+    /// activation sums the zero-point correction needs.
+    fn quantize_acts(&self, x: &[f32], m: usize) -> Acts {
+        let k = self.k;
+        let stride = self.octets * 8;
+        let mut a = vec![0i8; m * stride];
+        let mut sa = vec![0f32; m];
+        let mut sums = vec![0i32; m * self.segs.len()];
+        let mut row = vec![0i32; k];
+        for r in 0..m {
+            sa[r] = super::w4::quantize_activation_row(&x[r * k..(r + 1) * k], &mut row);
+            for (d, v) in a[r * stride..r * stride + k].iter_mut().zip(&row) {
+                *d = *v as i8; // |v| ≤ 127
+            }
+            for (si, s) in self.segs.iter().enumerate() {
+                sums[r * self.segs.len() + si] = row[s.k0..s.k1].iter().sum();
+            }
+        }
+        Acts {
+            a,
+            stride,
+            sa,
+            sums,
+            nsegs: self.segs.len(),
+            m,
+        }
+    }
+
+    fn tiles_portable(&self, acts: &Acts, tiles: Range<usize>, out: &ColumnsOut) {
+        for t in tiles {
+            let cols = t * TILE..((t + 1) * TILE).min(self.n);
+            for r in 0..acts.m {
+                let a = &acts.a[r * acts.stride..(r + 1) * acts.stride];
+                let mut o = [0f32; TILE];
+                for (b, b0) in (0..self.k).step_by(self.bk).enumerate() {
+                    let b1 = (b0 + self.bk).min(self.k);
+                    let mut acc = [0i32; TILE];
+                    for (kk, &av) in a.iter().enumerate().take(b1).skip(b0) {
+                        let base = (t * self.octets + kk / 8) * 64 + kk % 4;
+                        let shift = 4 * ((kk % 8) / 4);
+                        for (lane, acc) in acc.iter_mut().enumerate() {
+                            *acc += av as i32 * ((self.nib[base + 4 * lane] >> shift) & 15) as i32;
+                        }
+                    }
+                    for si in self.block_segs[b]..self.block_segs[b + 1] {
+                        let sum = acts.sums[r * acts.nsegs + si];
+                        let zbase = (t * self.groups + self.segs[si].group) * TILE;
+                        for (lane, acc) in acc.iter_mut().enumerate() {
+                            *acc -= self.zeros.get(zbase + lane) * sum;
+                        }
+                    }
+                    let sbase = (t * self.groups + b0 / self.g) * TILE;
+                    for lane in 0..TILE {
+                        let tv = acc[lane] as f32 * acts.sa[r];
+                        o[lane] =
+                            tv.mul_add(super::bf16::widen(self.scales[sbase + lane]), o[lane]);
+                    }
+                }
+                // SAFETY: this job owns tile t's columns.
+                let yr = unsafe { out.row_mut(r, cols.clone()) };
+                for (d, v) in yr.iter_mut().zip(o) {
+                    *d = round_bf16(v);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::kernels::w4::{w4a8_matmul, W4Weights};
+    use rand::{Rng, SeedableRng};
+
+    /// Random GPTQ-like weights: nibbles, zeros (8, or random per group), bf16 scales.
+    pub(crate) struct Case {
+        pub q: Vec<u8>,
+        pub zeros: Vec<i32>,
+        pub scales: Vec<f32>,
+        pub n: usize,
+        pub k: usize,
+        pub g: usize,
+    }
+
+    impl Case {
+        pub fn random(rng: &mut impl Rng, n: usize, k: usize, g: usize, sym: bool) -> Case {
+            let groups = k / g;
+            Case {
+                q: (0..n * k).map(|_| rng.random_range(0..16u8)).collect(),
+                zeros: (0..n * groups)
+                    .map(|_| if sym { 8 } else { rng.random_range(1..=16) })
+                    .collect(),
+                scales: (0..n * groups)
+                    .map(|_| round_bf16(rng.random_range(1e-4f32..2e-2)))
+                    .collect(),
+                n,
+                k,
+                g,
+            }
+        }
+        pub fn nibbles(&self) -> W4Nibbles<'_> {
+            W4Nibbles {
+                q: &self.q,
+                zeros: &self.zeros,
+                scales: &self.scales,
+                n: self.n,
+                k: self.k,
+                g: self.g,
+            }
+        }
+    }
+
+    /// bf16 activations in ±2 with an exact .5 tie after scaling in every row.
+    pub(crate) fn activations(rng: &mut impl Rng, m: usize, k: usize) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..m * k)
+            .map(|_| round_bf16(rng.random_range(-2.0f32..2.0)))
+            .collect();
+        if k > 1 {
+            for r in 0..m {
+                let row = &mut x[r * k..(r + 1) * k];
+                let amax = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+                row[k / 2] = amax / 2.0;
+            }
+        }
+        x
+    }
+
+    #[test]
+    fn every_tier_is_bit_exact_to_the_recipe() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let shapes = [
+            // (n, k, g): odd n, k a multiple of g but not of 512, G > 128, G = K
+            (1, 32, 32),
+            (17, 96, 32),
+            (33, 384, 128),
+            (16, 640, 64),
+            (7, 512, 256),
+            (40, 2048, 128),
+            (9, 136, 136),
+            (5, 384, 192),
+            (3, 24, 8),
+        ];
+        for (si, &(n, k, g)) in shapes.iter().enumerate() {
+            for sym in [true, false] {
+                let case = Case::random(&mut rng, n, k, g, sym);
+                let codes = case.nibbles().codes();
+                let packed = PackedW4A8::pack(case.nibbles());
+                for m in [1, 2, 3, 4, 5, 16, 19] {
+                    let x = activations(&mut rng, m, k);
+                    let mut want = vec![0f32; m * n];
+                    w4a8_matmul(
+                        &x,
+                        m,
+                        W4Weights {
+                            codes: &codes,
+                            scales: &case.scales,
+                            n,
+                            k,
+                            g,
+                        },
+                        &mut want,
+                    );
+                    for isa in Isa::available() {
+                        let mut got = vec![f32::NAN; m * n];
+                        packed.matmul_with(isa, &x, m, &mut got);
+                        let bad = got
+                            .iter()
+                            .zip(&want)
+                            .filter(|(a, b)| a.to_bits() != b.to_bits())
+                            .count();
+                        assert_eq!(
+                            bad, 0,
+                            "{isa:?} shape {si} ({n}, {k}, g{g}) sym {sym} m {m}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dequantize_is_codes_times_scales() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let case = Case::random(&mut rng, 19, 64, 32, false);
+        let codes = case.nibbles().codes();
+        let w = PackedW4A8::pack(case.nibbles()).dequantize();
+        for (i, v) in w.iter().enumerate() {
+            assert_eq!(
+                *v,
+                codes[i] as f32 * case.scales[(i / 64) * 2 + (i % 64) / 32]
+            );
+        }
+    }
+}
