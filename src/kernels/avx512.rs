@@ -10,8 +10,9 @@
 //! 131072 × 2048 bf16): a kernel that reads its columns as one sequential
 //! stream reaches ~65 % of a plain streaming read; splitting each job's
 //! columns into two halves read in lockstep (two far-apart streams for the
-//! hardware prefetchers) plus a software prefetch 2 KiB ahead reaches
-//! ~100 %. Every kernel here reads two streams when it decodes (m = 1).
+//! hardware prefetchers) plus a software prefetch 2–4 KiB ahead reaches
+//! ~100 %. So the decode paths read two streams: bf16 and W4A16 for up to
+//! 4 rows, W4A8 for one row.
 //!
 //! The AVX-512 intrinsics are stable since Rust 1.89, above the crate's
 //! declared rust-version (1.85): building this module needs 1.89.

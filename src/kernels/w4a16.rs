@@ -241,6 +241,10 @@ mod tests {
                     w,
                     "dequantized weights ({n}, {k}, g{g})"
                 );
+                // The GPTQ group sizes must reach the SIMD kernels.
+                if [32, 64, 128].contains(&g) && k % 64 == 0 {
+                    assert!(packed.simd_ok, "({n}, {k}, g{g})");
+                }
                 let wa: Vec<f32> = w.iter().map(|v| v.abs()).collect();
                 for m in [1, 2, 3, 4, 5, 16, 19] {
                     // bf16 activations (the vdpbf16ps path) and plain f32 ones.

@@ -334,6 +334,8 @@ pub(crate) mod tests {
                 let case = Case::random(&mut rng, n, k, g, sym);
                 let codes = case.nibbles().codes();
                 let packed = PackedW4A8::pack(case.nibbles());
+                // The GPTQ group sizes must reach the SIMD kernels.
+                assert_eq!(packed.simd_ok, g <= 128 || g % 128 == 0, "({n}, {k}, g{g})");
                 for m in [1, 2, 3, 4, 5, 16, 19] {
                     let x = activations(&mut rng, m, k);
                     let mut want = vec![0f32; m * n];
