@@ -73,7 +73,7 @@ fn pattern(types: &[LayerType]) -> String {
         .map(|t| if *t == LayerType::Sliding { 'S' } else { 'F' })
         .collect();
     for period in 1..=ch.len() {
-        if ch.len() % period == 0 && ch.chunks(period).all(|c| c == &ch[..period]) {
+        if ch.len().is_multiple_of(period) && ch.chunks(period).all(|c| c == &ch[..period]) {
             let unit: Vec<String> = ch[..period].iter().map(|c| c.to_string()).collect();
             return format!("[{}]×{}", unit.join(" "), ch.len() / period);
         }
@@ -236,7 +236,7 @@ fn commas(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);

@@ -337,7 +337,7 @@ impl SparkConfig {
             let rotary_dims = dims_f.round() as usize;
             if !(factor > 0.0 && factor <= 1.0)
                 || (dims_f - rotary_dims as f64).abs() > 1e-9
-                || rotary_dims % 2 != 0
+                || !rotary_dims.is_multiple_of(2)
             {
                 return Err(err(
                     &format!("{field}.partial_rotary_factor"),

@@ -184,7 +184,7 @@ fn check_gptq(
             }
         }
     };
-    if k % 8 != 0 || n % 8 != 0 || k % g != 0 {
+    if !k.is_multiple_of(8) || !n.is_multiple_of(8) || !k.is_multiple_of(g) {
         problems.push(format!(
             "`{prefix}`: shape [{n}, {k}] cannot hold GPTQ with group size {g}"
         ));

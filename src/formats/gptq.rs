@@ -22,7 +22,7 @@ pub enum GptqFormatError {
 
 /// Pack `[K, N]` codes into `qweight` `[K/8, N]`.
 pub fn pack_qweight(codes: &[u8], k: usize, n: usize) -> Vec<i32> {
-    assert!(k % 8 == 0 && codes.len() == k * n);
+    assert!(k.is_multiple_of(8) && codes.len() == k * n);
     let mut out = vec![0i32; k / 8 * n];
     for r in 0..k / 8 {
         for col in 0..n {
