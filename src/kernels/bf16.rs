@@ -8,14 +8,10 @@
 //! on them, see [`super::panel_matmul`].
 
 use super::isa::{isa, Isa};
-use super::par::{for_ranges, ColumnsOut};
+use super::par::{for_tiles, ColumnsOut};
 
 /// From this many activation rows on, panels + `gemm` beat streaming.
 pub const GEMM_MIN_ROWS: usize = 16;
-
-/// Weight rows (output columns) a job handles together, so that all
-/// activation rows reuse them from L2: 8 × 6656 × 2 bytes ≈ 104 KiB.
-const COLS_BLOCK: usize = 8;
 
 /// Exact bf16 → f32.
 #[inline]
@@ -68,29 +64,13 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
     }
     let xp = deinterleave(x, m, k);
     let out = ColumnsOut::new(y, m, n);
-    for_ranges(n.div_ceil(COLS_BLOCK), n * k, |blocks| {
-        let cols = blocks.start * COLS_BLOCK..(blocks.end * COLS_BLOCK).min(n);
-        // Up to 4 rows: the whole range in one call (its streams far apart);
-        // more rows: blocks of columns that stay in cache across row chunks.
-        let step = if m <= 4 {
-            cols.len().max(1)
-        } else {
-            COLS_BLOCK
-        };
-        for c0 in cols.clone().step_by(step) {
-            let cb = c0..(c0 + step).min(cols.end);
-            for r0 in (0..m).step_by(4) {
-                let rows = r0..(r0 + 4).min(m);
-                match isa {
-                    #[cfg(target_arch = "x86_64")]
-                    isa if isa.avx512() => {
-                        // SAFETY: the tier was detected on this CPU; bounds asserted above.
-                        unsafe { super::avx512::bf16_gemv(w, k, &xp, rows, cb.clone(), &out) }
-                    }
-                    _ => gemv_portable(w, k, &xp, rows, cb.clone(), &out),
-                }
-            }
+    for_tiles(m, n, k, |rows, cb| match isa {
+        #[cfg(target_arch = "x86_64")]
+        isa if isa.avx512() => {
+            // SAFETY: the tier was detected on this CPU; bounds asserted above.
+            unsafe { super::avx512::bf16_gemv(w, k, &xp, rows, cb, &out) }
         }
+        _ => gemv_portable(w, k, &xp, rows, cb, &out),
     });
 }
 

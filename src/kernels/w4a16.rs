@@ -19,11 +19,8 @@ use std::ops::Range;
 
 use super::bf16::{widen, GEMM_MIN_ROWS};
 use super::isa::{isa, Isa};
-use super::par::{for_ranges, ColumnsOut};
+use super::par::{for_tiles, ColumnsOut};
 use super::w4::{round_bf16, W4Nibbles, Zeros};
-
-/// Columns a job handles together so that all activation rows reuse them from L1/L2.
-const COLS_BLOCK: usize = 8;
 
 /// A `[n, k]` 4-bit weight packed for W4A16.
 pub struct PackedW4A16 {
@@ -150,38 +147,13 @@ impl PackedW4A16 {
             (isa >= Isa::Avx512Bf16 && self.simd_ok && x.iter().all(|v| v.to_bits() & 0xFFFF == 0))
                 .then(|| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
         let out = ColumnsOut::new(y, m, n);
-        for_ranges(n.div_ceil(COLS_BLOCK), n * k, |blocks| {
-            let cols = blocks.start * COLS_BLOCK..(blocks.end * COLS_BLOCK).min(n);
-            // Up to 4 rows: the whole range in one call (its streams far apart);
-            // more rows: blocks of columns that stay in cache across row chunks.
-            let step = if m <= 4 {
-                cols.len().max(1)
-            } else {
-                COLS_BLOCK
-            };
-            for c0 in cols.clone().step_by(step) {
-                let cb = c0..(c0 + step).min(cols.end);
-                for r0 in (0..m).step_by(4) {
-                    let rows = r0..(r0 + 4).min(m);
-                    match isa {
-                        #[cfg(target_arch = "x86_64")]
-                        isa if isa.avx512() && self.simd_ok => {
-                            // SAFETY: the tier was detected on this CPU; this job owns `cb`.
-                            unsafe {
-                                super::avx512::w4a16_gemv(
-                                    self,
-                                    x,
-                                    xb.as_deref(),
-                                    rows,
-                                    cb.clone(),
-                                    &out,
-                                )
-                            }
-                        }
-                        _ => self.gemv_portable(x, rows, cb.clone(), &out),
-                    }
-                }
+        for_tiles(m, n, k, |rows, cb| match isa {
+            #[cfg(target_arch = "x86_64")]
+            isa if isa.avx512() && self.simd_ok => {
+                // SAFETY: the tier was detected on this CPU; this job owns `cb`.
+                unsafe { super::avx512::w4a16_gemv(self, x, xb.as_deref(), rows, cb, &out) }
             }
+            _ => self.gemv_portable(x, rows, cb, &out),
         });
     }
 
