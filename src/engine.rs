@@ -24,7 +24,10 @@ struct ModelSequence<'a> {
 
 impl Sequence for ModelSequence<'_> {
     fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>, ModelError> {
-        self.model.forward(tokens, &mut self.cache, want)
+        // Run the whole step on a pool worker: the per-linear fan-outs then
+        // start from a worker that takes part, instead of a caller that waits.
+        let (model, cache) = (self.model, &mut self.cache);
+        rayon::scope(|_| model.forward(tokens, cache, want))
     }
 }
 
