@@ -736,22 +736,7 @@ fn calibrate(
     let pb = bar(opts.progress, total_inits as u64, "float graph");
     let mut parts = Vec::new();
     for (g, p) in graphs.iter().zip(plans) {
-        let mut tapped = Graph::<WeightSpec>::new(&g.name);
-        tapped.inputs = g.inputs.clone();
-        tapped.outputs = g.outputs.clone();
-        tapped.nodes = g.nodes.clone();
-        tapped.info = g.info.clone();
-        tapped.inits = g
-            .inits
-            .iter()
-            .map(|i| onnx::Initializer {
-                info: i.info.clone(),
-                source: match &i.source {
-                    onnx::Source::Bytes(b) => onnx::Source::Bytes(b.clone()),
-                    onnx::Source::Deferred(w) => onnx::Source::Deferred(w.clone()),
-                },
-            })
-            .collect();
+        let mut tapped = g.clone();
         let declared: std::collections::HashSet<String> =
             tapped.outputs.iter().map(|o| o.name.clone()).collect();
         for n in &g.nodes {

@@ -66,32 +66,8 @@ impl F32Matmul for GemmCrateMatmul {
         } else {
             gemm::Parallelism::None
         };
-        // SAFETY: the asserts above bound every access: lhs x is m×k row-major
-        // (rs = k, cs = 1), rhs is wᵀ, i.e. element (kk, j) at w[j*k + kk]
-        // (rs = 1, cs = k), dst y is m×n row-major (rs = n, cs = 1).
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                y.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                x.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                k as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            );
-        }
+        // SAFETY: the asserts above: x is m×k, w is n×k, y is m×n, all row-major.
+        unsafe { gemm_nt(m, n, k, x, w, y.as_mut_ptr(), n, par) }
     }
 }
 
@@ -129,34 +105,67 @@ pub fn panel_matmul(
             let cols = pi * p..((pi + 1) * p).min(n);
             let w = &mut buf[..cols.len() * k];
             expand(cols.clone(), w);
-            // SAFETY: lhs x is m×k row-major (rs k, cs 1); rhs is the panel
-            // transposed, element (kk, j) at w[j*k + kk] (rs 1, cs k); dst is
-            // columns `cols` of y (rs n, cs 1), owned by this job alone.
+            // SAFETY: x is m×k and the panel cols.len()×k; the destination is
+            // columns `cols` of the m×n y, owned by this job alone.
             unsafe {
-                gemm::gemm(
+                gemm_nt(
                     m,
                     cols.len(),
                     k,
+                    x,
+                    w,
                     out.ptr_at(0, cols.start),
-                    1,
-                    n as isize,
-                    false,
-                    x.as_ptr(),
-                    1,
-                    k as isize,
-                    w.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
+                    n,
                     gemm::Parallelism::None,
-                );
+                )
             }
         }
     });
+}
+
+/// `dst[i, j] = Σ_kk x[i, kk] · w[j, kk]` with `gemm`: x is `[m, k]` and w
+/// `[n, k]` row-major, dst has row stride `dst_rs`.
+///
+/// # Safety
+/// `x` must hold m·k and `w` n·k values, and `dst` must be valid for writes
+/// of m rows of n values at stride `dst_rs` that nothing else accesses.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_nt(
+    m: usize,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    w: &[f32],
+    dst: *mut f32,
+    dst_rs: usize,
+    par: gemm::Parallelism,
+) {
+    debug_assert!(x.len() >= m * k && w.len() >= n * k);
+    // lhs x: rs k, cs 1; rhs wᵀ: element (kk, j) at w[j*k + kk], rs 1, cs k; dst: rs dst_rs, cs 1.
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
 }
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

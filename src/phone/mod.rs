@@ -11,8 +11,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
+use ort::session::SessionInputValue;
 use ort::session::{builder::GraphOptimizationLevel, Session};
-use ort::value::{DynValue, Tensor};
+use ort::value::{DynValue, Tensor, TensorRef};
 
 use crate::checkpoint::{LayerType, SparkConfig, TensorStore};
 use crate::engine::{Engine, Sequence};
@@ -102,18 +103,19 @@ impl Buf {
             }
         })
     }
-    fn value(&self, shape: &[usize]) -> Result<DynValue, PhoneError> {
+    /// A view of the cache for one run: no copy of the (up to context-long) buffer.
+    fn value(&self, shape: &[usize]) -> Result<SessionInputValue<'_>, PhoneError> {
         let s = shape.to_vec();
         Ok(match self {
-            Buf::F32(v) => Tensor::from_array((s, v.clone()))
+            Buf::F32(v) => TensorRef::from_array_view((s, v.as_slice()))
                 .map_err(ort_err)?
-                .into_dyn(),
-            Buf::I16(v) => Tensor::from_array((s, v.clone()))
+                .into(),
+            Buf::I16(v) => TensorRef::from_array_view((s, v.as_slice()))
                 .map_err(ort_err)?
-                .into_dyn(),
-            Buf::U8(v) => Tensor::from_array((s, v.clone()))
+                .into(),
+            Buf::U8(v) => TensorRef::from_array_view((s, v.as_slice()))
                 .map_err(ort_err)?
-                .into_dyn(),
+                .into(),
         })
     }
     /// Copy `src` (the graph's new entry, `n` values) to positions `at(i)`.
@@ -290,13 +292,14 @@ impl PhoneSequence<'_> {
         let mut hidden = m.embed(token)?;
         let mut logits = None;
         for (pi, part) in man.parts.iter().enumerate() {
-            let mut feeds: Vec<(String, DynValue)> = Vec::new();
+            let mut feeds: Vec<(String, SessionInputValue)> = Vec::new();
             for io in &part.inputs {
                 let shape = io.shape.clone();
-                let f = |v: Vec<f32>| -> Result<DynValue, ModelError> {
+                let f = |v: Vec<f32>| -> Result<SessionInputValue, ModelError> {
                     Ok(Tensor::from_array((shape.clone(), v))
                         .map_err(|e| run(ort_err(e)))?
-                        .into_dyn())
+                        .into_dyn()
+                        .into())
                 };
                 let value = if let Some(ci) = man.caches.iter().position(|c| c.key_in == io.name) {
                     self.caches[ci].0.value(&io.shape).map_err(run)?

@@ -70,17 +70,20 @@ pub struct Node {
 
 /// Where an initializer's bytes come from: inline, or computed at write
 /// time (so a 1.7B export never holds more than one matrix in memory).
+#[derive(Clone)]
 pub enum Source<W> {
     Bytes(Vec<u8>),
     Deferred(W),
 }
 
+#[derive(Clone)]
 pub struct Initializer<W> {
     pub info: TensorInfo,
     pub source: Source<W>,
 }
 
 /// A graph under construction. `W` describes deferred weights.
+#[derive(Clone)]
 pub struct Graph<W> {
     pub name: String,
     pub inputs: Vec<TensorInfo>,
