@@ -7,7 +7,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::generate::{generate, GenerateOptions};
-use crate::kernels::w4::{self, W4Nibbles, W4Weights};
+use crate::kernels::w4::{self, Codes, W4Nibbles, W4Weights};
 use crate::kernels::w4a16::PackedW4A16;
 use crate::kernels::w4a8::PackedW4A8;
 use crate::kernels::{self, bf16, F32Matmul};
@@ -211,7 +211,7 @@ fn bench_weight(kind: KernelKind, n: usize, k: usize, seed: u64) -> (BenchWeight
         KernelKind::W4A16 | KernelKind::W4A8 => {
             let q = q();
             let nib = W4Nibbles {
-                q: &q,
+                q: Codes::Unpacked(&q),
                 zeros: &zeros,
                 scales: &scales,
                 n,

@@ -9,6 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
@@ -31,8 +33,25 @@ impl TensorEntry {
     }
 }
 
+/// u16 values held in a read-only file map (see [`TensorStore::u16_view`]).
+#[derive(Clone)]
+pub struct U16View {
+    map: Arc<Mmap>,
+    start: usize,
+    len: usize,
+}
+
+impl std::ops::Deref for U16View {
+    type Target = [u16];
+    fn deref(&self) -> &[u16] {
+        // SAFETY: `u16_view` checked alignment, bounds and endianness; the map
+        // is read-only and lives as long as this view's Arc.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(self.start).cast(), self.len) }
+    }
+}
+
 pub struct TensorStore {
-    files: Vec<(PathBuf, Mmap)>,
+    files: Vec<(PathBuf, Arc<Mmap>)>,
     tensors: BTreeMap<String, TensorEntry>,
 }
 
@@ -161,7 +180,7 @@ impl TensorStore {
                     });
                 }
             }
-            files.push((path.clone(), mmap));
+            files.push((path.clone(), Arc::new(mmap)));
         }
         Ok(TensorStore { files, tensors })
     }
@@ -192,6 +211,24 @@ impl TensorStore {
 
     pub fn bytes(&self, e: &TensorEntry) -> &[u8] {
         &self.files[e.file].1[e.start..e.end]
+    }
+
+    /// Bytes `range` of tensor `e` as u16 values read in place from the map
+    /// (no copy, so loading a bf16 embedding costs nothing); `None` when the
+    /// data is not 2-byte aligned or the host is big-endian.
+    pub fn u16_view(&self, e: &TensorEntry, range: std::ops::Range<usize>) -> Option<U16View> {
+        let map = &self.files[e.file].1;
+        let start = e.start + range.start;
+        let len = range.len() / 2;
+        let aligned =
+            (map.as_ptr() as usize + start).is_multiple_of(2) && range.len().is_multiple_of(2);
+        (cfg!(target_endian = "little") && aligned && range.end <= e.end - e.start).then(|| {
+            U16View {
+                map: Arc::clone(map),
+                start,
+                len,
+            }
+        })
     }
 
     /// Convert a bf16/f16/f32 tensor to f32 (little-endian on disk; no alignment assumed).
@@ -246,5 +283,47 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError, len: usize) -> S
             "file is {len} bytes and too short for the header it declares (truncated or not a safetensors file)"
         ),
         other => format!("not a valid safetensors file: {other}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file holding `[1, 2, 3]` as bf16 bits, its data starting
+    /// at an even or odd byte (the header may have any length).
+    fn file_with_offset(dir: &Path, odd: bool) -> PathBuf {
+        let mut header = r#"{"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]}}"#.to_string();
+        if (8 + header.len()) % 2 != usize::from(odd) {
+            header.push(' ');
+        }
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        for v in [1u16, 2, 3] {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        let path = dir.join(if odd {
+            "odd.safetensors"
+        } else {
+            "even.safetensors"
+        });
+        std::fs::write(&path, bytes).expect("write test file");
+        path
+    }
+
+    #[test]
+    fn u16_views_read_in_place_only_when_aligned() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let even = TensorStore::open_file(&file_with_offset(dir.path(), false)).expect("open");
+        let e = even.get("w").expect("w");
+        let view = even
+            .u16_view(e, 0..6)
+            .expect("aligned data is viewed in place");
+        assert_eq!(&*view, &[1, 2, 3]);
+        assert_eq!(&*even.u16_view(e, 2..6).expect("rows 1..3"), &[2, 3]);
+        assert!(even.u16_view(e, 0..8).is_none(), "past the tensor");
+
+        let odd = TensorStore::open_file(&file_with_offset(dir.path(), true)).expect("open");
+        assert!(odd.u16_view(odd.get("w").expect("w"), 0..6).is_none());
     }
 }

@@ -4,6 +4,8 @@
 //! row-major `[N, K]`, and per-(row, group) scales `[N, K/G]` in f32 (the
 //! bf16-exact value vLLM holds).
 
+use std::ops::Range;
+
 use half::bf16;
 use rayon::prelude::*;
 
@@ -37,12 +39,78 @@ pub fn quantize_activation_row(x: &[f32], a: &mut [i32]) -> f32 {
     sa
 }
 
-/// 4-bit weights as GPTQ stores them, `[n, k]` row-major: nibbles `q`
-/// (0…15) with a zero point and a scale per (row, group) — code c = q − zero.
+/// Where the 4-bit codes (0…15) of a `[n, k]` weight come from.
+#[derive(Clone, Copy)]
+pub enum Codes<'a> {
+    /// One code per byte, row-major `[n, k]`.
+    Unpacked(&'a [u8]),
+    /// GPTQ `qweight` bytes as stored: little-endian int32 `[k/8, n_all]`,
+    /// nibble i of word (r, c) is input 8r + i of column c. This weight is
+    /// columns `col0..col0 + n` (one of q/k/v in a fused `q_k_v_proj`).
+    /// Read in place from the mmap, so loading never unpacks the whole tensor.
+    GptqWords {
+        bytes: &'a [u8],
+        n_all: usize,
+        col0: usize,
+    },
+}
+
+impl Codes<'_> {
+    /// Codes of weight rows `rows` into `out` (`[rows.len(), k]`).
+    pub fn rows_into(&self, k: usize, rows: Range<usize>, out: &mut [u8]) {
+        debug_assert_eq!(out.len(), rows.len() * k);
+        match *self {
+            Codes::Unpacked(q) => out.copy_from_slice(&q[rows.start * k..rows.end * k]),
+            Codes::GptqWords { bytes, n_all, col0 } => {
+                // Walk the stored rows in order: each reads one contiguous run
+                // of this block's words, so the block costs one pass over its
+                // bytes whatever the stride between columns.
+                let (c0, nc) = (col0 + rows.start, rows.len());
+                for r in 0..k / 8 {
+                    let run = &bytes[(r * n_all + c0) * 4..(r * n_all + c0 + nc) * 4];
+                    for (j, w) in run.chunks_exact(4).enumerate() {
+                        let word = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+                        let dst = &mut out[j * k + 8 * r..j * k + 8 * r + 8];
+                        for (i, d) in dst.iter_mut().enumerate() {
+                            *d = ((word >> (4 * i)) & 15) as u8;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Word `(r, c)` of a GPTQ `qweight` (see [`Codes::GptqWords`]).
+#[inline]
+pub(crate) fn gptq_word(bytes: &[u8], n_all: usize, r: usize, c: usize) -> u32 {
+    let i = (r * n_all + c) * 4;
+    u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]])
+}
+
+/// The 4 nibbles of `x` (bits 0..16) one per byte, in bits 0..4 of each.
+#[inline]
+pub(crate) fn spread4(x: u32) -> u32 {
+    let x = x & 0xFFFF;
+    let x = (x | (x << 8)) & 0x00FF_00FF;
+    (x | (x << 4)) & 0x0F0F_0F0F
+}
+
+/// The 8 nibbles of `x` one per byte, in bits 0..4 of each.
+#[inline]
+pub(crate) fn spread8(x: u32) -> u64 {
+    let x = x as u64;
+    let x = (x | (x << 16)) & 0x0000_FFFF_0000_FFFF;
+    let x = (x | (x << 8)) & 0x00FF_00FF_00FF_00FF;
+    (x | (x << 4)) & 0x0F0F_0F0F_0F0F_0F0F
+}
+
+/// 4-bit weights as GPTQ stores them, `[n, k]`: codes `q` (0…15) with a
+/// zero point and a scale per (row, group) — signed code c = q − zero.
 /// What the packed kernels ([`super::w4a8`], [`super::w4a16`]) are built from.
 #[derive(Clone, Copy)]
 pub struct W4Nibbles<'a> {
-    pub q: &'a [u8],
+    pub q: Codes<'a>,
     /// `[n, k/g]`
     pub zeros: &'a [i32],
     /// `[n, k/g]`, bf16 values (what vLLM holds after loading).
@@ -65,10 +133,18 @@ impl W4Nibbles<'_> {
             g > 0 && k % g == 0,
             "k {k} is not a multiple of the group {g}"
         );
-        assert_eq!(self.q.len(), n * k, "nibbles");
+        match self.q {
+            Codes::Unpacked(q) => {
+                assert_eq!(q.len(), n * k, "nibbles");
+                assert!(q.iter().all(|&q| q < 16), "nibbles above 15");
+            }
+            Codes::GptqWords { bytes, n_all, col0 } => {
+                assert!(k % 8 == 0 && col0 + n <= n_all, "qweight columns");
+                assert_eq!(bytes.len(), k / 8 * n_all * 4, "qweight bytes");
+            }
+        }
         assert_eq!(self.zeros.len(), n * (k / g), "zeros");
         assert_eq!(self.scales.len(), n * (k / g), "scales");
-        assert!(self.q.iter().all(|&q| q < 16), "nibbles above 15");
         assert!(
             self.scales
                 .iter()
@@ -77,13 +153,21 @@ impl W4Nibbles<'_> {
         );
     }
 
+    /// All codes, `[n, k]`.
+    pub fn unpacked(&self) -> Vec<u8> {
+        let mut q = vec![0u8; self.n * self.k];
+        self.q.rows_into(self.k, 0..self.n, &mut q);
+        q
+    }
+
     /// The signed codes `q − zero` (the form [`w4a8_matmul`] takes).
     pub fn codes(&self) -> Vec<i8> {
         let groups = self.groups();
+        let q = self.unpacked();
         (0..self.n * self.k)
             .map(|i| {
                 let (row, kk) = (i / self.k, i % self.k);
-                (self.q[i] as i32 - self.zeros[row * groups + kk / self.g]) as i8
+                (q[i] as i32 - self.zeros[row * groups + kk / self.g]) as i8
             })
             .collect()
     }

@@ -20,7 +20,9 @@ use std::ops::Range;
 use super::bf16::{widen, GEMM_MIN_ROWS};
 use super::isa::{isa, Isa};
 use super::par::{for_tiles, ColumnsOut};
-use super::w4::{round_bf16, W4Nibbles, Zeros};
+use rayon::prelude::*;
+
+use super::w4::{gptq_word, round_bf16, spread8, Codes, W4Nibbles, Zeros};
 
 /// A `[n, k]` 4-bit weight packed for W4A16.
 pub struct PackedW4A16 {
@@ -50,12 +52,38 @@ impl PackedW4A16 {
         let (n, k, g) = (w.n, w.k, w.g);
         let chunks = k.div_ceil(64);
         let mut nib = vec![0u8; n * chunks * 32];
-        for col in 0..n {
-            for kk in 0..k {
-                let byte = (col * chunks + kk / 64) * 32 + kk % 32;
-                nib[byte] |= w.q[col * k + kk] << (4 * ((kk % 64) / 32));
-            }
-        }
+        // 16 columns per job, so GPTQ words are read in 64-byte runs.
+        const COLS: usize = 16;
+        nib.par_chunks_mut(COLS * chunks * 32)
+            .enumerate()
+            .for_each_init(Vec::new, |q, (b, out)| {
+                let cols = b * COLS..((b + 1) * COLS).min(n);
+                if let (Codes::GptqWords { bytes, n_all, col0 }, true) = (w.q, k % 64 == 0) {
+                    // Bytes 8i..8i+8 of a 64-input chunk: GPTQ words i (inputs
+                    // 8i..) and i + 4 (inputs 32 + 8i..), one nibble each.
+                    for c in 0..chunks {
+                        for j in 0..cols.len() {
+                            let col = col0 + cols.start + j;
+                            for i in 0..4 {
+                                let lo = gptq_word(bytes, n_all, 8 * c + i, col);
+                                let hi = gptq_word(bytes, n_all, 8 * c + i + 4, col);
+                                let v = spread8(lo) | (spread8(hi) << 4);
+                                let o = (j * chunks + c) * 32 + 8 * i;
+                                out[o..o + 8].copy_from_slice(&v.to_le_bytes());
+                            }
+                        }
+                    }
+                    return;
+                }
+                q.resize(cols.len() * k, 0);
+                w.q.rows_into(k, cols.clone(), q);
+                for j in 0..cols.len() {
+                    for kk in 0..k {
+                        let byte = (j * chunks + kk / 64) * 32 + kk % 32;
+                        out[byte] |= q[j * k + kk] << (4 * ((kk % 64) / 32));
+                    }
+                }
+            });
         PackedW4A16 {
             n,
             k,
@@ -186,6 +214,31 @@ mod tests {
     use crate::kernels::w4a8::tests::{activations, Case};
     use crate::kernels::{F32Matmul, ReferenceMatmul};
     use rand::SeedableRng;
+
+    #[test]
+    fn packing_gptq_words_in_place_matches_packing_unpacked_codes() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+        // k = 96 is not whole 64-input chunks: the byte path takes over.
+        for &(n, k, g, n_all, col0) in &[
+            (40, 256, 64, 72, 16),
+            (17, 128, 128, 40, 5),
+            (3, 96, 32, 8, 2),
+        ] {
+            let case = Case::random(&mut rng, n, k, g, true);
+            let bytes = case.gptq_bytes(&mut rng, n_all, col0);
+            let from_words = PackedW4A16::pack(W4Nibbles {
+                q: Codes::GptqWords {
+                    bytes: &bytes,
+                    n_all,
+                    col0,
+                },
+                ..case.nibbles()
+            });
+            let from_codes = PackedW4A16::pack(case.nibbles());
+            assert_eq!(from_words.nib, from_codes.nib, "n {n} k {k} col0 {col0}");
+            assert_eq!(from_words.dequantize(), from_codes.dequantize());
+        }
+    }
 
     #[test]
     fn every_tier_matches_the_reference_up_to_summation_order() {

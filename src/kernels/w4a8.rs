@@ -19,7 +19,9 @@ use std::ops::Range;
 
 use super::isa::{isa, Isa};
 use super::par::{for_ranges, ColumnsOut};
-use super::w4::{round_bf16, W4Nibbles, Zeros};
+use rayon::prelude::*;
+
+use super::w4::{gptq_word, round_bf16, spread4, Codes, W4Nibbles, Zeros};
 
 pub(crate) const TILE: usize = 16;
 
@@ -78,13 +80,33 @@ impl PackedW4A8 {
         let tiles = n.div_ceil(TILE);
         let octets = k.div_ceil(8);
         let mut nib = vec![0u8; tiles * octets * 64];
-        for col in 0..n {
-            let (t, lane) = (col / TILE, col % TILE);
-            for kk in 0..k {
-                let byte = (t * octets + kk / 8) * 64 + lane * 4 + kk % 4;
-                nib[byte] |= w.q[col * k + kk] << (4 * ((kk % 8) / 4));
-            }
-        }
+        // One tile per job: its 16 columns' codes fit in L2 (16 × 6656 B).
+        nib.par_chunks_mut(octets * 64)
+            .enumerate()
+            .for_each_init(Vec::new, |q, (t, out)| {
+                let cols = t * TILE..((t + 1) * TILE).min(n);
+                if let Codes::GptqWords { bytes, n_all, col0 } = w.q {
+                    // A lane's 4 bytes hold the same 8 inputs as one GPTQ
+                    // word, nibbles reordered (inputs j and j + 4 in byte j).
+                    for r in 0..octets {
+                        for lane in 0..cols.len() {
+                            let word = gptq_word(bytes, n_all, r, col0 + cols.start + lane);
+                            let v = spread4(word) | (spread4(word >> 16) << 4);
+                            let o = r * 64 + lane * 4;
+                            out[o..o + 4].copy_from_slice(&v.to_le_bytes());
+                        }
+                    }
+                    return;
+                }
+                q.resize(cols.len() * k, 0);
+                w.q.rows_into(k, cols.clone(), q);
+                for lane in 0..cols.len() {
+                    for kk in 0..k {
+                        let byte = (kk / 8) * 64 + lane * 4 + kk % 4;
+                        out[byte] |= q[lane * k + kk] << (4 * ((kk % 8) / 4));
+                    }
+                }
+            });
         // Slot (t, gi, lane) of the per-group arrays ↔ column 16t + lane.
         let slots = || {
             (0..tiles).flat_map(move |t| {
@@ -258,7 +280,7 @@ impl PackedW4A8 {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::kernels::w4::{w4a8_matmul, W4Weights};
+    use crate::kernels::w4::{w4a8_matmul, Codes, W4Weights};
     use rand::{Rng, SeedableRng};
 
     /// Random GPTQ-like weights: nibbles, zeros (8, or random per group), bf16 scales.
@@ -287,9 +309,24 @@ pub(crate) mod tests {
                 g,
             }
         }
+        /// This case's codes as columns `col0..col0 + n` of a GPTQ
+        /// `qweight` `[k/8, n_all]` (bytes), other columns random.
+        pub fn gptq_bytes(&self, rng: &mut impl Rng, n_all: usize, col0: usize) -> Vec<u8> {
+            let (n, k) = (self.n, self.k);
+            let mut kn: Vec<u8> = (0..k * n_all).map(|_| rng.random_range(0..16u8)).collect();
+            for j in 0..n {
+                for kk in 0..k {
+                    kn[kk * n_all + col0 + j] = self.q[j * k + kk];
+                }
+            }
+            crate::formats::gptq::pack_qweight(&kn, k, n_all)
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .collect()
+        }
         pub fn nibbles(&self) -> W4Nibbles<'_> {
             W4Nibbles {
-                q: &self.q,
+                q: Codes::Unpacked(&self.q),
                 zeros: &self.zeros,
                 scales: &self.scales,
                 n: self.n,
@@ -312,6 +349,30 @@ pub(crate) mod tests {
             }
         }
         x
+    }
+
+    #[test]
+    fn packing_gptq_words_in_place_matches_packing_unpacked_codes() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for &(n, k, g, n_all, col0) in &[
+            (40, 256, 128, 72, 16),
+            (16, 64, 32, 16, 0),
+            (5, 128, 64, 24, 3),
+        ] {
+            let case = Case::random(&mut rng, n, k, g, true);
+            let bytes = case.gptq_bytes(&mut rng, n_all, col0);
+            let from_words = PackedW4A8::pack(W4Nibbles {
+                q: Codes::GptqWords {
+                    bytes: &bytes,
+                    n_all,
+                    col0,
+                },
+                ..case.nibbles()
+            });
+            let from_codes = PackedW4A8::pack(case.nibbles());
+            assert_eq!(from_words.nib, from_codes.nib, "n {n} k {k} col0 {col0}");
+            assert_eq!(from_words.dequantize(), from_codes.dequantize());
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use safetensors::Dtype;
 
+use crate::checkpoint::store::U16View;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::kernels::{self, bf16};
 
@@ -26,7 +27,24 @@ pub trait Linear: Send + Sync {
 pub enum DenseWeight {
     F32(Arc<[f32]>),
     /// bf16 bit patterns.
-    Bf16(Arc<[u16]>),
+    Bf16(Bf16Data),
+}
+
+/// bf16 bits owned, or read in place from the checkpoint's map.
+#[derive(Clone)]
+pub enum Bf16Data {
+    Owned(Arc<[u16]>),
+    Mapped(U16View),
+}
+
+impl std::ops::Deref for Bf16Data {
+    type Target = [u16];
+    fn deref(&self) -> &[u16] {
+        match self {
+            Bf16Data::Owned(w) => w,
+            Bf16Data::Mapped(w) => w,
+        }
+    }
 }
 
 impl DenseWeight {
@@ -39,12 +57,15 @@ impl DenseWeight {
         let e = ck.entry(name)?;
         if e.dtype == Dtype::BF16 {
             let cols: usize = e.shape[1..].iter().product();
-            let bytes = ck.store.bytes(e);
-            let bytes = match rows {
-                Some(r) => &bytes[r.start * cols * 2..r.end * cols * 2],
-                None => bytes,
+            let range = match rows {
+                Some(r) => r.start * cols * 2..r.end * cols * 2,
+                None => 0..e.end - e.start,
             };
-            return Ok(DenseWeight::Bf16(bf16::bits_from_le_bytes(bytes).into()));
+            let data = match ck.store.u16_view(e, range.clone()) {
+                Some(v) => Bf16Data::Mapped(v),
+                None => Bf16Data::Owned(bf16::bits_from_le_bytes(&ck.store.bytes(e)[range]).into()),
+            };
+            return Ok(DenseWeight::Bf16(data));
         }
         let w = match rows {
             Some(r) => ck.store.rows_to_f32(e, r.start, r.end)?,

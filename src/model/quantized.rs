@@ -7,9 +7,9 @@ use serde::Serialize;
 
 use super::linear::Linear;
 use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::formats::gptq::{unpack_qweight, unpack_qzeros_v1};
+use crate::formats::gptq::unpack_qzeros_v1;
 use crate::kernels::bf16;
-use crate::kernels::w4::{self, W4Nibbles};
+use crate::kernels::w4::{self, Codes, W4Nibbles};
 use crate::kernels::w4a16::PackedW4A16;
 use crate::kernels::w4a8::PackedW4A8;
 
@@ -114,7 +114,6 @@ pub fn load_gptq(
     let (k, n_all) = (qw.shape[0] * 8, qw.shape[1]);
     let g = info.group_size;
     let groups = k / g;
-    let codes_kn = unpack_qweight(&i32s(ck, &format!("{prefix}.qweight"))?, k, n_all);
     let mut zeros = unpack_qzeros_v1(&i32s(ck, &format!("{prefix}.qzeros"))?, groups, n_all);
     if info.v2 {
         zeros.iter_mut().for_each(|z| *z -= 1);
@@ -144,21 +143,29 @@ pub fn load_gptq(
         });
     }
     let n = cols.len();
-    let mut q = vec![0u8; n * k];
     let mut zeros_ng = vec![0i32; n * groups];
     let mut scales = vec![0f32; n * groups];
     for (j, col) in cols.clone().enumerate() {
-        for kk in 0..k {
-            q[j * k + kk] = codes_kn[kk * n_all + col];
-        }
         for gi in 0..groups {
             zeros_ng[j * groups + gi] = zeros[gi * n_all + col] as i32;
             scales[j * groups + gi] = scales_gn[gi * n_all + col];
         }
     }
-    drop(codes_kn);
+    let nib = W4Nibbles {
+        q: Codes::GptqWords {
+            bytes: ck.store.bytes(qw),
+            n_all,
+            col0: cols.start,
+        },
+        zeros: &zeros_ng,
+        scales: &scales,
+        n,
+        k,
+        g,
+    };
     let weights = if !contiguous {
         // Only W4A16 gets here (checked above).
+        let q = nib.unpacked();
         let mut w = vec![0u16; n * k];
         for j in 0..n {
             for kk in 0..k {
@@ -169,14 +176,6 @@ pub fn load_gptq(
         }
         GptqWeights::W4A16ActOrder(w)
     } else {
-        let nib = W4Nibbles {
-            q: &q,
-            zeros: &zeros_ng,
-            scales: &scales,
-            n,
-            k,
-            g,
-        };
         match exec.numerics {
             W4Numerics::W4A8 => GptqWeights::W4A8(PackedW4A8::pack(nib)),
             W4Numerics::W4A16 => GptqWeights::W4A16(PackedW4A16::pack(nib)),
