@@ -26,6 +26,15 @@ pub fn w4a16_weights(codes: &[i8], scales: &[f32], n: usize, k: usize, g: usize)
     w
 }
 
+/// `x.round_ties_even()` for |x| ≤ 2^22: adding and removing 1.5·2^23 leaves
+/// the hardware's round-to-nearest-even. Unlike `round_ties_even`, which is
+/// a libm call on baseline x86-64, this vectorises.
+#[inline]
+pub fn round_ties_even_small(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (x + MAGIC) - MAGIC
+}
+
 /// Per-token dynamic symmetric int8 quantization of one activation row
 /// (`int4_scaled_mm_cpu` steps 1–2): returns (a, sa) with x ≈ sa·a.
 pub fn quantize_activation_row(x: &[f32], a: &mut [i32]) -> f32 {
@@ -34,7 +43,7 @@ pub fn quantize_activation_row(x: &[f32], a: &mut [i32]) -> f32 {
     let sa = amax / 127.0;
     let inv = 127.0 / amax;
     for (q, v) in a.iter_mut().zip(x) {
-        *q = (v * inv).round_ties_even() as i32;
+        *q = round_ties_even_small(v * inv) as i32;
     }
     sa
 }
@@ -345,6 +354,19 @@ mod tests {
                 y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "g{g}"
             );
+        }
+    }
+
+    #[test]
+    fn small_round_matches_round_ties_even() {
+        for i in -300_000..=300_000 {
+            let x = i as f32 * 0.000_5; // includes every .5 tie in ±150
+            assert_eq!(round_ties_even_small(x), x.round_ties_even(), "{x}");
+        }
+        for x in [
+            127.0f32, -127.0, 126.5, -126.5, 0.5, -0.5, 1.5, 2.5, 0.0, -0.0,
+        ] {
+            assert_eq!(round_ties_even_small(x), x.round_ties_even(), "{x}");
         }
     }
 

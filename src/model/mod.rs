@@ -524,25 +524,39 @@ impl SparkModel {
                 cache.value(pos)
             }
         };
-        out.par_chunks_mut(q_dim)
+        // One job per (query row, KV head): the `group` query heads sharing a
+        // KV head stream its keys and values once, and decode (one row) still
+        // spreads over the KV heads. Per query head the arithmetic and its
+        // order are those of a plain per-head loop.
+        let kv_heads = kv_dim / hd;
+        out.par_chunks_mut(group * hd)
             .enumerate()
-            .for_each(|(i, out_row)| {
+            .for_each(|(c, out_g)| {
+                let (i, kvh) = (c / kv_heads, c % kv_heads);
                 let p = start + i;
                 let lo = match kind {
                     LayerType::Sliding => (p + 1).saturating_sub(window),
                     LayerType::Full => 0,
                 };
-                let mut scores = vec![0f32; p + 1 - lo];
-                for (hh, o) in out_row.chunks_exact_mut(hd).enumerate() {
-                    let qh = &q[i * q_dim + hh * hd..i * q_dim + (hh + 1) * hd];
-                    let kvo = (hh / group) * hd;
-                    for (s, pos) in scores.iter_mut().zip(lo..=p) {
-                        *s = kernels::dot(qh, &key(pos)[kvo..kvo + hd]) * scale;
+                let n = p + 1 - lo;
+                let kvo = kvh * hd;
+                let q0 = i * q_dim + kvh * group * hd;
+                let mut scores = vec![0f32; group * n];
+                for (j, pos) in (lo..=p).enumerate() {
+                    let kr = &key(pos)[kvo..kvo + hd];
+                    for h in 0..group {
+                        let qh = &q[q0 + h * hd..q0 + (h + 1) * hd];
+                        scores[h * n + j] = kernels::dot(qh, kr) * scale;
                     }
-                    softmax(&mut scores);
-                    o.fill(0.0);
-                    for (s, pos) in scores.iter().zip(lo..=p) {
-                        let vr = &value(pos)[kvo..kvo + hd];
+                }
+                for sh in scores.chunks_exact_mut(n) {
+                    softmax(sh);
+                }
+                out_g.fill(0.0);
+                for (j, pos) in (lo..=p).enumerate() {
+                    let vr = &value(pos)[kvo..kvo + hd];
+                    for (h, o) in out_g.chunks_exact_mut(hd).enumerate() {
+                        let s = scores[h * n + j];
                         o.iter_mut().zip(vr).for_each(|(a, b)| *a += s * b);
                     }
                 }
