@@ -7,6 +7,7 @@
 //! the fp16 on disk, the bf16 in vLLM and the f32 here are the same number.
 //! Codes are computed against that stored scale.
 
+use crate::kernels::w4::round_ties_even_small;
 use half::{bf16, f16};
 
 pub const ZERO: i32 = 8;
@@ -35,7 +36,10 @@ pub fn stored_scale(s: f32) -> f32 {
 /// Code for `w` under stored scale `s` (round half to even, clamp to 0…15).
 #[inline]
 pub fn code(w: f32, s: f32) -> u8 {
-    ((w / s).round_ties_even() as i32 + ZERO).clamp(0, QMAX) as u8
+    // Clamp before rounding: the fast ties-to-even round is exact only for
+    // |x| ≤ 2^22, and every value outside −8.5…7.5 clamps to the same code.
+    let x = (w / s).clamp(-(ZERO as f32) - 1.0, (QMAX - ZERO) as f32 + 1.0);
+    (round_ties_even_small(x) as i32 + ZERO).clamp(0, QMAX) as u8
 }
 
 #[inline]
@@ -59,24 +63,54 @@ pub enum ScaleRule {
 const CANDIDATES: usize = 41;
 
 /// Σ c_i (w_i − s(q_i − 8))² with codes computed against `s`.
+#[cfg(test)]
 fn weighted_error(w: &[f32], imp: &[f32], s: f32) -> f64 {
-    w.iter()
-        .zip(imp)
-        .map(|(&x, &c)| {
-            let d = (x - dequant(code(x, s), s)) as f64;
-            c as f64 * d * d
-        })
-        .sum()
+    error_and_fit(w, imp, s).0
 }
 
-/// Weighted least-squares scale for the codes that `s` produces.
-fn refit(w: &[f32], imp: &[f32], s: f32) -> Option<f32> {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&x, &c) in w.iter().zip(imp) {
-        let l = (code(x, s) as i32 - ZERO) as f64;
-        num += c as f64 * x as f64 * l;
-        den += c as f64 * l * l;
+/// For the codes `s` produces: the weighted error Σ c_i (w_i − s·l_i)² and
+/// the least-squares terms Σ c_i w_i l_i, Σ c_i l_i² (l = q − 8), in one pass.
+/// Eight partial sums per term let the compiler vectorise the loop.
+#[inline(always)]
+fn error_and_fit(w: &[f32], imp: &[f32], s: f32) -> (f64, f64, f64) {
+    // No closures here: they would not inherit `search_avx512`'s features.
+    const L: usize = 8;
+    let (mut e, mut num, mut den) = ([0f64; L], [0f64; L], [0f64; L]);
+    let (cw, ci) = (w.chunks_exact(L), imp.chunks_exact(L));
+    let (rw, ri) = (cw.remainder(), ci.remainder());
+    for (xs, cs) in cw.zip(ci) {
+        for lane in 0..L {
+            let t = fit_terms(xs[lane], cs[lane], s);
+            e[lane] += t.0;
+            num[lane] += t.1;
+            den[lane] += t.2;
+        }
     }
+    for (lane, (&x, &c)) in rw.iter().zip(ri).enumerate() {
+        let t = fit_terms(x, c, s);
+        e[lane] += t.0;
+        num[lane] += t.1;
+        den[lane] += t.2;
+    }
+    (sum8(e), sum8(num), sum8(den))
+}
+
+#[inline(always)]
+fn fit_terms(x: f32, c: f32, s: f32) -> (f64, f64, f64) {
+    let q = code(x, s);
+    let d = (x - dequant(q, s)) as f64;
+    let l = (q as i32 - ZERO) as f64;
+    let c = c as f64;
+    (c * d * d, c * x as f64 * l, c * l * l)
+}
+
+#[inline(always)]
+fn sum8(v: [f64; 8]) -> f64 {
+    ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))
+}
+
+/// The least-squares scale from [`error_and_fit`]'s terms.
+fn refit(num: f64, den: f64) -> Option<f32> {
     (den > 0.0 && num > 0.0).then(|| (num / den) as f32)
 }
 
@@ -91,26 +125,48 @@ pub fn group_scale(w: &[f32], imp: &[f32], rule: ScaleRule) -> f32 {
     let base = stored_scale(amax / 7.5);
     match rule {
         ScaleRule::MaxOver7_5 => base,
-        ScaleRule::Search => {
-            let mut best = (weighted_error(w, imp, base), base);
-            let mut consider = |s: f32| {
-                let s = stored_scale(s);
-                let e = weighted_error(w, imp, s);
-                if e < best.0 || (e == best.0 && s < best.1) {
-                    best = (e, s);
-                }
-            };
-            for i in 0..CANDIDATES {
-                let c = 6.5 + 2.0 * i as f32 / (CANDIDATES - 1) as f32;
-                let s = amax / c;
-                consider(s);
-                if let Some(r) = refit(w, imp, stored_scale(s)) {
-                    consider(r);
-                }
-            }
-            best.1
+        ScaleRule::Search => search(w, imp, amax, base),
+    }
+}
+
+fn search(w: &[f32], imp: &[f32], amax: f32, base: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::isa::isa().avx512() {
+        // SAFETY: the CPU has AVX-512 (checked at run time).
+        return unsafe { search_avx512(w, imp, amax, base) };
+    }
+    search_with(w, imp, amax, base)
+}
+
+/// The same code compiled for AVX-512, where the loops vectorise 16 wide.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn search_avx512(w: &[f32], imp: &[f32], amax: f32, base: f32) -> f32 {
+    search_with(w, imp, amax, base)
+}
+
+#[inline(always)]
+fn search_with(w: &[f32], imp: &[f32], amax: f32, base: f32) -> f32 {
+    let mut best = (error_and_fit(w, imp, base).0, base);
+    for i in 0..CANDIDATES {
+        let c = 6.5 + 2.0 * i as f32 / (CANDIDATES - 1) as f32;
+        if let Some(r) = consider(w, imp, amax / c, &mut best) {
+            consider(w, imp, r, &mut best);
         }
     }
+    best.1
+}
+
+/// Evaluate stored scale `stored_scale(s)`, keep it in `best` if it wins
+/// (ties to the smaller scale); returns its least-squares refit.
+#[inline(always)]
+fn consider(w: &[f32], imp: &[f32], s: f32, best: &mut (f64, f32)) -> Option<f32> {
+    let s = stored_scale(s);
+    let (e, num, den) = error_and_fit(w, imp, s);
+    if e < best.0 || (e == best.0 && s < best.1) {
+        *best = (e, s);
+    }
+    refit(num, den)
 }
 
 #[cfg(test)]
