@@ -307,13 +307,29 @@ fn w4a16_lut(p: &PackedW4A16, col: usize, gi: usize) -> __m512 {
     round_bf16_ps(_mm512_mul_ps(c, _mm512_set1_ps(widen(p.scales[sl]))))
 }
 
-/// The same table as 16 bf16 values, stored twice (32 u16 lanes for `vpermw`).
+/// `q − z` for q = 0…15, as f32.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn w4a16_lut_bf16(p: &PackedW4A16, col: usize, gi: usize) -> __m512i {
-    let bits = _mm512_srli_epi32::<16>(_mm512_castps_si512(w4a16_lut(p, col, gi)));
-    let half = _mm512_cvtepi32_epi16(bits);
-    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(half), half)
+fn lut_codes(z: i32) -> __m512 {
+    let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(z)))
+}
+
+/// The table of [`w4a16_lut`] as 16 bf16 values stored twice (32 u16 lanes
+/// for `vpermw`), in four instructions; `cz` = [`lut_codes`] of a
+/// uniform zero point. `vcvtneps2bf16` rounds to nearest even like
+/// [`round_bf16_ps`] except that it flushes f32 denormals, and none occur
+/// here: the product of a bf16 scale and a code below 16 is exact, and a
+/// nonzero one is at least 2^-24 (the smallest fp16 scale).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+fn lut_bf16_ne(p: &PackedW4A16, cz: Option<__m512>, col: usize, gi: usize) -> __m512i {
+    let sl = col * p.groups + gi;
+    let c = cz.unwrap_or_else(|| lut_codes(p.zeros.get(sl)));
+    let v = _mm512_mul_ps(c, _mm512_set1_ps(widen(p.scales[sl])));
+    // SAFETY: __m256bh and __m256i are both 256 bits.
+    let h = unsafe { std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)) };
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(h), h)
 }
 
 /// The table for half-chunk `h` (inputs 32h…32h + 31), rebuilt only when
@@ -466,6 +482,10 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
         group: usize::MAX,
         lut: _mm512_setzero_si512(),
     });
+    let cz = match p.zeros {
+        Zeros::Uniform(z) => Some(lut_codes(z)),
+        Zeros::PerGroup(_) => None,
+    };
     for ch in 0..p.chunks {
         let mut w = [[_mm512_setzero_si512(); 2]; S];
         for s in 0..S {
@@ -473,9 +493,9 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
             if at.is_multiple_of(64) {
                 prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
             }
-            let lo = luts[s].get(p.half_shift, 2 * ch, |gi| w4a16_lut_bf16(p, cols[s], gi));
+            let lo = luts[s].get(p.half_shift, 2 * ch, |gi| lut_bf16_ne(p, cz, cols[s], gi));
             let hi = luts[s].get(p.half_shift, 2 * ch + 1, |gi| {
-                w4a16_lut_bf16(p, cols[s], gi)
+                lut_bf16_ne(p, cz, cols[s], gi)
             });
             // SAFETY: column < n, ch < chunks.
             let v =
@@ -531,6 +551,54 @@ pub(super) unsafe fn w4a16_expand(p: &PackedW4A16, cols: Range<usize>, out: &mut
             for (q, w) in w.into_iter().enumerate() {
                 // SAFETY: 64·ch + 64 ≤ k = o.len().
                 unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(64 * ch + 16 * q), w) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::w4::{Codes, W4Nibbles};
+
+    /// The `vcvtneps2bf16` table equals the scalar one for extreme scales
+    /// (fp16's smallest subnormal up to its largest) and asymmetric zeros.
+    #[test]
+    fn bf16_tables_round_like_the_scalar_reference() {
+        if !is_x86_feature_detected!("avx512bf16") {
+            return;
+        }
+        let mut scales: Vec<f32> = [2f32.powi(-24), 3.0 * 2f32.powi(-24), 6.1e-5, 65504.0]
+            .map(|s| half::bf16::from_f32(s).to_f32())
+            .to_vec();
+        let mut seed = 3u32;
+        while scales.len() < 256 {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let h = half::f16::from_bits((seed >> 16) as u16 & 0x7BFF); // finite, positive
+            scales.push(half::bf16::from_f32(h.to_f32()).to_f32());
+        }
+        let n = scales.len();
+        for zero in [8, 1, 16] {
+            let zeros = vec![zero; n];
+            let q = vec![0u8; n * 64];
+            let p = PackedW4A16::pack(W4Nibbles {
+                q: Codes::Unpacked(&q),
+                zeros: &zeros,
+                scales: &scales,
+                n,
+                k: 64,
+                g: 64,
+            });
+            for cz in [Some(unsafe { lut_codes(zero) }), None] {
+                for col in 0..n {
+                    let got: [u16; 32] =
+                        unsafe { std::mem::transmute(lut_bf16_ne(&p, cz, col, 0)) };
+                    let want = p.lut(col, 0);
+                    for (i, w) in want.iter().enumerate() {
+                        let w = half::bf16::from_f32(*w).to_bits();
+                        assert_eq!((got[i], got[16 + i]), (w, w), "scale {} q {i}", scales[col]);
+                    }
+                }
             }
         }
     }

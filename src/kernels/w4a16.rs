@@ -108,7 +108,7 @@ impl PackedW4A16 {
     }
 
     /// The 16 dequantized values of nibbles 0…15 in group `gi` of column `col`.
-    fn lut(&self, col: usize, gi: usize) -> [f32; 16] {
+    pub(super) fn lut(&self, col: usize, gi: usize) -> [f32; 16] {
         let sl = col * self.groups + gi;
         let (z, s) = (self.zeros.get(sl), widen(self.scales[sl]));
         std::array::from_fn(|q| round_bf16((q as i32 - z) as f32 * s))
