@@ -50,11 +50,14 @@ OURS = {
     "w4a8": ("W4A8 g128 (bf16 head)", ["--format", "w4a8", "--group-size", "128"]),
     "w4a16": ("W4A16 g64 (bf16 head)", ["--format", "w4a16", "--group-size", "64"]),
     "w4a8-qhead": ("W4A8 g128 (4-bit head)", ["--format", "w4a8", "--group-size", "128", "--quantize-head"]),
+    "w4a16-qhead": ("W4A16 g64 (4-bit head)", ["--format", "w4a16", "--group-size", "64", "--quantize-head"]),
 }
 THEIRS = {"q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
 # (ours, theirs) pairs whose ratios are printed.
-RATIO_PAIRS = [("w4a8", "q4_k_m"), ("w4a16", "q4_k_m"), ("w4a8-qhead", "q4_k_m"),
-               ("w4a8", "q8_0"), ("w4a16", "q8_0"), ("w4a8-qhead", "q8_0")]
+RATIO_PAIRS = [("w4a8", "q4_k_m"), ("w4a16", "q4_k_m"), ("w4a8-qhead", "q4_k_m"), ("w4a16-qhead", "q4_k_m"),
+               ("w4a8", "q8_0"), ("w4a16", "q8_0"), ("w4a8-qhead", "q8_0"), ("w4a16-qhead", "q8_0")]
+# What `spark-tool run` answers when timing process start → first token.
+FIRST_TOKEN_PROMPT = "What is the capital of France?"
 
 
 def log(msg: str) -> None:
@@ -451,6 +454,17 @@ def render(res: dict) -> str:
         L.append("|---|---|---|---|")
         for r in res["ratios"]:
             L.append(f"| {r['ours']} / {r['theirs']} | {r['threads']} | {r['decode']:.2f}× | {r['prefill']:.2f}× |")
+    ft = res.get("first_token")
+    if ft:
+        L.append("")
+        L.append(f"Process start → first token (warm page cache, `spark-tool run ARTIFACT --chat --prompt "
+                 f"\"{ft['prompt']}\" --max-new-tokens 1 --threads {ft['threads']}`, timed from outside; loads, "
+                 "repacks, tokenizes, prefills the chat frame and samples one token):")
+        L.append("")
+        L.append("| artifact | ms median (min–max) |")
+        L.append("|---|---|")
+        for label, v in ft["ms"].items():
+            L.append(f"| spark-tool {label} | {fmt_spread(v, 0)} |")
     L.append("")
     L.append("Bytes/token: weights read once per decoded token — ours: qweight + qzeros + scales of every "
              "quantized linear, the bf16 g_proj and norms, and the head (the bf16 embedding when tied); GGUF: all "
@@ -479,7 +493,8 @@ def main() -> None:
                     help="rounds (default): REPEAT rounds, each running every cell once (1 repeat per process, "
                     "ours and theirs alternating, order reversed every other round); cells: each cell runs once "
                     "with all repeats in one process (llama-bench -r REPEAT)")
-    ap.add_argument("--quantize-head", action="store_true", help="also bench W4A8 g128 with a 4-bit head")
+    ap.add_argument("--quantize-head", action="store_true",
+                    help="also bench W4A8 g128 and W4A16 g64 with a 4-bit head")
     ap.add_argument("--no-q8", action="store_true", help="skip Q8_0")
     ap.add_argument("--bandwidth", help="skip the measurement and use these GB/s, e.g. 1=13.2,2=26.5")
     ap.add_argument("--bw-stat", choices=["wall", "oncpu"], default="wall",
@@ -512,7 +527,7 @@ def main() -> None:
     bench, quant = locate_llama(a, py)
     log(f"spark-tool: {spark}; llama-bench: {bench}; llama-quantize: {quant}")
     ck = ensure_checkpoint(a, py)
-    ours_keys = ["w4a8", "w4a16"] + (["w4a8-qhead"] if a.quantize_head else [])
+    ours_keys = ["w4a8", "w4a16"] + (["w4a8-qhead", "w4a16-qhead"] if a.quantize_head else [])
     theirs_keys = ["q4_k_m"] + ([] if a.no_q8 else ["q8_0"])
     ours = {k: ensure_ours(a, spark, ck, k) for k in ours_keys}
     theirs = ensure_gguf(a, py, ck, quant, theirs_keys)
@@ -570,6 +585,20 @@ def main() -> None:
                 log(f"  {k} t={t}: prefill {out['prefill']} decode {out['decode']} tok/s, "
                     f"peak RSS {out['peak_rss_bytes'] / 2**30:.2f} GiB")
 
+    # Process start → first token (warm page cache): `spark-tool run` with a short chat prompt and
+    # one new token, timed from outside the process, at the largest thread count.
+    first_token = {}
+    for k in ours_keys:
+        walls = []
+        for i in range(max(a.repeat, 3)):
+            t0 = time.perf_counter()
+            subprocess.run([str(spark), "run", str(ours[k]), "--chat", "--prompt", FIRST_TOKEN_PROMPT,
+                            "--max-new-tokens", "1", "--quiet", "--threads", str(max(threads))],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            walls.append(1000 * (time.perf_counter() - t0))
+        first_token[k] = spread(walls)
+        log(f"  {k}: process start to first token {first_token[k]['median']:.0f} ms")
+
     cells = []
     for k in order:
         for t in threads:
@@ -612,6 +641,8 @@ def main() -> None:
         "started": stamp, "load_start": load_start, "load_end": load_average(),
         "round_loads": round_loads,
         "bandwidth": bw, "artifacts": artifacts, "cells": cells, "ratios": ratios, "logs": str(a.logdir),
+        "first_token": {"prompt": FIRST_TOKEN_PROMPT, "threads": max(threads),
+                        "ms": {OURS[k][0]: v for k, v in first_token.items()}},
     }
     table = render(res)
     a.json.parent.mkdir(parents=True, exist_ok=True)
