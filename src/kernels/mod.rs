@@ -3,6 +3,7 @@
 
 // The kernels index several register arrays ([stream][row]) by one counter.
 // (AVX-512 intrinsics are why the crate needs Rust 1.89.)
+pub mod attention;
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)]
 mod avx512;
@@ -168,6 +169,7 @@ unsafe fn gemm_nt(
     }
 }
 
+#[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight partial sums: lets the compiler vectorise and halves rounding drift.
     let mut acc = [0f32; 8];
@@ -207,6 +209,7 @@ pub fn sigmoid(z: f32) -> f32 {
 }
 
 /// In-place softmax with max subtraction.
+#[inline]
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;

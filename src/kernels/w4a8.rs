@@ -71,6 +71,9 @@ pub(super) struct Acts {
     pub(super) m: usize,
 }
 
+/// One row's slots in [`Acts`]: index, ((int8 codes, scale), segment sums).
+type ActRow<'a> = (usize, ((&'a mut [i8], &'a mut f32), &'a mut [i32]));
+
 impl PackedW4A8 {
     pub fn pack(w: W4Nibbles) -> Self {
         w.check();
@@ -214,18 +217,34 @@ impl PackedW4A8 {
     fn quantize_acts(&self, x: &[f32], m: usize) -> Acts {
         let k = self.k;
         let stride = self.octets * 8;
+        let nsegs = self.segs.len();
         let mut a = vec![0i8; m * stride];
         let mut sa = vec![0f32; m];
-        let mut sums = vec![0i32; m * self.segs.len()];
-        let mut row = vec![0i32; k];
-        for r in 0..m {
-            sa[r] = super::w4::quantize_activation_row(&x[r * k..(r + 1) * k], &mut row);
-            for (d, v) in a[r * stride..r * stride + k].iter_mut().zip(&row) {
+        let mut sums = vec![0i32; m * nsegs];
+        let quantize = |row: &mut Vec<i32>, (r, ((ar, sar), sr)): ActRow| {
+            row.resize(k, 0);
+            *sar = super::w4::quantize_activation_row(&x[r * k..(r + 1) * k], row);
+            for (d, v) in ar[..k].iter_mut().zip(row.iter()) {
                 *d = *v as i8; // |v| ≤ 127
             }
-            for (si, s) in self.segs.iter().enumerate() {
-                sums[r * self.segs.len() + si] = row[s.k0..s.k1].iter().sum();
+            for (s, sum) in self.segs.iter().zip(sr.iter_mut()) {
+                *sum = row[s.k0..s.k1].iter().sum();
             }
+        };
+        // Prefill rows in parallel; a decode row is too small to split.
+        if m >= 8 {
+            a.par_chunks_mut(stride)
+                .zip(sa.par_iter_mut())
+                .zip(sums.par_chunks_mut(nsegs.max(1)))
+                .enumerate()
+                .for_each_init(Vec::new, quantize);
+        } else {
+            let mut row = Vec::new();
+            a.chunks_mut(stride)
+                .zip(sa.iter_mut())
+                .zip(sums.chunks_mut(nsegs.max(1)))
+                .enumerate()
+                .for_each(|item| quantize(&mut row, item));
         }
         Acts {
             a,

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use std::collections::BTreeMap;
 
 use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, QkvLayout, SparkConfig};
-use crate::kernels::{self, gelu_erf, rms_norm, sigmoid, softmax};
+use crate::kernels::{self, gelu_erf, rms_norm, sigmoid};
 pub use kv_cache::{CacheError, KvCache};
 pub use linear::{DenseLinear, DenseWeight, Linear};
 pub use quantized::{QuantExec, W4Numerics};
@@ -469,9 +469,18 @@ impl SparkModel {
         let mut up = vec![0f32; m * inter];
         mlp.gate_proj.forward(h2, m, &mut gate);
         mlp.up_proj.forward(h2, m, &mut up);
-        gate.iter_mut()
-            .zip(&up)
-            .for_each(|(a, u)| *a = gelu_erf(*a) * u);
+        // erf is the costly part of prefill outside the matmuls: spread it
+        // when there is enough of it (decode's one row stays on this thread).
+        const CHUNK: usize = 1 << 14;
+        if gate.len() >= 2 * CHUNK {
+            gate.par_chunks_mut(CHUNK)
+                .zip(up.par_chunks(CHUNK))
+                .for_each(|(g, u)| g.iter_mut().zip(u).for_each(|(a, u)| *a = gelu_erf(*a) * u));
+        } else {
+            gate.iter_mut()
+                .zip(&up)
+                .for_each(|(a, u)| *a = gelu_erf(*a) * u);
+        }
         gate
     }
 
@@ -538,28 +547,19 @@ impl SparkModel {
                     LayerType::Sliding => (p + 1).saturating_sub(window),
                     LayerType::Full => 0,
                 };
-                let n = p + 1 - lo;
                 let kvo = kvh * hd;
                 let q0 = i * q_dim + kvh * group * hd;
-                let mut scores = vec![0f32; group * n];
-                for (j, pos) in (lo..=p).enumerate() {
-                    let kr = &key(pos)[kvo..kvo + hd];
-                    for h in 0..group {
-                        let qh = &q[q0 + h * hd..q0 + (h + 1) * hd];
-                        scores[h * n + j] = kernels::dot(qh, kr) * scale;
-                    }
-                }
-                for sh in scores.chunks_exact_mut(n) {
-                    softmax(sh);
-                }
-                out_g.fill(0.0);
-                for (j, pos) in (lo..=p).enumerate() {
-                    let vr = &value(pos)[kvo..kvo + hd];
-                    for (h, o) in out_g.chunks_exact_mut(hd).enumerate() {
-                        let s = scores[h * n + j];
-                        o.iter_mut().zip(vr).for_each(|(a, b)| *a += s * b);
-                    }
-                }
+                kernels::attention::attend(
+                    &q[q0..q0 + group * hd],
+                    |pos| &key(pos)[kvo..kvo + hd],
+                    |pos| &value(pos)[kvo..kvo + hd],
+                    lo,
+                    p,
+                    hd,
+                    scale,
+                    &mut Vec::new(),
+                    out_g,
+                );
             });
     }
 }
