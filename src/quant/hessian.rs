@@ -4,6 +4,11 @@
 //! chunk results are summed in f64 so long calibration runs do not lose the
 //! small contributions to rounding.
 
+use rayon::prelude::*;
+
+use crate::kernels::par::ColumnsOut;
+
+/// The sum is kept for j ≥ i only; [`Hessian::matrix`] mirrors it.
 #[derive(Clone)]
 pub struct Hessian {
     k: usize,
@@ -12,7 +17,10 @@ pub struct Hessian {
 }
 
 /// Tokens per f32 GEMM before folding into the f64 sum.
-const CHUNK: usize = 256;
+const CHUNK: usize = 1024;
+
+/// Side of the square blocks of H computed as separate GEMMs.
+const BLOCK: usize = 512;
 
 impl Hessian {
     pub fn new(k: usize) -> Self {
@@ -45,52 +53,72 @@ impl Hessian {
     pub fn add(&mut self, x: &[f32], m: usize) {
         let k = self.k;
         assert_eq!(x.len(), m * k);
+        // H is symmetric: compute only blocks on or above the diagonal
+        // (about half the FLOPs, as BLAS syrk does), one job per block.
+        let nb = k.div_ceil(BLOCK);
+        let pairs: Vec<(usize, usize)> =
+            (0..nb).flat_map(|i| (i..nb).map(move |j| (i, j))).collect();
         let mut part = vec![0f32; k * k];
         for chunk in x.chunks(CHUNK * k) {
             let t = chunk.len() / k;
-            let threads = rayon::current_num_threads();
-            let par = if threads > 1 && t * k * k > 1 << 20 {
-                gemm::Parallelism::Rayon(threads)
-            } else {
-                gemm::Parallelism::None
-            };
-            // SAFETY: lhs = chunkᵀ as a [k, t] view (rs 1, cs k), rhs = chunk [t, k]
-            // (rs k, cs 1), dst = part [k, k]; every index stays inside the buffers.
-            unsafe {
-                gemm::gemm(
-                    k,
-                    k,
-                    t,
-                    part.as_mut_ptr(),
-                    1,
-                    k as isize,
-                    false,
-                    chunk.as_ptr(),
-                    k as isize,
-                    1,
-                    chunk.as_ptr(),
-                    1,
-                    k as isize,
-                    0.0,
-                    2.0,
-                    false,
-                    false,
-                    false,
-                    par,
-                );
-            }
+            let out = ColumnsOut::new(&mut part, k, k);
+            pairs.par_iter().for_each(|&(bi, bj)| {
+                let (r0, c0) = (bi * BLOCK, bj * BLOCK);
+                let (rows, cols) = ((k - r0).min(BLOCK), (k - c0).min(BLOCK));
+                // SAFETY: lhs = columns r0.. of chunk, transposed ([rows, t]: rs 1,
+                // cs k); rhs = columns c0.. of chunk ([t, cols]: rs k, cs 1); dst =
+                // the block at (r0, c0) of part (row stride k), which only this job
+                // writes. Every index stays inside the buffers.
+                unsafe {
+                    gemm::gemm(
+                        rows,
+                        cols,
+                        t,
+                        out.ptr_at(r0, c0),
+                        1,
+                        k as isize,
+                        false,
+                        chunk.as_ptr().add(r0),
+                        k as isize,
+                        1,
+                        chunk.as_ptr().add(c0),
+                        1,
+                        k as isize,
+                        0.0,
+                        2.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            });
+            // Fold the upper triangle (j ≥ i) into the f64 sum.
             self.sum
-                .iter_mut()
-                .zip(&part)
-                .for_each(|(s, p)| *s += *p as f64);
+                .par_chunks_mut(k)
+                .zip(part.par_chunks(k))
+                .enumerate()
+                .for_each(|(i, (s, p))| {
+                    s[i..]
+                        .iter_mut()
+                        .zip(&p[i..])
+                        .for_each(|(s, p)| *s += *p as f64);
+                });
         }
         self.tokens += m;
     }
 
     /// H scaled by 1/n (GPTQ is invariant to the scale of H; this keeps numbers moderate).
     pub fn matrix(&self) -> Vec<f64> {
-        let inv = 1.0 / self.tokens.max(1) as f64;
-        self.sum.iter().map(|v| v * inv).collect()
+        let (k, inv) = (self.k, 1.0 / self.tokens.max(1) as f64);
+        let mut h = vec![0f64; k * k];
+        h.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
+            for (j, v) in row.iter_mut().enumerate() {
+                let (a, b) = if j >= i { (i, j) } else { (j, i) };
+                *v = self.sum[a * k + b] * inv;
+            }
+        });
+        h
     }
 
     pub fn diag(&self) -> Vec<f64> {
@@ -101,7 +129,7 @@ impl Hessian {
     }
 
     pub fn is_finite(&self) -> bool {
-        self.sum.iter().all(|v| v.is_finite())
+        self.sum.par_iter().all(|v| v.is_finite())
     }
 
     #[cfg(test)]
@@ -128,13 +156,18 @@ mod tests {
 
     #[test]
     fn matches_naive_outer_products() {
-        let (k, m) = (5, 600);
+        for (k, m) in [(5, 600), (BLOCK + 37, 2 * CHUNK + 10), (2 * BLOCK + 3, 64)] {
+            check_against_naive(k, m);
+        }
+    }
+
+    fn check_against_naive(k: usize, m: usize) {
         let x: Vec<f32> = (0..m * k)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
             .collect();
         let mut h = Hessian::new(k);
-        h.add(&x[..300 * k], 300);
-        h.add(&x[300 * k..], 300);
+        h.add(&x[..m / 2 * k], m / 2);
+        h.add(&x[m / 2 * k..], m - m / 2);
         let got = h.matrix();
         for a in 0..k {
             for b in 0..k {
