@@ -53,13 +53,18 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
         return;
     }
     if m >= GEMM_MIN_ROWS {
-        super::panel_matmul(x, m, k, n, y, |cols, out| {
+        let expand = |cols: std::ops::Range<usize>, out: &mut [f32]| {
             for (j, o) in cols.zip(out.chunks_exact_mut(k)) {
                 for (d, s) in o.iter_mut().zip(&w[j * k..(j + 1) * k]) {
                     *d = widen(*s);
                 }
             }
-        });
+        };
+        #[cfg(target_arch = "x86_64")]
+        if super::bf16_act_panel_matmul(isa, x, m, k, n, y, expand) {
+            return;
+        }
+        super::panel_matmul(x, m, k, n, y, expand);
         return;
     }
     let xp = deinterleave(x, m, k);
@@ -151,9 +156,20 @@ pub(crate) mod tests {
             (5, 64, 8),
             (16, 160, 40),
             (19, 2080, 7),
+            (40, 96, 70),
+            (23, 2, 33),
         ] {
+            // bf16 activations for some shapes: the vdpbf16ps GEMM path.
+            let act_bf16 = m >= GEMM_MIN_ROWS && n != 40;
             let x: Vec<f32> = (0..m * k)
                 .map(|_| rng.random::<f32>() * 2.0 - 1.0)
+                .map(|v| {
+                    if act_bf16 {
+                        half::bf16::from_f32(v).to_f32()
+                    } else {
+                        v
+                    }
+                })
                 .collect();
             let w: Vec<u16> = (0..n * k)
                 .map(|_| half::bf16::from_f32(rng.random::<f32>() * 2.0 - 1.0).to_bits())
@@ -167,6 +183,27 @@ pub(crate) mod tests {
             for isa in Isa::available() {
                 let mut got = vec![f32::NAN; m * n];
                 matmul_nt_with(isa, &x, m, k, &w, n, &mut got);
+                assert_close_sum_order(&got, &want, &abs, k);
+            }
+            #[cfg(target_arch = "x86_64")]
+            if act_bf16 && Isa::available().contains(&Isa::Avx512Bf16) {
+                let mut got = vec![f32::NAN; m * n];
+                let expand = |cols: std::ops::Range<usize>, out: &mut [f32]| {
+                    for (j, o) in cols.zip(out.chunks_exact_mut(k)) {
+                        o.iter_mut()
+                            .zip(&w[j * k..])
+                            .for_each(|(d, s)| *d = widen(*s));
+                    }
+                };
+                assert!(super::super::bf16_act_panel_matmul(
+                    Isa::Avx512Bf16,
+                    &x,
+                    m,
+                    k,
+                    n,
+                    &mut got,
+                    expand
+                ));
                 assert_close_sum_order(&got, &want, &abs, k);
             }
         }

@@ -166,7 +166,12 @@ impl PackedW4A16 {
             return;
         }
         if m >= GEMM_MIN_ROWS {
-            super::panel_matmul(x, m, k, n, y, |cols, out| self.expand_with(isa, cols, out));
+            let expand = |cols, out: &mut [f32]| self.expand_with(isa, cols, out);
+            #[cfg(target_arch = "x86_64")]
+            if super::bf16_act_panel_matmul(isa, x, m, k, n, y, expand) {
+                return;
+            }
+            super::panel_matmul(x, m, k, n, y, expand);
             return;
         }
         // bf16 activations as bf16 bits, for `vdpbf16ps` (exact products).
@@ -271,7 +276,7 @@ mod tests {
                     assert!(packed.simd_ok, "({n}, {k}, g{g})");
                 }
                 let wa: Vec<f32> = w.iter().map(|v| v.abs()).collect();
-                for m in [1, 2, 3, 4, 5, 16, 19] {
+                for m in [1, 2, 3, 4, 5, 16, 19, 41] {
                     // bf16 activations (the vdpbf16ps path) and plain f32 ones.
                     let mut x = activations(&mut rng, m, k);
                     if m % 2 == 0 {
