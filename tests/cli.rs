@@ -79,7 +79,7 @@ fn run_prompt_on_default_fixture_streams_text() {
     ]));
     assert!(!so.trim().is_empty(), "no text streamed");
     assert!(
-        se.contains("prefill") && se.contains("decode / token"),
+        se.contains("prefill") && se.contains("decode / token") && se.contains("first token"),
         "{se}"
     );
 }

@@ -174,7 +174,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     let mut stream = StreamDecoder::default();
     let mut stream_err = None;
+    let mut first_token = None;
     let out = generate(model.as_ref(), &prompt, &opts, |id| {
+        first_token.get_or_insert_with(Instant::now);
         if a.quiet {
             return;
         }
@@ -241,6 +243,13 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             );
         }
         eprintln!("sampling        {:9.2} ms total", s.sampling_ms);
+        if let Some(t) = first_token {
+            // What a user waits for: open + repack + tokenize + prefill + sample.
+            eprintln!(
+                "first token     {:9.1} ms  after the start of loading",
+                (t - t_load).as_secs_f64() * 1e3
+            );
+        }
         eprintln!(
             "generated {} tokens{}; threads {}",
             s.generated_tokens,
