@@ -357,19 +357,74 @@ fn warn(msg: &str) {
 /// Relative output error ‖(W − Q)X‖² / ‖WX‖² = tr(Δ H Δᵀ) / tr(W H Wᵀ), from the Hessian alone.
 pub fn relative_output_error(w: &[f32], q: &[f32], n: usize, k: usize, h: &Hessian) -> f64 {
     let hm: Vec<f32> = h.matrix().iter().map(|&v| v as f32).collect();
-    let quad = |d: &[f32]| -> f64 {
-        // Σ_rows d_r · (H d_r), with H·dᵀ through one GEMM (H is symmetric).
-        let mut hd = vec![0f32; n * k];
-        crate::kernels::matmul().matmul_nt(d, n, k, &hm, k, &mut hd);
-        d.iter().zip(&hd).map(|(a, b)| *a as f64 * *b as f64).sum()
-    };
     let delta: Vec<f32> = w.iter().zip(q).map(|(a, b)| a - b).collect();
-    let den = quad(w);
+    let den = quadratic_form(w, n, k, &hm);
     if den > 0.0 {
-        quad(&delta) / den
+        quadratic_form(&delta, n, k, &hm) / den
     } else {
         0.0
     }
+}
+
+/// Side of the blocks of H in [`quadratic_form`].
+const QF_BLOCK: usize = 256;
+
+/// Σ_rows d_r H d_rᵀ for `d` `[n, k]` and a symmetric `h` `[k, k]`: by blocks
+/// of H on and above the diagonal (off-diagonal ones counted twice), so half
+/// the multiply-adds of D·H; one GEMM job per block.
+pub(crate) fn quadratic_form(d: &[f32], n: usize, k: usize, h: &[f32]) -> f64 {
+    assert_eq!((d.len(), h.len()), (n * k, k * k));
+    let nb = k.div_ceil(QF_BLOCK);
+    let pairs: Vec<(usize, usize)> = (0..nb).flat_map(|i| (i..nb).map(move |j| (i, j))).collect();
+    pairs
+        .par_iter()
+        .map_init(Vec::new, |p, &(bi, bj)| {
+            let (r0, c0) = (bi * QF_BLOCK, bj * QF_BLOCK);
+            let (rows, cols) = ((k - r0).min(QF_BLOCK), (k - c0).min(QF_BLOCK));
+            p.clear();
+            p.resize(n * cols, 0f32);
+            // SAFETY: dst p is [n, cols] (rs cols); lhs = columns r0.. of d
+            // ([n, rows], rs k); rhs = H[r0.., c0..] ([rows, cols], rs k).
+            unsafe {
+                gemm::gemm(
+                    n,
+                    cols,
+                    rows,
+                    p.as_mut_ptr(),
+                    1,
+                    cols as isize,
+                    false,
+                    d.as_ptr().add(r0),
+                    1,
+                    k as isize,
+                    h.as_ptr().add(r0 * k + c0),
+                    1,
+                    k as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            let part: f64 = p
+                .chunks_exact(cols)
+                .enumerate()
+                .map(|(r, pr)| {
+                    pr.iter()
+                        .zip(&d[r * k + c0..r * k + c0 + cols])
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                })
+                .sum();
+            if bi == bj {
+                part
+            } else {
+                2.0 * part
+            }
+        })
+        .sum()
 }
 
 #[cfg(test)]
@@ -431,6 +486,32 @@ mod tests {
         let (er, ep, es) = (e(&r), e(&plain.weight), e(&search.weight));
         assert!(ep < er, "gptq {ep} vs rtn {er}");
         assert!(es <= ep, "search {es} vs plain {ep}");
+    }
+
+    #[test]
+    fn quadratic_form_by_upper_blocks_matches_the_plain_sum() {
+        let mut s = 5u64;
+        for (n, k) in [(3, 7), (5, QF_BLOCK + 13), (2, 2 * QF_BLOCK + 1)] {
+            let d: Vec<f32> = (0..n * k).map(|_| lcg(&mut s)).collect();
+            let a: Vec<f32> = (0..k * k).map(|_| lcg(&mut s)).collect();
+            // A symmetric H.
+            let h: Vec<f32> = (0..k * k).map(|i| a[i] + a[(i % k) * k + i / k]).collect();
+            let want: f64 = (0..n)
+                .map(|r| {
+                    (0..k)
+                        .flat_map(|i| (0..k).map(move |j| (i, j)))
+                        .map(|(i, j)| {
+                            d[r * k + i] as f64 * h[i * k + j] as f64 * d[r * k + j] as f64
+                        })
+                        .sum::<f64>()
+                })
+                .sum();
+            let got = quadratic_form(&d, n, k, &h);
+            assert!(
+                (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "n {n} k {k}: {got} vs {want}"
+            );
+        }
     }
 
     #[test]
