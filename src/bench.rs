@@ -119,6 +119,77 @@ pub fn run(
     })
 }
 
+/// Wall time per forward stage (`--stages`).
+#[derive(Debug, Clone, Serialize)]
+pub struct StageTime {
+    pub stage: &'static str,
+    /// Prefill: ms for the whole prompt; decode: ms per token.
+    pub ms: f64,
+    pub share: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StageProfile {
+    pub prefill: Vec<StageTime>,
+    pub decode: Vec<StageTime>,
+    /// Forward wall time the stages are shares of (prefill total, decode per token).
+    pub prefill_ms: f64,
+    pub decode_ms_per_token: f64,
+}
+
+/// One prefill of `prompt_len` and `gen` greedy decode steps with the
+/// model's stage timers on.
+pub fn stage_profile(
+    model: &SparkModel,
+    prompt_len: usize,
+    gen: usize,
+) -> Result<StageProfile, ModelError> {
+    use crate::engine::Engine;
+    use crate::model::Logits;
+    let prompt = prompt_ids(prompt_len.max(1), model.config().vocab_size);
+    let gen = gen.max(1);
+    let timers = model.stage_timers();
+    let collect = |total: f64, per: f64| {
+        timers
+            .take()
+            .into_iter()
+            .map(|(s, ms)| StageTime {
+                stage: s.name(),
+                ms: ms / per,
+                share: ms / total,
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut seq = model.start(prompt.len() + gen)?;
+    timers.take();
+    timers.set_enabled(true);
+    let t = Instant::now();
+    let mut last = seq.forward(&prompt, Logits::Last);
+    let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+    let prefill = collect(prefill_ms, 1.0);
+    let t = Instant::now();
+    for _ in 0..gen {
+        let logits = match last {
+            Ok(l) => l,
+            Err(e) => {
+                timers.set_enabled(false);
+                return Err(e);
+            }
+        };
+        let next = crate::sampling::argmax(&logits);
+        last = seq.forward(&[next], Logits::Last);
+    }
+    let decode_ms = t.elapsed().as_secs_f64() * 1e3;
+    timers.set_enabled(false);
+    last?;
+    Ok(StageProfile {
+        prefill,
+        decode: collect(decode_ms, gen as f64),
+        prefill_ms,
+        decode_ms_per_token: decode_ms / gen as f64,
+    })
+}
+
 /// One kernel on one weight shape: time per call and the weight bytes it streams.
 #[derive(Debug, Clone, Serialize)]
 pub struct KernelRow {

@@ -153,3 +153,35 @@ fn bench_reports_throughput_with_spread() {
         );
     }
 }
+
+#[test]
+fn bench_stages_cover_the_forward_pass() {
+    let (so, _) = ok(tool().args([
+        "bench",
+        "--prompt-len",
+        "16",
+        "--gen",
+        "4",
+        "--repeat",
+        "1",
+        "--stages",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&so).expect("bench --json prints JSON");
+    let p = &v["stages"];
+    for phase in ["prefill", "decode"] {
+        let rows = p[phase].as_array().expect("stage rows");
+        assert_eq!(rows.len(), 9, "{phase}");
+        let share: f64 = rows.iter().map(|r| r["share"].as_f64().unwrap()).sum();
+        // Timed stages are inside the timed forward calls and cover nearly all of them.
+        assert!(
+            share > 0.5 && share <= 1.0 + 1e-9,
+            "{phase}: stages cover {share}"
+        );
+        let proj = rows
+            .iter()
+            .find(|r| r["stage"] == "gate/up projections")
+            .unwrap();
+        assert!(proj["ms"].as_f64().unwrap() > 0.0, "{phase}");
+    }
+}

@@ -21,6 +21,10 @@ pub struct BenchArgs {
     repeat: usize,
     #[arg(long)]
     json: bool,
+    /// Also time each stage of the forward pass (projections, attention, norms,
+    /// GELU, head) over one extra prefill + decode run.
+    #[arg(long)]
+    stages: bool,
     /// Instead of the model: time each linear kernel on the artifact's weight
     /// shapes (random weights, decode rows) and the streaming-read bandwidth.
     #[arg(long)]
@@ -117,12 +121,24 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let model = SparkModel::load(&ck, a.exec.options(&ck, false))?;
     let load_ms = t.elapsed().as_secs_f64() * 1e3;
     let r = spark_tool::bench::run(&model, a.prompt_len, a.gen, a.repeat)?;
+    let stages = if a.stages {
+        Some(spark_tool::bench::stage_profile(
+            &model,
+            a.prompt_len,
+            a.gen,
+        )?)
+    } else {
+        None
+    };
     let rss = spark_tool::bench::peak_rss();
     if a.json {
         let mut v = serde_json::to_value(&r)?;
         v["artifact"] = dir.display().to_string().into();
         v["load_ms"] = load_ms.into();
         v["peak_rss_bytes"] = rss.into();
+        if let Some(p) = &stages {
+            v["stages"] = serde_json::to_value(p)?;
+        }
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -148,6 +164,22 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             "  {name:<24} median {:>10.2}   min {:>10.2}   max {:>10.2}",
             s.median, s.min, s.max
         );
+    }
+    if let Some(p) = stages {
+        println!(
+            "  stages (one more run)        prefill {:.1} ms total      decode {:.2} ms/token",
+            p.prefill_ms, p.decode_ms_per_token
+        );
+        for (pre, dec) in p.prefill.iter().zip(&p.decode) {
+            println!(
+                "    {:<28} {:>9.1} ms {:>5.1}%     {:>8.3} ms {:>5.1}%",
+                pre.stage,
+                pre.ms,
+                100.0 * pre.share,
+                dec.ms,
+                100.0 * dec.share
+            );
+        }
     }
     Ok(())
 }

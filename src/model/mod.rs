@@ -12,6 +12,7 @@
 
 pub mod kv_cache;
 pub mod linear;
+pub mod profile;
 pub mod quantized;
 pub mod rope;
 
@@ -23,6 +24,7 @@ use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, QkvLayout, Spark
 use crate::kernels::{self, gelu_erf, rms_norm, sigmoid};
 pub use kv_cache::{CacheError, KvCache};
 pub use linear::{DenseLinear, DenseWeight, Linear};
+use profile::{Stage, StageTimers};
 pub use quantized::{QuantExec, W4Numerics};
 use rope::Rope;
 
@@ -91,6 +93,7 @@ pub struct SparkModel {
     norm: Vec<f32>,
     lm_head: Box<dyn Linear>,
     ropes: BTreeMap<LayerType, Rope>,
+    timers: StageTimers,
 }
 
 fn dense(w: DenseWeight, out: usize, inp: usize) -> Box<dyn Linear> {
@@ -264,11 +267,17 @@ impl SparkModel {
             norm,
             lm_head,
             ropes,
+            timers: StageTimers::default(),
         })
     }
 
     pub fn config(&self) -> &SparkConfig {
         &self.config
+    }
+
+    /// Per-stage timers of the forward pass (off until enabled).
+    pub fn stage_timers(&self) -> &StageTimers {
+        &self.timers
     }
 
     pub fn new_cache(&self, context: usize) -> KvCache {
@@ -290,12 +299,19 @@ impl SparkModel {
         }
         cache.reserve(m)?;
         let start = cache.pos();
+        let tm = &self.timers;
+        let t = tm.start();
         let mut x = self.embed(tokens)?;
+        tm.stop(Stage::Embed, t);
         for li in 0..self.layers.len() {
+            let t = tm.start();
             let h = self.attn_norm(li, &x);
+            tm.stop(Stage::Norms, t);
             let attn = self.gated_attention(li, &h, m, start, cache.layer_mut(li));
             self.attn_out_residual(li, &attn, m, &mut x);
+            let t = tm.start();
             let h2 = self.mlp_norm(li, &x);
+            tm.stop(Stage::Norms, t);
             let act = self.mlp_act(li, &h2, m);
             self.mlp_down_residual(li, &act, m, &mut x);
         }
@@ -305,7 +321,10 @@ impl SparkModel {
             Logits::All => 0,
             Logits::Last => m - 1,
         };
-        Ok(self.logits(&x[rows * hidden..]))
+        let t = tm.start();
+        let logits = self.logits(&x[rows * hidden..]);
+        tm.stop(Stage::Head, t);
+        Ok(logits)
     }
 
     pub fn num_layers(&self) -> usize {
@@ -412,10 +431,13 @@ impl SparkModel {
         let mut k = vec![0f32; m * kv_dim];
         let mut v = vec![0f32; m * kv_dim];
         let mut g = vec![0f32; m * heads];
+        let t = self.timers.start();
         sa.q_proj.forward(h, m, &mut q);
         sa.k_proj.forward(h, m, &mut k);
         sa.v_proj.forward(h, m, &mut v);
         sa.g_proj.forward(h, m, &mut g);
+        self.timers.stop(Stage::QkvgProj, t);
+        let t = self.timers.start();
 
         let rope = &self.ropes[&layer.kind];
         for i in 0..m {
@@ -436,17 +458,22 @@ impl SparkModel {
             }
         }
         cache.append(&k, &v);
+        self.timers.stop(Stage::Attention, t);
         attn
     }
 
     /// `x += out_proj(attn)`.
     pub fn attn_out_residual(&self, li: usize, attn: &[f32], m: usize, x: &mut [f32]) {
         let mut delta = vec![0f32; x.len()];
+        let t = self.timers.start();
         self.layers[li]
             .self_attn
             .out_proj
             .forward(attn, m, &mut delta);
+        self.timers.stop(Stage::OutProj, t);
+        let t = self.timers.start();
         x.iter_mut().zip(&delta).for_each(|(a, d)| *a += d);
+        self.timers.stop(Stage::Norms, t);
     }
 
     /// `post_attention_layernorm`: the input of gate/up.
@@ -467,8 +494,11 @@ impl SparkModel {
         let inter = self.config.intermediate_size;
         let mut gate = vec![0f32; m * inter];
         let mut up = vec![0f32; m * inter];
+        let t = self.timers.start();
         mlp.gate_proj.forward(h2, m, &mut gate);
         mlp.up_proj.forward(h2, m, &mut up);
+        self.timers.stop(Stage::GateUpProj, t);
+        let t = self.timers.start();
         // erf is the costly part of prefill outside the matmuls: spread it
         // when there is enough of it (decode's one row stays on this thread).
         const CHUNK: usize = 1 << 14;
@@ -481,14 +511,19 @@ impl SparkModel {
                 .zip(&up)
                 .for_each(|(a, u)| *a = gelu_erf(*a) * u);
         }
+        self.timers.stop(Stage::GeluMul, t);
         gate
     }
 
     /// `x += down_proj(act)`.
     pub fn mlp_down_residual(&self, li: usize, act: &[f32], m: usize, x: &mut [f32]) {
         let mut delta = vec![0f32; x.len()];
+        let t = self.timers.start();
         self.layers[li].mlp.down_proj.forward(act, m, &mut delta);
+        self.timers.stop(Stage::DownProj, t);
+        let t = self.timers.start();
         x.iter_mut().zip(&delta).for_each(|(a, d)| *a += d);
+        self.timers.stop(Stage::Norms, t);
     }
 
     /// Final norm and head for residual rows `x` (`[n, hidden]`).
