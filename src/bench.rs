@@ -160,28 +160,23 @@ pub fn stage_profile(
             })
             .collect::<Vec<_>>()
     };
-    let mut seq = model.start(prompt.len() + gen)?;
     timers.take();
     timers.set_enabled(true);
-    let t = Instant::now();
-    let mut last = seq.forward(&prompt, Logits::Last);
-    let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
-    let prefill = collect(prefill_ms, 1.0);
-    let t = Instant::now();
-    for _ in 0..gen {
-        let logits = match last {
-            Ok(l) => l,
-            Err(e) => {
-                timers.set_enabled(false);
-                return Err(e);
-            }
-        };
-        let next = crate::sampling::argmax(&logits);
-        last = seq.forward(&[next], Logits::Last);
-    }
-    let decode_ms = t.elapsed().as_secs_f64() * 1e3;
+    let run = || -> Result<(Vec<StageTime>, f64, f64), ModelError> {
+        let mut seq = model.start(prompt.len() + gen)?;
+        let t = Instant::now();
+        let mut last = seq.forward(&prompt, Logits::Last)?;
+        let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+        let prefill = collect(prefill_ms, 1.0);
+        let t = Instant::now();
+        for _ in 0..gen {
+            last = seq.forward(&[crate::sampling::argmax(&last)], Logits::Last)?;
+        }
+        Ok((prefill, prefill_ms, t.elapsed().as_secs_f64() * 1e3))
+    };
+    let timed = run();
     timers.set_enabled(false);
-    last?;
+    let (prefill, prefill_ms, decode_ms) = timed?;
     Ok(StageProfile {
         prefill,
         decode: collect(decode_ms, gen as f64),

@@ -301,9 +301,8 @@ unsafe fn w4a8_tile<const R: usize, const S: usize>(
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn w4a16_lut(p: &PackedW4A16, col: usize, gi: usize) -> __m512 {
-    let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     let sl = col * p.groups + gi;
-    let c = _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(p.zeros.get(sl))));
+    let c = lut_codes(p.zeros.get(sl));
     round_bf16_ps(_mm512_mul_ps(c, _mm512_set1_ps(widen(p.scales[sl]))))
 }
 
