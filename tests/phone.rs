@@ -62,12 +62,31 @@ fn snr_db(r: &[f32], c: &[f32]) -> f64 {
     10.0 * (s / n.max(1e-300)).log10()
 }
 
-fn top_k(x: &[f32], k: usize) -> Vec<usize> {
+/// A reference logit gap below this is a tie for top-k checks: ONNX Runtime's
+/// MLAS picks its f32 kernels by CPU and version, so the graph's logits move
+/// by ~1e-5 (the 120 dB bound below) against the engine's; 1e-3 leaves 100×.
+const TIE: f32 = 1e-3;
+
+/// Indices of the k largest, largest first (ties to the lower index).
+fn ranked(x: &[f32], k: usize) -> Vec<usize> {
     let mut i: Vec<usize> = (0..x.len()).collect();
-    i.sort_by(|&a, &b| x[b].total_cmp(&x[a]));
+    i.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
     i.truncate(k);
-    i.sort();
     i
+}
+
+/// Top-1 and the top-5 set agree wherever the reference has no near-tie at that rank.
+fn assert_top_k_agree(r: &[f32], c: &[f32], what: &str) {
+    let (tr, tc) = (ranked(r, 6), ranked(c, 6));
+    if r[tr[0]] - r[tr[1]] > TIE {
+        assert_eq!(tr[0], tc[0], "{what}: top-1 differs");
+    }
+    if r[tr[4]] - r[tr[5]] > TIE {
+        let (mut a, mut b) = (tr[..5].to_vec(), tc[..5].to_vec());
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "{what}: top-5 set differs");
+    }
 }
 
 #[test]
@@ -104,8 +123,7 @@ fn float_graph_matches_the_engine_over_a_1100_token_decode() {
         .zip(got.chunks_exact(vocab))
         .enumerate()
     {
-        assert_eq!(top_k(r, 1), top_k(c, 1), "top-1 differs at step {i}");
-        assert_eq!(top_k(r, 5), top_k(c, 5), "top-5 differs at step {i}");
+        assert_top_k_agree(r, c, &format!("step {i}"));
     }
 }
 

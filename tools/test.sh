@@ -5,18 +5,38 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Wall time per stage, printed as each ends and again as a table at the end.
+stage_names=() stage_secs=()
+stage_start=$SECONDS stage_name=""
+stage() {
+  if [ -n "$stage_name" ]; then
+    stage_names+=("$stage_name") stage_secs+=($((SECONDS - stage_start)))
+    echo "== $stage_name: $((SECONDS - stage_start)) s" >&2
+  fi
+  stage_name=$1 stage_start=$SECONDS
+}
+
+python3 -c "import numpy, scipy, tokenizers, onnx, onnxruntime as o; print('python packages: numpy', numpy.__version__, \
+  'scipy', scipy.__version__, 'tokenizers', tokenizers.__version__, 'onnx', onnx.__version__, 'onnxruntime', o.__version__)"
+
+stage "cargo fmt --check"
 cargo fmt --all -- --check
+stage "cargo clippy -D warnings"
 cargo clippy --release --all-targets -- -D warnings
+stage "cargo test --release"
 cargo test --release
 
 fresh=$(mktemp -d)
 trap 'rm -rf "$fresh"' EXIT
+stage "goldens: numpy reference regenerated and compared"
 for fixture in spark-tiny spark-random; do
   python3 tools/spark_ref.py golden "fixtures/$fixture" --dtype F32 --out "$fresh" >/dev/null
   python3 tools/spark_ref.py compare "tests/golden/$fixture" "$fresh/$fixture"
 done
 SPARK_GOLDEN_DIR="$fresh" cargo test --release --test golden
 python3 tools/gptq_ref.py check tests/golden/gptq_case.safetensors
+
+stage "quantize both formats, numpy decode, parity gate"
 
 # Quantize the trained fixture in both formats with the CLI; an independent
 # numpy decoder must reproduce the quantizer's dequantized weights bit-exactly.
@@ -33,17 +53,27 @@ done
 # Phone export: official onnx checker on the w8a16 fixture graph, then QNN HTP
 # readiness with Qualcomm's own backend (simulator): the fixture export, and a
 # Spark-1.7B-shaped random export of one sliding + one full layer at 4096 plus the head.
+stage "export-phone fixture + onnx full_check"
 cargo run --release -q -- export-phone fixtures/spark-tiny --out "$fresh/phone" --context 2048 --quiet
 python3 -c "import onnx, sys; onnx.checker.check_model(sys.argv[1], full_check=True)" "$fresh/phone/model.onnx"
+stage "QNN venv + HTP check (fixture)"
 qnn_venv=${QNN_VENV:-$fresh/venv-qnn}
 if [ ! -x "$qnn_venv/bin/python" ]; then
   python3 -m venv "$qnn_venv"
   "$qnn_venv/bin/pip" install --quiet --disable-pip-version-check -r tools/requirements-qnn.txt
 fi
 "$qnn_venv/bin/python" tools/qnn_check.py "$fresh/phone" --run --out "$fresh/qnn-tiny" --json "$fresh/qnn-tiny.json" | tail -1
+stage "1.7B-shaped 2-layer export + HTP check"
 python3 tools/make_random_checkpoint.py 1.7b "$fresh/r17" --layer-types sliding,full --tokenizer-from fixtures/spark-tiny > /dev/null
 cargo run --release -q -- export-phone "$fresh/r17" --out "$fresh/r17-phone" --context 4096 --parts 2 \
   --calib-samples 2 --calib-seq-len 64 --quiet
 rm -rf "$fresh/r17"
 "$qnn_venv/bin/python" tools/qnn_check.py "$fresh/r17-phone" --run --out "$fresh/qnn-r17" --json "$fresh/qnn-r17.json" | tail -1
+stage ""
+total=0
+for i in "${!stage_names[@]}"; do
+  printf '%6d s  %s\n' "${stage_secs[$i]}" "${stage_names[$i]}"
+  total=$((total + stage_secs[i]))
+done
+printf '%6d s  total\n' "$total"
 echo "all tests passed"
