@@ -1,9 +1,12 @@
 //! Prompt → tokens: one prefill, then one decode step per new token.
 
+use std::path::Path;
 use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::artifact::ArtifactError;
+use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor, WriteError};
 use crate::engine::Engine;
 use crate::model::{Logits, ModelError};
 use crate::sampling::{Sampler, SamplingParams};
@@ -112,4 +115,60 @@ pub fn generate(
         stopped_at_eos,
         stats,
     })
+}
+
+/// `producer` metadata of a `--logits-out` file (how a previous one is recognised).
+const LOGITS_PRODUCER: &str = "spark-tool";
+
+/// Whether `path` is a `--logits-out` file we wrote (safetensors whose metadata names us).
+fn is_logits_file(path: &Path) -> bool {
+    use std::io::Read;
+    let header = || -> Option<serde_json::Value> {
+        let mut f = std::fs::File::open(path).ok()?;
+        let mut n = [0u8; 8];
+        f.read_exact(&mut n).ok()?;
+        let n = u64::from_le_bytes(n);
+        if n > 1 << 20 {
+            return None;
+        }
+        let mut h = vec![0u8; n as usize];
+        f.read_exact(&mut h).ok()?;
+        serde_json::from_slice(&h).ok()
+    };
+    header()
+        .and_then(|h| h["__metadata__"]["producer"].as_str().map(String::from))
+        .is_some_and(|p| p.starts_with(LOGITS_PRODUCER))
+}
+
+/// Refuse a `--logits-out` path that is an input, lies inside one, or would overwrite a file
+/// that is not a previous logits file of ours.
+pub fn check_logits_path(path: &Path, inputs: &[&Path]) -> Result<(), ArtifactError> {
+    crate::artifact::check_output_file(path, inputs, "--logits-out", is_logits_file)
+}
+
+/// The `--logits-out` file (read by tools/*.py): `prompt_logits` f32 `[prompt_len, vocab]`,
+/// `decode_logits` f32 `[generated, vocab]`, `tokens` i64 (prompt then generated); metadata
+/// `prompt_len` and `producer`.
+pub fn write_logits(path: &Path, out: &GenerateOutput, vocab: usize) -> Result<(), WriteError> {
+    let gen = out.tokens.len() - out.prompt_len;
+    let ids: Vec<i64> = out.tokens.iter().map(|&t| t as i64).collect();
+    let mut meta = std::collections::BTreeMap::new();
+    meta.insert("prompt_len".to_string(), out.prompt_len.to_string());
+    meta.insert(
+        "producer".to_string(),
+        format!("{LOGITS_PRODUCER} {}", env!("CARGO_PKG_VERSION")),
+    );
+    write_safetensors_atomic(
+        path,
+        &[
+            OwnedTensor::f32(
+                "prompt_logits",
+                vec![out.prompt_len, vocab],
+                &out.prompt_logits,
+            ),
+            OwnedTensor::f32("decode_logits", vec![gen, vocab], &out.decode_logits),
+            OwnedTensor::i64("tokens", &ids),
+        ],
+        Some(meta),
+    )
 }

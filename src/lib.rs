@@ -2,6 +2,7 @@
 //! checkpoint to CPU execution and beyond. The library is CLI-free; the
 //! `spark-tool` binary is a thin layer over it.
 
+pub mod artifact;
 pub mod bench;
 pub mod checkpoint;
 pub mod device;

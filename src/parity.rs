@@ -161,6 +161,28 @@ pub struct ParityReport {
     pub failures: Vec<String>,
 }
 
+impl ParityReport {
+    /// Refuse a `--json` path that is an input, lies inside one, or would overwrite a file that
+    /// is not a previous parity report.
+    pub fn check_path(path: &Path, inputs: &[&Path]) -> Result<(), crate::artifact::ArtifactError> {
+        crate::artifact::check_output_file(path, inputs, "--json", |p| {
+            std::fs::read(p)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .is_some_and(|v| {
+                    ["overall", "policy", "passed"]
+                        .iter()
+                        .all(|k| v.get(k).is_some())
+                })
+        })
+    }
+
+    /// Write the report as JSON, atomically.
+    pub fn write(&self, path: &Path) -> Result<(), crate::artifact::ArtifactError> {
+        crate::artifact::write_json(path, self)
+    }
+}
+
 /// Per-position comparison statistics.
 #[derive(Default)]
 struct Acc {

@@ -1,5 +1,5 @@
 //! Text ↔ token ids with the checkpoint's own `tokenizer.json`, and the
-//! Spark chat frame (SPARK_SPEC.md §4.3).
+//! Spark chat frame (docs/MODEL.md §13).
 
 use std::path::Path;
 

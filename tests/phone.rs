@@ -211,14 +211,16 @@ fn bad_requests_fail_with_a_clear_error_and_write_nothing() {
         &options(Precision::W8A16, 256),
     );
     assert!(e.contains("tokenizer.json"), "{e}");
-    // An existing output is not replaced without --force.
+    // A folder that is not a previous export is not replaced, with or without --force.
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("keep.txt"), "user data").unwrap();
-    let e = export_phone(&tiny, dir.path(), &options(Precision::F32, 256))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("--force"), "{e}");
-    assert!(dir.path().join("keep.txt").is_file());
+    for force in [false, true] {
+        let mut o = options(Precision::F32, 256);
+        o.force = force;
+        let e = export_phone(&tiny, dir.path(), &o).unwrap_err().to_string();
+        assert!(e.contains("--force"), "{e}");
+        assert!(dir.path().join("keep.txt").is_file());
+    }
 }
 
 #[test]

@@ -220,20 +220,32 @@ fn resume_finishes_an_interrupted_run_identically() {
 }
 
 #[test]
-fn refuses_to_overwrite_without_force_and_replaces_with_it() {
+fn refuses_to_overwrite_without_force_and_replaces_only_its_own_output() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("busy");
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("precious.txt"), "user data").unwrap();
-    let e = quantize(&opts(&out, WeightFormat::W4A8, 128))
+    // A folder of the user's is never replaced, with or without --force.
+    for force in [false, true] {
+        let mut o = opts(&out, WeightFormat::W4A8, 128);
+        o.force = force;
+        let e = quantize(&o).unwrap_err().to_string();
+        assert!(e.contains("--force") && e.contains("busy"), "{e}");
+        assert!(out.join("precious.txt").exists());
+    }
+    // A previous quantized checkpoint is replaced with --force only.
+    let ours = d.path().join("ours");
+    quantize(&opts(&ours, WeightFormat::W4A8, 128)).unwrap();
+    let e = quantize(&opts(&ours, WeightFormat::W4A16, 64))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("--force") && e.contains("busy"), "{e}");
-    assert!(out.join("precious.txt").exists());
-    let mut o = opts(&out, WeightFormat::W4A8, 128);
+    assert!(e.contains("--force"), "{e}");
+    let mut o = opts(&ours, WeightFormat::W4A16, 64);
     o.force = true;
     quantize(&o).unwrap();
-    assert!(out.join("model.safetensors").exists() && !out.join("precious.txt").exists());
+    let cfg = std::fs::read_to_string(ours.join("config.json")).unwrap();
+    assert!(cfg.contains("\"group_size\": 64"), "replaced: {cfg}");
+    assert!(ours.join(spark_tool::artifact::MARKER).is_file());
 }
 
 #[test]

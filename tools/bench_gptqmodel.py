@@ -3,11 +3,11 @@
 
 GPTQModel has no Spark2_5 support, so the peer model is a Llama with the same
 per-layer linear shapes (hidden 2048, intermediate 6656, q 2048 / k 512 /
-v 512, out 2048×2048), as GPTQ.md §7.3 did. Calibration uses exactly the
+v 512, out 2048×2048), as in docs/GPTQ_FORMAT.md §15. Calibration uses exactly the
 windows `spark-tool quantize` cuts from calibration/spark-calib.jsonl with the
 fixture tokenizer, so both tools see the same tokens.
 
-    pip install gptqmodel==7.7.0          # GPTQ.md §7.1; pulls torch/transformers
+    pip install gptqmodel==7.7.0          # docs/GPTQ_FORMAT.md §15; pulls torch/transformers
     GPTQMODEL_CPU_WORKERS=2 python3 tools/bench_gptqmodel.py --layers 2 --samples 32 --seq-len 512
 
 Prints wall time, time per layer and peak RSS. Results: docs/QUANTIZE.md.

@@ -1,6 +1,6 @@
 """Train the fixture's byte-level BPE tokenizer with the real model's layout.
 
-Same pipeline as the real Spark tokenizer (SPARK_SPEC.md §4.1): no
+Same pipeline as the real Spark tokenizer (docs/MODEL.md §12): no
 normalizer, the DeepSeek-V3-style split sequence plus individual digits,
 ByteLevel pre-tokenizer/decoder/post-processor without BOS insertion. The
 special ids 0..13 match the real model; the role/tool markers keep their

@@ -5,7 +5,7 @@ Why not llama.cpp's own `convert_hf_to_gguf.py`: it needs torch + transformers a
 pre-tokenizer by hashing the encoding of a fixed text, which fails for checkpoints with their own small
 tokenizer (fixtures/spark-tiny) or none at all (random full-shape checkpoints). This script writes the same
 metadata keys and tensor names as the converter (`conversion/spark2_5.py` + `TextModel.set_gguf_parameters`
-of llama.cpp 0c1e57098, SPARK_SPEC.md §5) with only `numpy` and the `gguf` package, and sets
+of llama.cpp 0c1e57098, docs/MODEL.md §16) with only `numpy` and the `gguf` package, and sets
 `tokenizer.ggml.pre = "spark2_5"` directly.
 
 - Input: single `model.safetensors` or shards + `model.safetensors.index.json`; BF16/F16/F32 tensors; fused

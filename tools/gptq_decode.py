@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decode a GPTQ v1 checkpoint with numpy only, written from FORMATS.md §1.
+"""Decode a GPTQ v1 checkpoint with numpy only, written from docs/GPTQ_FORMAT.md §1–§2.
 
     python3 tools/gptq_decode.py CKPT                      # check structure, print a summary
     python3 tools/gptq_decode.py CKPT --compare DUMP       # bit-exact check against dequantized weights

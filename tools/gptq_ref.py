@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent float64 GPTQ reference (numpy), written from GPTQ.md §1 and the grid of §2.
+"""Independent float64 GPTQ reference (numpy), written from docs/GPTQ_FORMAT.md §11–§13 and the grid of §2.
 
 Deliberately different from the Rust solver where the math allows: float64
 throughout, U from Cholesky → inverse → upper Cholesky (not the index-reversal

@@ -10,7 +10,7 @@ What it does:
   1. GGUFs: tools/gguf_from_hf.py writes the checkpoint as BF16 (bit-exact; the quantization source, as in
      the official BF16 -> quant pipeline), F16 (llama.cpp's usual full-precision baseline) and F32 (exact
      weights and f32 activations: the gap to our reference is then llama.cpp's numerics alone, mostly its
-     tanh-GELU GEGLU against the checkpoint's exact erf, SPARK_SPEC.md §3.7). `llama_model_quantize` makes
+     tanh-GELU GEGLU against the checkpoint's exact erf, docs/MODEL.md §10). `llama_model_quantize` makes
      Q8_0 and Q4_K_M (default per-tensor mix, no imatrix).
   2. Token ids and the reference come from spark-tool, never from this script: prompts of
      calibration/parity_prompts.json are tokenized (chat frame included) by `spark-tool run --chat ...

@@ -7,7 +7,7 @@ Presets:
                   1 KV head, head_dim 48 so q_dim (144) != hidden (128), partial
                   rotary 0.5 on full layers, split q/k/v projections, f16
                   linears with f32 norms, two shards + index, no tokenizer.
-  1.7b / 4b       the real shapes (SPARK_SPEC.md §1, §6), bf16, tied head,
+  1.7b / 4b       the real shapes (docs/MODEL.md §3, §15), bf16, tied head,
                   sharded; for scale and speed checks. Never commit these.
 
     python3 tools/make_random_checkpoint.py 1.7b /tmp/spark-1.7b-random

@@ -2,7 +2,7 @@
 """QNN HTP readiness check of a `spark-tool export-phone` folder, offline on x86-64 Linux.
 
 Uses Qualcomm's own HTP backend shipped in the `onnxruntime-qnn` plugin package (its HTP
-simulator runs on x86; PHONE.md §3): for every part of the export it
+simulator runs on x86; docs/PHONE_IO.md §10): for every part of the export it
   1. creates a session on the QNN EP with CPU fallback *disabled* and soc_model SM8750
      (HTP v79) — any node QNN cannot place on HTP makes this fail, naming the node;
   2. reads the EP's framework op trace: unsupported nodes, QNN op counts, and `Convert`

@@ -3,8 +3,8 @@
 Two sources, both free to redistribute:
 
 * **Project-written synthetic dialogues** (Apache-2.0, this repository):
-  chat turns rendered in Spark's real chat frame (SPARK_SPEC.md §4.3), tool
-  calls in Spark's tool-call format (§4.4), JSON tool results, code snippets
+  chat turns rendered in Spark's real chat frame (docs/MODEL.md §13), tool
+  calls in Spark's tool-call format (§14), JSON tool results, code snippets
   and short sentences in English, French, German, Spanish and Chinese.
   Generated procedurally from a fixed seed, so the corpus is reproducible.
 * **CPython 3.11 standard library** (PSF License 2.0, permissive and

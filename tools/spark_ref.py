@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent numpy reference of Spark2_5 (float64), written from SPARK_SPEC.md §3.
+"""Independent numpy reference of Spark2_5 (float64), written from docs/MODEL.md §4–§10.
 
 It shares no code with the Rust engine and deliberately works differently:
 whole-sequence attention with explicit masks (no KV cache, no ring buffer),
@@ -108,7 +108,7 @@ def load_prompts(path: Path) -> list[dict]:
 
 def tokenize(folder: Path, prompts: list[dict]) -> list[dict]:
     """Fill `tokens` for text prompts with the Python `tokenizers` package; chat prompts are
-    rendered in the chat frame first (SPARK_SPEC.md §4.3)."""
+    rendered in the chat frame first (docs/MODEL.md §13)."""
     out = []
     tok = None
     for pr in prompts:
@@ -175,10 +175,10 @@ def cmd_compare(a) -> None:
         # Greedy tokens are discrete, but a step whose top-2 margin is within float64 noise of the
         # BLAS build (~1e-13 here; GREEDY_TIE leaves seven orders of magnitude) may pick either
         # token, and everything after it legitimately differs.
-        for step, (a, b) in enumerate(zip(po["greedy"], pn["greedy"])):
-            if a != b:
+        for step, (was, now) in enumerate(zip(po["greedy"], pn["greedy"])):
+            if was != now:
                 if min(po["greedy_margins"][step], pn["greedy_margins"][step]) >= GREEDY_TIE:
-                    problems.append(f"{po['name']}: greedy token {step} is {b}, committed {a}")
+                    problems.append(f"{po['name']}: greedy token {step} is {now}, committed {was}")
                 break
         if len(po["greedy"]) != len(pn["greedy"]):
             problems.append(f"{po['name']}: greedy lengths differ")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the tiny Spark2_5 fixture (fixtures/spark-tiny) on CPU.
 
-The model is written from SPARK_SPEC.md §3 in PyTorch (autograd is the only
+The model is written from docs/MODEL.md §4–§10 in PyTorch (autograd is the only
 reason PyTorch is used here; golden outputs come from tools/spark_ref.py,
 a separate numpy implementation). Output is a real HF layout: config.json
 with every key of the real config, bf16 model.safetensors with a tied head,
@@ -28,7 +28,7 @@ import fixture_tokenizer  # noqa: E402
 import spark_corpus  # noqa: E402
 
 CHAT_TEMPLATE = (
-    # Project-written rendering of the frame in SPARK_SPEC.md §4.3 (tools block omitted).
+    # Project-written rendering of the frame in docs/MODEL.md §13 (tools block omitted).
     "{%- set B = '<｜start▁of▁sentence｜>' %}{%- set E = '<｜end▁of▁sentence｜>' %}"
     "{{- B + '<|System|>\\nyou are a helpful assistant.' }}"
     "{%- if messages and messages[0].role == 'system' %}{{- '\\n\\n' + messages[0].content }}{%- endif %}"

@@ -27,7 +27,7 @@ For each checkpoint:
    same (W4A16-dequantized) weights, is the anchor that says which side carries the error.
 5. Layer check: forward hooks capture every quantized linear's bf16 input and output inside vLLM
    (prefill and two decode steps of one prompt); the outputs are compared bit for bit with the
-   FORMATS.md §7 emulation of the path vLLM took and, for W4A8, with spark-tool's own Rust kernel
+   docs/GPTQ_FORMAT.md §8–§9 emulation of the path vLLM took and, for W4A8, with spark-tool's own Rust kernel
    (tools/w4a8_probe, a small binary over the library crate's src/kernels/w4.rs).
 
 `--force-w4a8` additionally runs every checkpoint through `int4_scaled_mm_cpu` by making vLLM's
@@ -314,7 +314,7 @@ class Engine:
 
 
 # ---------------------------------------------------------------------------------------------
-# layer-level emulation (FORMATS.md §7)
+# layer-level emulation (docs/GPTQ_FORMAT.md §8–§9)
 
 def checkpoint_linear(tensors: dict, vllm_name: str, cfg: dict) -> tuple[np.ndarray, np.ndarray, int]:
     """vLLM layer name → (signed codes [N, K] int8, bf16 scales [N, K/G] f32, G) from the checkpoint.
@@ -372,7 +372,7 @@ def _round_fraction_f32(q: Fraction) -> float:
 
 
 def emulate_w4a8(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, g: int) -> np.ndarray:
-    """int4_scaled_mm_cpu, FORMATS.md §7.1 step by step (x: [M, K] bf16 values)."""
+    """int4_scaled_mm_cpu, docs/GPTQ_FORMAT.md §8 step by step (x: [M, K] bf16 values)."""
     x = x.astype(np.float32)
     m, k = x.shape
     bk = min(g, 128)

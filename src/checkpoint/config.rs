@@ -29,7 +29,7 @@ pub enum ConfigError {
     },
 }
 
-/// The two attention flavours of Spark2_5 (SPARK_SPEC.md §3.4–3.5).
+/// The two attention flavours of Spark2_5 (docs/MODEL.md §7–§8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LayerType {
@@ -454,7 +454,7 @@ impl SparkConfig {
 mod tests {
     use super::*;
 
-    /// The real 1.7B config (SPARK_SPEC.md §1), reduced to the keys we read.
+    /// The real 1.7B config (docs/MODEL.md §1), reduced to the keys we read.
     pub(crate) fn real_1_7b_json() -> serde_json::Value {
         let layer_types: Vec<&str> = (0..28)
             .map(|i| {

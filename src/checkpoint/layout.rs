@@ -1,4 +1,4 @@
-//! The tensors a Spark2_5 checkpoint must contain (SPARK_SPEC.md §2), and
+//! The tensors a Spark2_5 checkpoint must contain (docs/MODEL.md §3), and
 //! the check of a real checkpoint against them.
 
 use safetensors::Dtype;
@@ -150,7 +150,7 @@ pub struct CheckedLayout {
     pub warnings: Vec<String>,
 }
 
-/// The GPTQ tensor set of one linear W `[n, k]` (FORMATS.md §1.1).
+/// The GPTQ tensor set of one linear W `[n, k]` (docs/GPTQ_FORMAT.md §1).
 fn check_gptq(
     store: &TensorStore,
     prefix: &str,
@@ -371,7 +371,7 @@ mod tests {
 
     #[test]
     fn spec_parameter_counts() {
-        // SPARK_SPEC.md §2 and §6.
+        // docs/MODEL.md §3 and §15.
         assert_eq!(count(&real(2048, 6656, 28, 8, 2)), (226, 1_707_657_216));
         assert_eq!(count(&real(2560, 10240, 36, 16, 4)).1, 4_112_079_360);
     }

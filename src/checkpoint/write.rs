@@ -10,10 +10,12 @@
 //! stays aligned to its element size.
 
 use std::collections::BTreeMap;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 
 use safetensors::Dtype;
+
+use crate::artifact::ArtifactError;
 
 /// One tensor to write: name, dtype, shape and little-endian bytes.
 pub struct OwnedTensor {
@@ -115,28 +117,24 @@ pub fn write_safetensors_atomic(
     let mut head = serde_json::to_vec(&header).expect("json");
     head.resize(head.len().div_ceil(8) * 8, b' ');
 
-    let file_name = path.file_name().ok_or_else(|| WriteError::NotAFile {
-        path: path.display().to_string(),
-    })?;
-    let tmp = path.with_file_name(format!(".{}.partial", file_name.to_string_lossy()));
-    let result = (|| -> std::io::Result<()> {
-        let file = std::fs::File::create(&tmp)?;
-        let mut w = BufWriter::with_capacity(1 << 20, file);
+    if path.file_name().is_none() {
+        return Err(WriteError::NotAFile {
+            path: path.display().to_string(),
+        });
+    }
+    crate::artifact::write_file(path, |w| {
         w.write_all(&(head.len() as u64).to_le_bytes())?;
         w.write_all(&head)?;
         for t in &order {
             w.write_all(&t.data)?;
         }
-        let file = w.into_inner().map_err(|e| e.into_error())?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    result.map_err(|source| {
-        let _ = std::fs::remove_file(&tmp);
-        WriteError::Io {
+        Ok(())
+    })
+    .map_err(|e| match e {
+        ArtifactError::Io { path, source } => WriteError::Io { path, source },
+        ArtifactError::Refused(_) => WriteError::NotAFile {
             path: path.display().to_string(),
-            source,
-        }
+        },
     })
 }
 

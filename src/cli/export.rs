@@ -15,7 +15,7 @@ enum PrecisionArg {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum KvArg {
-    /// Symmetric int16 (no u16×u16 attention matmul on HTP; PHONE.md §3.2).
+    /// Symmetric int16 (no u16×u16 attention matmul on HTP; docs/PHONE_IO.md §2).
     Int16,
     /// Symmetric uint8 (zero point 128), AI Hub's choice: half the cache memory.
     Uint8,

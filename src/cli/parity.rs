@@ -1,9 +1,8 @@
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::Args;
 
-use spark_tool::parity::{self, ParityInputs, Policy};
+use spark_tool::parity::{self, ParityInputs, ParityReport, Policy};
 use spark_tool::quantize::calibration;
 use spark_tool::tokenizer::SparkTokenizer;
 
@@ -72,6 +71,12 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         max_ppl_ratio
     );
 
+    if let Some(path) = &a.json {
+        let mut inputs = vec![a.reference.as_path(), a.candidate.as_path()];
+        inputs.extend(a.prompts.as_deref());
+        inputs.extend(a.eval_text.as_deref());
+        ParityReport::check_path(path, &inputs)?;
+    }
     let progress = false;
     let reference = super::load(&a.reference, &super::run::ExecArgs::original(), progress)?;
     let candidate = super::load(&a.candidate, &a.exec, progress)?;
@@ -136,10 +141,7 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         o.eval_tokens, o.ppl_reference, o.ppl_candidate, o.ppl_ratio, report.reference_bpw, report.candidate_bpw
     );
     if let Some(path) = &a.json {
-        let tmp = path.with_extension("json.partial");
-        std::fs::write(&tmp, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+        report.write(path)?;
     }
     if report.passed {
         println!("PASS");

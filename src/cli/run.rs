@@ -5,7 +5,6 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 
-use spark_tool::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use spark_tool::checkpoint::Checkpoint;
 use spark_tool::generate::{generate, GenerateOptions};
 use spark_tool::model::{LoadOptions, W4Numerics};
@@ -124,6 +123,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         .artifact
         .clone()
         .unwrap_or_else(spark_tool::bundled_fixture);
+    if let Some(path) = &a.logits_out {
+        spark_tool::generate::check_logits_path(path, &[&dir])?;
+    }
     let t_load = Instant::now();
     let loaded = super::load(&dir, &a.exec, !a.quiet)?;
     for w in &loaded.warnings {
@@ -198,28 +200,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     }
 
     if let Some(path) = &a.logits_out {
-        let vocab = cfg.vocab_size;
-        let gen = out.tokens.len() - out.prompt_len;
-        let ids: Vec<i64> = out.tokens.iter().map(|&t| t as i64).collect();
-        let mut meta = std::collections::BTreeMap::new();
-        meta.insert("prompt_len".to_string(), out.prompt_len.to_string());
-        meta.insert(
-            "producer".to_string(),
-            format!("spark-tool {}", env!("CARGO_PKG_VERSION")),
-        );
-        write_safetensors_atomic(
-            path,
-            &[
-                OwnedTensor::f32(
-                    "prompt_logits",
-                    vec![out.prompt_len, vocab],
-                    &out.prompt_logits,
-                ),
-                OwnedTensor::f32("decode_logits", vec![gen, vocab], &out.decode_logits),
-                OwnedTensor::i64("tokens", &ids),
-            ],
-            Some(meta),
-        )?;
+        spark_tool::generate::write_logits(path, &out, cfg.vocab_size)?;
     }
     if a.stats {
         let s = &out.stats;

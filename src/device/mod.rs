@@ -78,7 +78,7 @@ pub struct WeightPath {
 
 /// Detect the features of the CPU this process runs on, requesting AMX tile
 /// permission from Linux on the way (a process must ask before its first
-/// tile instruction; FORMATS.md §2.2).
+/// tile instruction; docs/GPTQ_FORMAT.md §7).
 pub fn detect() -> CpuFeatures {
     #[cfg(target_arch = "x86_64")]
     {
@@ -186,7 +186,7 @@ pub fn decide(f: &CpuFeatures, target: Target, priority: Priority) -> WeightPath
             } else {
                 reasons.push("no AMX: vLLM CPU falls back to cpu_gemm_wna16 (W4A16, bf16 activations)".into());
             }
-            // cpu_gemm_wna16 is compiled for AVX-512 only (FORMATS.md §0, §2.2).
+            // cpu_gemm_wna16 is compiled for AVX-512 only (docs/GPTQ_FORMAT.md §7).
             let avx512 = amx || f.avx512f || target != Target::Auto;
             if !avx512 {
                 reasons.push("this CPU has no AVX-512: vLLM has no GPTQ CPU kernel for AVX2-only x86 (vLLM issue #55613); the checkpoint runs in spark-tool and GPTQ-capable runtimes, not in vLLM CPU".into());
@@ -202,7 +202,7 @@ pub fn decide(f: &CpuFeatures, target: Target, priority: Priority) -> WeightPath
             }
         }
         Target::Arm | Target::Auto => {
-            reasons.push("aarch64: vLLM compiles neither cpu_gemm_wna16 nor int4_scaled_mm_cpu for ARM, so GPTQ fails there (FORMATS.md §0); W4A16 g64 is the format for spark-tool and other GPTQ runtimes on ARM".into());
+            reasons.push("aarch64: vLLM compiles neither cpu_gemm_wna16 nor int4_scaled_mm_cpu for ARM, so GPTQ fails there (docs/GPTQ_FORMAT.md §7); W4A16 g64 is the format for spark-tool and other GPTQ runtimes on ARM".into());
             WeightPath { target: "arm", format: WeightFormat::W4A16, group_size: 64, runs_in_vllm: false, kernel: None, verified: false, reasons }
         }
     }

@@ -1,4 +1,4 @@
-//! One decode step of Spark2_5 as an ONNX graph (PHONE.md §1.1, §6):
+//! One decode step of Spark2_5 as an ONNX graph (docs/PHONE_IO.md §4–§6):
 //! static shapes, the KV cache as explicit per-layer tensors sized by layer
 //! type, per-type additive masks and rotary cos/sin fed by the host.
 //!

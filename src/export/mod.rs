@@ -3,8 +3,9 @@
 //! residual boundaries, with `phone_manifest.json`, an AIMET-style
 //! `.encodings` file and the embedding table for the host-side lookup.
 //!
-//! The export is staged in `.<out>.partial` and renamed into place at the
-//! end, so an interrupted run never leaves a half-written artifact.
+//! The export is built in a staging folder and swapped in at the end
+//! (`crate::artifact`), so an interrupted run never leaves a half-written
+//! artifact and a replace only ever removes a previous export.
 
 pub mod graph;
 pub mod onnx;
@@ -14,9 +15,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use serde::Serialize;
 
+use crate::artifact::{self, ArtifactError, Staging};
 use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use crate::checkpoint::{Checkpoint, CheckpointError, LayerType};
 use crate::phone::manifest::{self, Encoding, Io, Manifest, QType};
@@ -56,6 +58,8 @@ pub struct ExportOptions {
 pub enum ExportError {
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Artifact(#[from] ArtifactError),
     #[error("{0}")]
     Invalid(String),
     #[error("writing {path}: {source}")]
@@ -185,20 +189,6 @@ fn dtype_name(d: DType) -> &'static str {
         DType::I32 => "int32",
         DType::I64 => "int64",
     }
-}
-
-fn bar(progress: bool, len: u64, what: &str) -> ProgressBar {
-    if !progress {
-        return ProgressBar::hidden();
-    }
-    let b = ProgressBar::new(len);
-    b.set_style(
-        ProgressStyle::with_template(&format!(
-            "{what} {{bar:30}} {{pos}}/{{len}} {{msg}} [{{elapsed}}<{{eta}}]"
-        ))
-        .expect("static template"),
-    );
-    b
 }
 
 struct Written {
@@ -367,11 +357,6 @@ fn embedding_tensor(ck: &Checkpoint) -> Result<OwnedTensor, ExportError> {
     })
 }
 
-fn write_json(path: &Path, v: &impl Serialize) -> Result<(), ExportError> {
-    let text = serde_json::to_string_pretty(v).map_err(|e| ExportError::Invalid(e.to_string()))?;
-    std::fs::write(path, text + "\n").map_err(io(path))
-}
-
 fn copy_side_files(ck: &Checkpoint, dir: &Path) -> Result<(), ExportError> {
     for f in [
         "config.json",
@@ -387,7 +372,7 @@ fn copy_side_files(ck: &Checkpoint, dir: &Path) -> Result<(), ExportError> {
     Ok(())
 }
 
-/// AIMET encoding format 1.0.0 (PHONE.md §1.5): `offset = −zero_point`.
+/// AIMET encoding format 1.0.0 (docs/PHONE_IO.md §7): `offset = −zero_point`.
 fn aimet_encodings(
     enc: &HashMap<String, Encoding>,
     weights: &BTreeMap<String, Vec<f32>>,
@@ -452,35 +437,23 @@ pub fn export_phone(
             cfg.num_hidden_layers + 1
         )));
     }
-    if out.exists() && !opts.force {
-        return Err(ExportError::Invalid(format!(
-            "{} exists; pass --force to replace it",
-            out.display()
-        )));
-    }
-    let name = out
-        .file_name()
-        .ok_or_else(|| ExportError::Invalid(format!("{} is not a directory path", out.display())))?
-        .to_string_lossy()
-        .to_string();
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(io(parent))?;
-    let stage = parent.join(format!(".{name}.partial"));
-    if stage.exists() {
-        std::fs::remove_dir_all(&stage).map_err(io(&stage))?;
-    }
-    std::fs::create_dir_all(&stage).map_err(io(&stage))?;
-
-    let r = export_staged(&ck, model_dir, out, &stage, opts, t0);
+    let mut inputs: Vec<&Path> = vec![model_dir];
+    inputs.extend(opts.calibration.iter().map(PathBuf::as_path));
+    let staging = Staging::plan(out, ARTIFACT_KIND, &inputs, opts.force)?;
+    staging.reset()?;
+    let built = staging.root().join("export");
+    std::fs::create_dir_all(&built).map_err(io(&built))?;
+    let r = export_staged(&ck, model_dir, out, &built, opts, t0)
+        .and_then(|rep| Ok(staging.commit(&built).map(|()| rep)?));
     if r.is_err() {
         // Never leave a half-written export behind, not even the staging folder.
-        let _ = std::fs::remove_dir_all(&stage);
+        staging.discard();
     }
     r
 }
+
+/// What `crate::artifact` records an export folder as.
+pub const ARTIFACT_KIND: &str = "phone export";
 
 fn export_staged(
     ck: &Checkpoint,
@@ -589,7 +562,7 @@ fn export_staged(
         }
     };
 
-    let pb = bar(
+    let pb = artifact::progress_bar(
         opts.progress,
         total_inits as u64 * if encodings.is_some() { 2 } else { 1 },
         "writing",
@@ -633,21 +606,17 @@ fn export_staged(
         kv_dtype,
         kv_elem,
     );
-    write_json(&stage.join(manifest::MANIFEST), &m)?;
+    artifact::write_json(&stage.join(manifest::MANIFEST), &m)?;
     if let Some(encs) = &encodings {
         let mut all = HashMap::new();
         for e in encs {
             all.extend(e.iter().map(|(k, v)| (k.clone(), *v)));
         }
-        write_json(
+        artifact::write_json(
             &stage.join("model.encodings"),
             &aimet_encodings(&all, &reader.scales),
         )?;
     }
-    if out.exists() {
-        std::fs::remove_dir_all(out).map_err(io(out))?;
-    }
-    std::fs::rename(stage, out).map_err(io(out))?;
     Ok(ExportReport {
         out: out.display().to_string(),
         precision: opts.precision,
@@ -733,7 +702,7 @@ fn calibrate(
         .map_err(|e| ExportError::Calibration(e.to_string()))?;
     let dir = stage.join("calibration-f32");
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
-    let pb = bar(opts.progress, total_inits as u64, "float graph");
+    let pb = artifact::progress_bar(opts.progress, total_inits as u64, "float graph");
     let mut parts = Vec::new();
     for (g, p) in graphs.iter().zip(plans) {
         let mut tapped = g.clone();
@@ -760,13 +729,13 @@ fn calibrate(
         4,
     );
     m.calibration_outputs = true;
-    write_json(&dir.join(manifest::MANIFEST), &m)?;
+    artifact::write_json(&dir.join(manifest::MANIFEST), &m)?;
     std::fs::copy(ck.dir.join("config.json"), dir.join("config.json")).map_err(io(&dir))?;
     let model = PhoneModel::open(&dir, opts.threads)
         .map_err(|e| ExportError::Calibration(e.to_string()))?;
     let mut ranges = qdq::Ranges::default();
     let mask_value = m.mask_value;
-    let pb = bar(
+    let pb = artifact::progress_bar(
         opts.progress,
         (windows.samples * windows.seq_len) as u64,
         "calibrating",

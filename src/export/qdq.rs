@@ -1,4 +1,4 @@
-//! Float decode-step graph → w8a16 QDQ graph (PHONE.md §2, §3, §7):
+//! Float decode-step graph → w8a16 QDQ graph (docs/PHONE_IO.md §1–§3):
 //! int8 symmetric per-output-channel weights on every MatMul; uint16
 //! asymmetric per-tensor activations from calibrated ranges; the KV side
 //! (cache inputs, new entries, the concatenated caches and the rotated key

@@ -1,4 +1,4 @@
-//! GPTQ v1 tensors on disk (FORMATS.md §1): knows nothing about Hessians.
+//! GPTQ v1 tensors on disk (docs/GPTQ_FORMAT.md §1–§2): knows nothing about Hessians.
 //!
 //! Per quantized linear with W `[N, K]` and group size G:
 //! `qweight` i32 `[K/8, N]` (codes packed along K, k = 8r + j in bits 4j..4j+3),
@@ -149,9 +149,9 @@ pub fn concat_outputs(parts: &[&QuantizedWeight]) -> QuantizedWeight {
 mod tests {
     use super::*;
 
-    /// FORMATS.md §1.4: K = 16, N = 8, G = 8, q[k][n] = (k + 3n) mod 16, s[g][n] = 0.01·(n+1)·(g+1).
+    /// docs/GPTQ_FORMAT.md §3: K = 16, N = 8, G = 8, q[k][n] = (k + 3n) mod 16, s[g][n] = 0.01·(n+1)·(g+1).
     #[test]
-    fn worked_example_of_formats_md() {
+    fn worked_example_of_the_gptq_format_doc() {
         let (k, n) = (16, 8);
         let codes: Vec<u8> = (0..k)
             .flat_map(|kk| (0..n).map(move |nn| ((kk + 3 * nn) % 16) as u8))

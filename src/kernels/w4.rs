@@ -1,4 +1,4 @@
-//! 4-bit weight kernels with the numerics of vLLM's CPU paths (FORMATS.md §7).
+//! 4-bit weight kernels with the numerics of vLLM's CPU paths (docs/GPTQ_FORMAT.md §8–§9).
 //!
 //! Weights arrive as signed codes `c = q − zero` (−8…7 for symmetric GPTQ),
 //! row-major `[N, K]`, and per-(row, group) scales `[N, K/G]` in f32 (the
@@ -282,7 +282,7 @@ pub fn w4a8_matmul(x: &[f32], m: usize, w: W4Weights, y: &mut [f32]) {
 mod tests {
     use super::*;
 
-    /// FORMATS.md §7.1 written out literally, one output at a time.
+    /// docs/GPTQ_FORMAT.md §8 written out literally, one output at a time.
     fn reference(
         x: &[f32],
         k: usize,

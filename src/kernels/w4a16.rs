@@ -1,4 +1,4 @@
-//! W4A16 from packed nibbles (vLLM `cpu_gemm_wna16`, FORMATS.md §7.2):
+//! W4A16 from packed nibbles (vLLM `cpu_gemm_wna16`, docs/GPTQ_FORMAT.md §9):
 //! every weight is dequantized on the fly to w = bf16((q − z)·s) — the
 //! product is exact in f32 (≤ 5 × 8 significant bits), so w is exactly the
 //! value [`super::w4::w4a16_weights`] gives — and multiplied with f32

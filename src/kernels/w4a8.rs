@@ -1,5 +1,5 @@
 //! W4A8 from packed nibbles, bit-exact to vLLM's `int4_scaled_mm_cpu`
-//! (FORMATS.md §7.1, the scalar [`super::w4::w4a8_matmul`]).
+//! (docs/GPTQ_FORMAT.md §8, the scalar [`super::w4::w4a8_matmul`]).
 //!
 //! Layout (built at load, never on disk): output columns in tiles of 16; per
 //! tile, per 8 input rows ("octet") 64 bytes where byte `4·lane + j` holds

@@ -1,4 +1,4 @@
-//! Per-layer-type KV caches (SPARK_SPEC.md §3.5).
+//! Per-layer-type KV caches (docs/MODEL.md §8).
 //!
 //! Sliding layers keep exactly `sliding_window` entries in a ring buffer,
 //! whatever the context; full layers grow up to the requested context.

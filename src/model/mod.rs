@@ -1,4 +1,4 @@
-//! The Spark2_5 forward pass (SPARK_SPEC.md §3.1), f32 activations over
+//! The Spark2_5 forward pass (docs/MODEL.md §4), f32 activations over
 //! any [`Linear`] weights:
 //!
 //! ```text
@@ -377,7 +377,7 @@ impl SparkModel {
         *slot = linear;
     }
 
-    /// Embedding rows of `tokens` (`[m, hidden]`); no scaling (spec §3.1).
+    /// Embedding rows of `tokens` (`[m, hidden]`); no scaling (docs/MODEL.md §4).
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         let hidden = self.config.hidden_size;
         let mut x = vec![0f32; tokens.len() * hidden];

@@ -1,4 +1,4 @@
-//! GPTQ linears with the numerics of the runtime they target (FORMATS.md §7):
+//! GPTQ linears with the numerics of the runtime they target (docs/GPTQ_FORMAT.md §8–§9):
 //! W4A16 = vLLM `cpu_gemm_wna16`, W4A8 = vLLM `int4_scaled_mm_cpu`.
 
 use std::ops::Range;

@@ -1,4 +1,4 @@
-//! Rotary position embedding per layer type (SPARK_SPEC.md §3.4): NeoX
+//! Rotary position embedding per layer type (docs/MODEL.md §7): NeoX
 //! rotate-half within the first `rotary_dims` of each head, frequency
 //! denominator = rotated width, dims past it pass through.
 

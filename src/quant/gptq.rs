@@ -1,4 +1,4 @@
-//! GPTQ on one linear layer (GPTQ.md §1), knowing nothing about files.
+//! GPTQ on one linear layer (docs/GPTQ_FORMAT.md §11–§13), knowing nothing about files.
 //!
 //! Weights are handled transposed, `wt[k, n]` (row = one input column of
 //! W[n, k]), so the column GPTQ processes is contiguous and the produced
@@ -116,7 +116,7 @@ pub fn rtn(
 }
 
 /// Upper factor U with H⁻¹ = UᵀU via one Cholesky and one triangular inverse
-/// of the index-reversed matrix (GPTQ.md §1.4): chol(J H J) = L̃, U = J L̃⁻¹ J.
+/// of the index-reversed matrix (docs/GPTQ_FORMAT.md §12): chol(J H J) = L̃, U = J L̃⁻¹ J.
 ///
 /// In f32, as the reference implementations factor (torch float32): twice the
 /// SIMD width and half the memory traffic of f64, and a failure only means

@@ -1,5 +1,5 @@
 //! The symmetric 4-bit grid with its zero point pinned at 8: code q ∈ 0…15,
-//! w = s·(q − 8) (GPTQ.md §2, FORMATS.md §1.1), and the choice of the
+//! w = s·(q − 8) (docs/GPTQ_FORMAT.md §2), and the choice of the
 //! per-group scale s.
 //!
 //! Scales are always *stored* values: rounded to bf16 (vLLM converts scales
@@ -55,7 +55,7 @@ pub enum ScaleRule {
     MaxOver7_5,
     /// Importance-weighted search over s = max|w| / c, c ∈ [6.5, 8.5], each
     /// candidate followed by a weighted least-squares refit of s for its codes
-    /// (GPTQ.md §2, §7.2, §8.5). Positive scales only (see QUANTIZE.md).
+    /// (docs/GPTQ_FORMAT.md §14). Positive scales only (see QUANTIZE.md).
     Search,
 }
 
@@ -211,7 +211,7 @@ mod tests {
             sum_base += eb;
             sum_search += es;
         }
-        // The search must actually help on heavy-tailed groups (GPTQ.md §7.2 measured ~15-20 %).
+        // The search must actually help on heavy-tailed groups (docs/GPTQ_FORMAT.md §14 measured ~15-20 %).
         assert!(
             sum_search < 0.9 * sum_base,
             "search {sum_search} vs base {sum_base}"

@@ -125,6 +125,8 @@ pub enum QuantizeError {
     Model(#[from] crate::model::ModelError),
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Artifact(#[from] crate::artifact::ArtifactError),
     #[error("{0}")]
     Invalid(String),
     #[error("stopped after {0} layers as requested; continue with --resume")]

@@ -1,7 +1,8 @@
-//! Where `quantize` writes: a hidden staging folder next to `--out` holding
+//! Where `quantize` writes: a staging folder (`crate::artifact`) holding
 //! per-layer results (so `--resume` can continue after an interruption) and
-//! the finished checkpoint, which is renamed onto `--out` only at the very
-//! end. Nothing under `--out` is ever half-written.
+//! the finished checkpoint, which is swapped onto `--out` only at the very
+//! end. Nothing under `--out` is ever half-written, and a replace only ever
+//! removes a previous quantized checkpoint.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,17 +13,20 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use super::{LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
+use crate::artifact::{self, Staging};
 use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use crate::checkpoint::{Checkpoint, QkvLayout, TensorStore};
 use crate::formats::gptq::{concat_outputs, tensors_for};
 use crate::quant::QuantizedWeight;
 
 pub struct Output {
-    out: PathBuf,
+    staging: Staging,
     partial: PathBuf,
-    force: bool,
     qkv_layout: QkvLayout,
 }
+
+/// What `crate::artifact` records a quantized checkpoint folder as.
+pub const ARTIFACT_KIND: &str = "gptq checkpoint";
 
 pub struct ResumeState {
     pub results: Vec<LayerResult>,
@@ -138,46 +142,18 @@ const LAYER_PARTS: [&str; 7] = ["q", "k", "v", "out", "gate", "up", "down"];
 
 impl Output {
     pub fn prepare(opts: &QuantizeOptions, ck: &Checkpoint) -> Result<Self, QuantizeError> {
-        let out = opts.out_dir.clone();
-        if out.canonicalize().ok() == ck.dir.canonicalize().ok() {
-            return Err(QuantizeError::Invalid(format!(
-                "--out {} is the input checkpoint",
-                out.display()
-            )));
-        }
-        if out.exists() {
-            let non_empty = std::fs::read_dir(&out).map_err(io(&out))?.next().is_some();
-            if non_empty && !opts.force {
-                return Err(QuantizeError::Invalid(format!(
-                    "{} exists and is not empty; pass --force to replace it (it is only replaced once the new checkpoint is complete)",
-                    out.display()
-                )));
-            }
-        }
-        let name = out
-            .file_name()
-            .ok_or_else(|| {
-                QuantizeError::Invalid(format!("--out {} has no folder name", out.display()))
-            })?
-            .to_string_lossy()
-            .into_owned();
-        let parent = out
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        std::fs::create_dir_all(parent).map_err(io(parent))?;
+        let mut inputs: Vec<&Path> = vec![&ck.dir];
+        inputs.extend(opts.calibration.iter().map(PathBuf::as_path));
+        let staging = Staging::plan(&opts.out_dir, ARTIFACT_KIND, &inputs, opts.force)?;
         Ok(Output {
-            partial: parent.join(format!(".{name}.partial")),
-            out,
-            force: opts.force,
+            partial: staging.root().to_path_buf(),
+            staging,
             qkv_layout: opts.qkv_layout,
         })
     }
 
     pub fn reset_state(&self) -> Result<(), QuantizeError> {
-        if self.partial.exists() {
-            std::fs::remove_dir_all(&self.partial).map_err(io(&self.partial))?;
-        }
+        self.staging.reset()?;
         std::fs::create_dir_all(self.partial.join("layers")).map_err(io(&self.partial))
     }
 
@@ -188,7 +164,11 @@ impl Output {
         layers: usize,
     ) -> Result<Option<ResumeState>, QuantizeError> {
         let state_path = self.partial.join("state.json");
-        let Ok(text) = std::fs::read_to_string(&state_path) else {
+        let text = match std::fs::read_to_string(&state_path) {
+            Ok(t) if self.staging.exists() => Some(t),
+            _ => None,
+        };
+        let Some(text) = text else {
             eprintln!(
                 "note: nothing to resume at {}; starting from layer 0",
                 self.partial.display()
@@ -287,9 +267,7 @@ impl Output {
             .unwrap_or_default();
         all.extend_from_slice(reports);
         let st = json!({"settings": settings, "completed_layers": li + 1, "reports": all});
-        let tmp = self.partial.join(".state.json.partial");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&st).expect("json")).map_err(io(&tmp))?;
-        std::fs::rename(&tmp, &state_path).map_err(io(&state_path))
+        Ok(artifact::write_json(&state_path, &st)?)
     }
 
     fn staged(&self) -> PathBuf {
@@ -433,7 +411,7 @@ impl Output {
         Ok((bytes, params))
     }
 
-    /// FORMATS.md §1.3, with the q/k/v aliases vLLM needs for the fused QKV (§6).
+    /// docs/GPTQ_FORMAT.md §4, with the q/k/v aliases vLLM needs for the fused QKV (§5).
     fn quantization_config(&self, r: &QuantReport, head: bool) -> serde_json::Value {
         let mut modules = vec![
             json!([
@@ -482,32 +460,7 @@ impl Output {
     /// Write the report, move the finished checkpoint onto `--out`, drop the staging folder.
     pub fn finish(&self, report: &QuantReport) -> Result<(), QuantizeError> {
         let dir = self.staged();
-        std::fs::write(
-            dir.join("quant_report.json"),
-            serde_json::to_string_pretty(report).expect("json") + "\n",
-        )
-        .map_err(io(&dir))?;
-        let mut old = None;
-        if self.out.exists() {
-            if !self.force
-                && std::fs::read_dir(&self.out)
-                    .map_err(io(&self.out))?
-                    .next()
-                    .is_some()
-            {
-                return Err(QuantizeError::Invalid(format!(
-                    "{} appeared while quantizing; not replacing it",
-                    self.out.display()
-                )));
-            }
-            let aside = self.partial.join("previous");
-            std::fs::rename(&self.out, &aside).map_err(io(&self.out))?;
-            old = Some(aside);
-        }
-        std::fs::rename(&dir, &self.out).map_err(io(&self.out))?;
-        if let Some(o) = old {
-            let _ = std::fs::remove_dir_all(o);
-        }
-        std::fs::remove_dir_all(&self.partial).map_err(io(&self.partial))
+        artifact::write_json(&dir.join("quant_report.json"), report)?;
+        Ok(self.staging.commit(&dir)?)
     }
 }

@@ -1,0 +1,583 @@
+//! How spark-tool writes what it produces, in one place.
+//!
+//! - A file appears atomically: written to a hidden sibling, fsynced, renamed ([`write_file`]).
+//! - A folder (a quantized checkpoint, a phone export) is built in a staging folder and swapped in
+//!   only when complete ([`Staging`]); an interrupted run leaves the destination as it was.
+//! - A replace (`--force`) only ever removes a previous artifact of ours: every artifact folder
+//!   carries [`MARKER`], which lists the entries we wrote, and a destination holding anything else
+//!   is refused. Nothing is removed before the new artifact is in place.
+//! - An output may not be, or contain, any of the command's inputs.
+//! - A destination that is a mount point (`docker run -v host:/out`) cannot be renamed: the staging
+//!   folder then lives inside it and the contents are swapped entry by entry.
+
+use std::collections::BTreeSet;
+use std::io::{BufWriter, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+
+/// The file in every artifact folder that says it is ours and what we wrote.
+pub const MARKER: &str = ".spark-tool-artifact.json";
+/// The file in every staging folder that says we made it (so only ours are ever cleared).
+const STAGING_MARKER: &str = ".spark-tool-staging";
+/// The staging folder's name inside a destination that is a mount point.
+const INNER_STAGING: &str = ".spark-tool.partial";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    #[error("writing {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Refused(String),
+}
+
+pub fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ArtifactError + '_ {
+    move |source| ArtifactError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// A progress bar for `len` steps, hidden unless `enabled`.
+pub fn progress_bar(enabled: bool, len: u64, what: &str) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let b = ProgressBar::new(len);
+    b.set_style(
+        ProgressStyle::with_template(&format!(
+            "{what} {{bar:30}} {{pos}}/{{len}} {{msg}} [{{elapsed}}<{{eta}}]"
+        ))
+        .expect("static template"),
+    );
+    b
+}
+
+/// Write `path` atomically: `fill` writes into a hidden sibling, which is fsynced and renamed
+/// over `path`; on any error the sibling is removed and `path` is untouched.
+pub fn write_file(
+    path: &Path,
+    fill: impl FnOnce(&mut BufWriter<std::fs::File>) -> std::io::Result<()>,
+) -> Result<(), ArtifactError> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| ArtifactError::Refused(format!("{} is not a file path", path.display())))?;
+    let tmp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
+    let result = (|| -> std::io::Result<()> {
+        let mut w = BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
+        fill(&mut w)?;
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    result.map_err(|source| {
+        let _ = std::fs::remove_file(&tmp);
+        ArtifactError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    })
+}
+
+/// [`write_file`] of a value as pretty JSON with a final newline.
+pub fn write_json(path: &Path, v: &impl Serialize) -> Result<(), ArtifactError> {
+    let text = serde_json::to_string_pretty(v).expect("serializable");
+    write_file(path, |w| w.write_all((text + "\n").as_bytes()))
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Marker {
+    generator: String,
+    version: String,
+    kind: String,
+    /// Top-level entries of the folder that we wrote.
+    entries: BTreeSet<String>,
+}
+
+fn canonical(p: &Path) -> Option<PathBuf> {
+    p.canonicalize().ok()
+}
+
+/// Refuse an output that is, or contains, one of the inputs.
+pub fn check_not_input(out: &Path, inputs: &[&Path], flag: &str) -> Result<(), ArtifactError> {
+    // `out` may not exist yet: resolve its nearest existing ancestor and re-append the rest.
+    let mut base = out.to_path_buf();
+    let mut rest = Vec::new();
+    let resolved = loop {
+        if let Some(c) = canonical(&base) {
+            break Some(c);
+        }
+        match (base.file_name(), base.parent()) {
+            (Some(n), Some(p)) => {
+                rest.push(n.to_os_string());
+                base = if p.as_os_str().is_empty() {
+                    PathBuf::from(".")
+                } else {
+                    p.to_path_buf()
+                };
+            }
+            _ => break None,
+        }
+    };
+    let Some(mut out_c) = resolved else {
+        return Ok(());
+    };
+    for n in rest.iter().rev() {
+        out_c.push(n);
+    }
+    for input in inputs {
+        let Some(in_c) = canonical(input) else {
+            continue;
+        };
+        if in_c == out_c {
+            return Err(ArtifactError::Refused(format!(
+                "{flag} {} is the input {}; choose another output",
+                out.display(),
+                input.display()
+            )));
+        }
+        if in_c.starts_with(&out_c) {
+            return Err(ArtifactError::Refused(format!(
+                "{flag} {} contains the input {}; choose an output outside it",
+                out.display(),
+                input.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What a destination folder holds now.
+enum Destination {
+    Absent,
+    /// Exists and holds nothing (besides our inner staging folder).
+    Empty,
+    /// A previous artifact of ours.
+    Ours,
+}
+
+fn entries_of(dir: &Path) -> Result<BTreeSet<String>, ArtifactError> {
+    let mut out = BTreeSet::new();
+    for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let e = e.map_err(io_err(dir))?;
+        out.insert(e.file_name().to_string_lossy().into_owned());
+    }
+    Ok(out)
+}
+
+fn read_marker(dir: &Path) -> Option<Marker> {
+    let text = std::fs::read_to_string(dir.join(MARKER)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+fn inspect(out: &Path, kind: &str) -> Result<Destination, ArtifactError> {
+    let meta = match std::fs::symlink_metadata(out) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Destination::Absent),
+        Err(e) => return Err(io_err(out)(e)),
+        Ok(m) => m,
+    };
+    if !meta.is_dir() {
+        return Err(ArtifactError::Refused(format!(
+            "{} exists and is not a folder; spark-tool only replaces a previous {kind} of its own",
+            out.display()
+        )));
+    }
+    let mut entries = entries_of(out)?;
+    entries.remove(INNER_STAGING);
+    if entries.is_empty() {
+        return Ok(Destination::Empty);
+    }
+    let Some(marker) = read_marker(out) else {
+        return Err(ArtifactError::Refused(format!(
+            "{} exists and is not a spark-tool artifact (no {MARKER}); it is never replaced, not even with --force — \
+             choose another output or remove it yourself",
+            out.display()
+        )));
+    };
+    if marker.kind != kind {
+        return Err(ArtifactError::Refused(format!(
+            "{} is a spark-tool {}, not a {kind}; not replacing it",
+            out.display(),
+            marker.kind
+        )));
+    }
+    let foreign: Vec<&String> = entries
+        .iter()
+        .filter(|e| e.as_str() != MARKER && !marker.entries.contains(*e))
+        .collect();
+    if !foreign.is_empty() {
+        return Err(ArtifactError::Refused(format!(
+            "{} is a previous {kind} but also holds files spark-tool did not write ({}); \
+             move them away or choose another output",
+            out.display(),
+            foreign
+                .iter()
+                .take(5)
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    Ok(Destination::Ours)
+}
+
+fn is_mount_point(dir: &Path) -> bool {
+    let parent = dir
+        .canonicalize()
+        .ok()
+        .and_then(|c| c.parent().map(Path::to_path_buf));
+    match (std::fs::metadata(dir), parent.map(std::fs::metadata)) {
+        (Ok(d), Some(Ok(p))) => d.dev() != p.dev(),
+        _ => false,
+    }
+}
+
+/// A folder artifact under construction.
+pub struct Staging {
+    out: PathBuf,
+    root: PathBuf,
+    kind: String,
+    force: bool,
+}
+
+impl Staging {
+    /// Check that `out` may receive a `kind` artifact (absent, empty, or with `force` a previous
+    /// one of ours) and is none of `inputs`; choose the staging folder. Creates nothing but
+    /// `out`'s parent.
+    pub fn plan(
+        out: &Path,
+        kind: &str,
+        inputs: &[&Path],
+        force: bool,
+    ) -> Result<Self, ArtifactError> {
+        check_not_input(out, inputs, "--out")?;
+        let name = out
+            .file_name()
+            .filter(|n| *n != "." && *n != "..")
+            .ok_or_else(|| {
+                ArtifactError::Refused(format!("--out {} has no folder name", out.display()))
+            })?
+            .to_string_lossy()
+            .into_owned();
+        match inspect(out, kind)? {
+            Destination::Ours if !force => {
+                return Err(ArtifactError::Refused(format!(
+                    "{} exists; pass --force to replace it (it is only replaced once the new {kind} is complete)",
+                    out.display()
+                )))
+            }
+            _ => {}
+        }
+        let parent = out
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+        let root = if out.is_dir() && is_mount_point(out) {
+            out.join(INNER_STAGING)
+        } else {
+            parent.join(format!(".{name}.partial"))
+        };
+        Ok(Staging {
+            out: out.to_path_buf(),
+            root,
+            kind: kind.into(),
+            force,
+        })
+    }
+
+    /// The staging folder (holds the artifact being built and any resume state).
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether a staging folder of ours is there (an interrupted run to resume).
+    pub fn exists(&self) -> bool {
+        self.root.join(STAGING_MARKER).is_file()
+    }
+
+    /// An empty staging folder: a previous one of ours is cleared; a folder of that name that is
+    /// not ours is refused.
+    pub fn reset(&self) -> Result<(), ArtifactError> {
+        if self.root.exists() {
+            if !self.exists() {
+                return Err(ArtifactError::Refused(format!(
+                    "{} exists and was not made by spark-tool; remove it or choose another output",
+                    self.root.display()
+                )));
+            }
+            std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root))?;
+        }
+        std::fs::create_dir_all(&self.root).map_err(io_err(&self.root))?;
+        std::fs::write(self.root.join(STAGING_MARKER), b"").map_err(io_err(&self.root))
+    }
+
+    /// Remove the staging folder (after a failure: no half-written artifact stays behind).
+    pub fn discard(&self) {
+        if self.exists() {
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+
+    /// Put the finished artifact folder `built` (inside the staging folder) at `out`, replacing a
+    /// previous artifact of ours only once the new one is complete, then remove the staging folder.
+    pub fn commit(&self, built: &Path) -> Result<(), ArtifactError> {
+        let mut entries = entries_of(built)?;
+        entries.remove(MARKER);
+        let marker = Marker {
+            generator: "spark-tool".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            kind: self.kind.clone(),
+            entries,
+        };
+        write_json(&built.join(MARKER), &marker)?;
+        // The destination may have changed while we worked: check it again.
+        match inspect(&self.out, &self.kind)? {
+            Destination::Absent => {
+                std::fs::rename(built, &self.out).map_err(io_err(&self.out))?;
+            }
+            Destination::Ours if !self.force => {
+                return Err(ArtifactError::Refused(format!(
+                    "{} appeared while working; not replacing it",
+                    self.out.display()
+                )))
+            }
+            _ => {
+                let aside = self.root.join("previous");
+                match std::fs::rename(&self.out, &aside) {
+                    Ok(()) => {
+                        if let Err(e) = std::fs::rename(built, &self.out) {
+                            let _ = std::fs::rename(&aside, &self.out);
+                            return Err(io_err(&self.out)(e));
+                        }
+                    }
+                    // A mount point (EBUSY) or a destination on another device (EXDEV):
+                    // swap its contents instead of the folder itself.
+                    Err(_) => swap_contents(&self.out, built, &aside)?,
+                }
+            }
+        }
+        std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root))
+    }
+}
+
+/// Move `out`'s entries into `aside` (the marker first, so `out` never claims to be complete
+/// while mixed), then `built`'s entries into `out` (the marker last).
+fn swap_contents(out: &Path, built: &Path, aside: &Path) -> Result<(), ArtifactError> {
+    std::fs::create_dir_all(aside).map_err(io_err(aside))?;
+    let mut old: Vec<String> = entries_of(out)?
+        .into_iter()
+        .filter(|e| e != INNER_STAGING && e != MARKER)
+        .collect();
+    if out.join(MARKER).exists() {
+        old.insert(0, MARKER.into());
+    }
+    for e in &old {
+        std::fs::rename(out.join(e), aside.join(e)).map_err(io_err(&out.join(e)))?;
+    }
+    let mut new: Vec<String> = entries_of(built)?
+        .into_iter()
+        .filter(|e| e != MARKER)
+        .collect();
+    new.push(MARKER.into());
+    for e in &new {
+        std::fs::rename(built.join(e), out.join(e)).map_err(|source| ArtifactError::Io {
+            path: format!(
+                "{} (moving into {}; the previous contents are kept in {})",
+                built.join(e).display(),
+                out.display(),
+                aside.display()
+            ),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+/// Refuse to write a single output file over anything but a previous output of ours: `is_ours`
+/// recognises one. The file may not be, or lie inside, any of `inputs`.
+pub fn check_output_file(
+    path: &Path,
+    inputs: &[&Path],
+    flag: &str,
+    is_ours: impl FnOnce(&Path) -> bool,
+) -> Result<(), ArtifactError> {
+    check_not_input(path, inputs, flag)?;
+    for input in inputs {
+        if let (Some(i), Some(p)) = (
+            canonical(input),
+            path.parent().and_then(|d| {
+                canonical(if d.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    d
+                })
+            }),
+        ) {
+            if p.starts_with(&i) {
+                return Err(ArtifactError::Refused(format!(
+                    "{flag} {} is inside the input {}; write it elsewhere",
+                    path.display(),
+                    input.display()
+                )));
+            }
+        }
+    }
+    if path.exists() && !is_ours(path) {
+        return Err(ArtifactError::Refused(format!(
+            "{flag} {} exists and is not a previous output of spark-tool; not overwriting it",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(st: &Staging, files: &[(&str, &str)]) -> PathBuf {
+        st.reset().unwrap();
+        let b = st.root().join("built");
+        std::fs::create_dir_all(&b).unwrap();
+        for (n, t) in files {
+            std::fs::write(b.join(n), t).unwrap();
+        }
+        b
+    }
+
+    #[test]
+    fn new_artifact_appears_with_its_marker_and_staging_is_gone() {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("a");
+        let st = Staging::plan(&out, "thing", &[], false).unwrap();
+        let b = build(&st, &[("x", "1")]);
+        st.commit(&b).unwrap();
+        assert_eq!(std::fs::read_to_string(out.join("x")).unwrap(), "1");
+        let m = read_marker(&out).unwrap();
+        assert_eq!(m.entries, BTreeSet::from(["x".to_string()]));
+        assert!(!st.root().exists());
+    }
+
+    #[test]
+    fn replace_needs_force_and_only_replaces_ours() {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("a");
+        let st = Staging::plan(&out, "thing", &[], false).unwrap();
+        let b = build(&st, &[("x", "1")]);
+        st.commit(&b).unwrap();
+        let e = Staging::plan(&out, "thing", &[], false).err().unwrap();
+        assert!(e.to_string().contains("--force"), "{e}");
+        let st = Staging::plan(&out, "thing", &[], true).unwrap();
+        let b = build(&st, &[("y", "2")]);
+        st.commit(&b).unwrap();
+        assert!(!out.join("x").exists() && out.join("y").is_file());
+        // A file of the user's inside our artifact: refused, and it survives.
+        std::fs::write(out.join("notes.txt"), "mine").unwrap();
+        let e = Staging::plan(&out, "thing", &[], true).err().unwrap();
+        assert!(e.to_string().contains("notes.txt"), "{e}");
+        assert!(out.join("notes.txt").is_file());
+        // Another kind of artifact of ours is not replaced either.
+        std::fs::remove_file(out.join("notes.txt")).unwrap();
+        let e = Staging::plan(&out, "other", &[], true).err().unwrap();
+        assert!(e.to_string().contains("not a other"), "{e}");
+    }
+
+    #[test]
+    fn a_folder_that_is_not_ours_is_never_replaced() {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("user");
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(out.join("data.bin"), "precious").unwrap();
+        let e = Staging::plan(&out, "thing", &[], true).err().unwrap();
+        assert!(e.to_string().contains("not a spark-tool artifact"), "{e}");
+        assert!(out.join("data.bin").is_file());
+        // A file in its place is refused too.
+        let f = d.path().join("file");
+        std::fs::write(&f, "x").unwrap();
+        assert!(Staging::plan(&f, "thing", &[], true).is_err());
+        // An empty folder is fine without --force: nothing to lose.
+        let empty = d.path().join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        let st = Staging::plan(&empty, "thing", &[], false).unwrap();
+        let b = build(&st, &[("x", "1")]);
+        st.commit(&b).unwrap();
+        assert!(empty.join("x").is_file());
+    }
+
+    #[test]
+    fn outputs_may_not_be_or_contain_an_input() {
+        let d = tempfile::tempdir().unwrap();
+        let model = d.path().join("models/m");
+        std::fs::create_dir_all(&model).unwrap();
+        for out in [
+            model.clone(),
+            d.path().join("models"),
+            d.path().to_path_buf(),
+        ] {
+            let e = Staging::plan(&out, "thing", &[&model], true).err().unwrap();
+            assert!(e.to_string().contains("input"), "{e}");
+        }
+        // Through a relative path with `..` too.
+        let sneaky = model.join("../m");
+        assert!(Staging::plan(&sneaky, "thing", &[&model], true).is_err());
+        assert!(model.is_dir());
+        // A file inside an input, or over a file that is not ours, is refused.
+        std::fs::write(model.join("model.safetensors"), "w").unwrap();
+        let e = check_output_file(&model.join("model.safetensors"), &[&model], "--x", |_| true)
+            .unwrap_err();
+        assert!(e.to_string().contains("inside the input"), "{e}");
+        let other = d.path().join("mine.bin");
+        std::fs::write(&other, "x").unwrap();
+        assert!(check_output_file(&other, &[&model], "--x", |_| false).is_err());
+        assert!(check_output_file(&other, &[&model], "--x", |_| true).is_ok());
+        assert!(check_output_file(&d.path().join("new.bin"), &[&model], "--x", |_| false).is_ok());
+    }
+
+    #[test]
+    fn staging_folder_of_someone_else_is_not_cleared() {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("a");
+        let st = Staging::plan(&out, "thing", &[], false).unwrap();
+        std::fs::create_dir_all(st.root()).unwrap();
+        std::fs::write(st.root().join("theirs"), "x").unwrap();
+        assert!(st.reset().is_err());
+        st.discard();
+        assert!(st.root().join("theirs").is_file());
+    }
+
+    #[test]
+    fn swap_contents_keeps_the_previous_until_the_new_is_in() {
+        let d = tempfile::tempdir().unwrap();
+        let (out, built, aside) = (d.path().join("o"), d.path().join("b"), d.path().join("p"));
+        for (dir, f) in [(&out, "old"), (&built, "new")] {
+            std::fs::create_dir_all(dir).unwrap();
+            std::fs::write(dir.join(f), f).unwrap();
+            std::fs::write(dir.join(MARKER), f).unwrap();
+        }
+        swap_contents(&out, &built, &aside).unwrap();
+        assert!(out.join("new").is_file() && !out.join("old").exists());
+        assert_eq!(std::fs::read_to_string(out.join(MARKER)).unwrap(), "new");
+        assert!(aside.join("old").is_file());
+    }
+
+    #[test]
+    fn write_file_is_all_or_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f.json");
+        write_file(&p, |w| w.write_all(b"one")).unwrap();
+        let e = write_file(&p, |w| {
+            w.write_all(b"two")?;
+            Err(std::io::Error::other("disk full"))
+        });
+        assert!(e.is_err());
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "one");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+    }
+}

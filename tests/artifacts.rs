@@ -1,0 +1,225 @@
+//! A user's data is never lost: outputs that are or contain an input are refused, a replace
+//! only removes a previous artifact of ours, and a destination that is a mount point (the
+//! `docker run -v host:/out` case) is written inside, never removed.
+//!
+//! The inputs are copies of the fixture, so a regression cannot damage the repository.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use spark_tool::checkpoint::QkvLayout;
+use spark_tool::device::{self, Priority, Target, WeightFormat};
+use spark_tool::export::{export_phone, ExportOptions, Precision};
+use spark_tool::phone::QType;
+use spark_tool::quantize::{calibration, quantize, Method, QuantizeOptions};
+
+fn copy_fixture(to: &Path) -> PathBuf {
+    let dst = to.join("model");
+    std::fs::create_dir_all(&dst).unwrap();
+    for e in std::fs::read_dir(common::fixture("spark-tiny")).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        }
+    }
+    dst
+}
+
+/// Every file below `dir` with its bytes, to prove nothing changed.
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push((p.clone(), std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn qopts(model: &Path, out: &Path) -> QuantizeOptions {
+    QuantizeOptions {
+        model_dir: model.to_path_buf(),
+        out_dir: out.to_path_buf(),
+        format: WeightFormat::W4A8,
+        group_size: 128,
+        method: Method::GptqSearch,
+        path: device::decide(
+            &device::CpuFeatures::default(),
+            Target::X86,
+            Priority::Speed,
+        ),
+        calibration: vec![calibration::bundled()],
+        samples: 4,
+        seq_len: 64,
+        qkv_layout: QkvLayout::Fused,
+        quantize_head: false,
+        damp: 0.01,
+        resume: false,
+        force: true,
+        progress: false,
+        compare: false,
+        dump_dequantized: None,
+        stop_after_layers: None,
+    }
+}
+
+fn eopts() -> ExportOptions {
+    ExportOptions {
+        context: 128,
+        precision: Precision::F32,
+        kv: QType::Int16,
+        parts: 1,
+        calibration: Vec::new(),
+        calib_samples: 1,
+        calib_seq_len: 16,
+        range_margin: 2.0,
+        force: true,
+        progress: false,
+        threads: 2,
+    }
+}
+
+#[test]
+fn force_never_deletes_the_input_or_a_folder_holding_it() {
+    let d = tempfile::tempdir().unwrap();
+    let model = copy_fixture(d.path());
+    let before = snapshot(d.path());
+    for out in [model.clone(), d.path().to_path_buf(), model.join("..")] {
+        let e = quantize(&qopts(&model, &out)).unwrap_err().to_string();
+        assert!(e.contains("input"), "quantize --out {}: {e}", out.display());
+        let e = export_phone(&model, &out, &eopts())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("input"), "export --out {}: {e}", out.display());
+    }
+    // The calibration file is an input too.
+    let calib = d.path().join("calib.txt");
+    std::fs::write(&calib, "some text").unwrap();
+    let mut o = qopts(&model, &calib);
+    o.calibration = vec![calib.clone()];
+    assert!(quantize(&o).is_err());
+    assert!(calib.is_file());
+    std::fs::remove_file(&calib).unwrap();
+    assert_eq!(snapshot(d.path()), before, "nothing was touched");
+}
+
+#[test]
+fn logits_out_never_overwrites_the_model_or_a_foreign_file() {
+    let d = tempfile::tempdir().unwrap();
+    let model = copy_fixture(d.path());
+    let run = |out: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_spark-tool"))
+            .arg("run")
+            .arg(&model)
+            .args(["--tokens", "1,2,3", "--max-new-tokens", "2", "--quiet"])
+            .arg("--logits-out")
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    let before = snapshot(&model);
+    let o = run(&model.join("model.safetensors"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--logits-out") && err.contains("input"),
+        "{err}"
+    );
+    assert_eq!(snapshot(&model), before);
+
+    let foreign = d.path().join("notes.safetensors");
+    std::fs::write(&foreign, "not ours").unwrap();
+    let o = run(&foreign);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(std::fs::read(&foreign).unwrap(), b"not ours");
+
+    // A previous logits file of ours is replaced.
+    let ours = d.path().join("logits.safetensors");
+    for _ in 0..2 {
+        let o = run(&ours);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
+/// A tmpfs mounted on a temporary folder, unmounted on drop.
+struct Mount(PathBuf);
+
+impl Mount {
+    fn new(at: &Path) -> Option<Mount> {
+        std::fs::create_dir_all(at).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
+            .arg(at)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        ok.then(|| Mount(at.to_path_buf()))
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_mount_point_destination_is_written_inside_and_never_removed() {
+    let d = tempfile::tempdir().unwrap();
+    let vol = d.path().join("vol");
+    let Some(_mount) = Mount::new(&vol) else {
+        // Mounting needs root; tools/test.sh sets SPARK_REQUIRE_MOUNT when it has it.
+        assert!(
+            std::env::var_os("SPARK_REQUIRE_MOUNT").is_none(),
+            "SPARK_REQUIRE_MOUNT is set but tmpfs could not be mounted"
+        );
+        eprintln!("skipped: cannot mount a tmpfs here (not root)");
+        return;
+    };
+    // Into the empty volume, then replacing our own export there, for both writers.
+    export_phone(&common::fixture("spark-tiny"), &vol, &eopts()).unwrap();
+    assert!(vol.join("phone_manifest.json").is_file());
+    let mut o = eopts();
+    o.context = 64;
+    export_phone(&common::fixture("spark-tiny"), &vol, &o).unwrap();
+    let m = std::fs::read_to_string(vol.join("phone_manifest.json")).unwrap();
+    assert!(m.contains("\"context\": 64"), "replaced in place");
+    let left: Vec<_> = std::fs::read_dir(&vol)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("partial") || n.contains("previous"))
+        .collect();
+    assert!(left.is_empty(), "staging removed: {left:?}");
+    // A quantized checkpoint is a different artifact: the export there is not replaced.
+    let e = quantize(&qopts(&common::fixture("spark-tiny"), &vol))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a gptq checkpoint"), "{e}");
+    assert!(vol.join("phone_manifest.json").is_file());
+    // The user's files on a volume are never removed.
+    for e in std::fs::read_dir(&vol).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            std::fs::remove_dir_all(p).unwrap();
+        } else {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+    std::fs::write(vol.join("photo.jpg"), "user data").unwrap();
+    let e = export_phone(&common::fixture("spark-tiny"), &vol, &eopts())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a spark-tool artifact"), "{e}");
+    assert_eq!(std::fs::read(vol.join("photo.jpg")).unwrap(), b"user data");
+    std::fs::remove_file(vol.join("photo.jpg")).unwrap();
+    quantize(&qopts(&common::fixture("spark-tiny"), &vol)).unwrap();
+    assert!(vol.join("model.safetensors").is_file());
+}

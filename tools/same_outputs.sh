@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Refactors must not change what spark-tool writes. Runs two spark-tool binaries on the fixture
+# (quantize W4A8/W4A16, fused and split QKV, 4-bit head; export-phone f32 and w8a16; run
+# --logits-out of the original and of a quantized checkpoint) and compares every file byte for
+# byte. quant_report.json is compared as JSON without the fields that differ from run to run
+# (the output path, wall times, peak RSS); the artifact marker is new since 2026-12 and skipped.
+#
+#   tools/same_outputs.sh OLD_BINARY NEW_BINARY WORKDIR     (WORKDIR is emptied first)
+set -euo pipefail
+old=$(realpath "$1") new=$(realpath "$2") w=$3
+cd "$(dirname "$0")/.."
+rm -rf "$w"; mkdir -p "$w"
+for b in old new; do
+  bin=${!b}
+  "$bin" quantize --format w4a8 --group-size 128 --samples 8 --seq-len 128 --quiet --out "$w/$b/q-w4a8-fused" >/dev/null
+  "$bin" quantize --format w4a16 --group-size 64 --qkv-layout split --quantize-head --samples 8 --seq-len 128 --quiet --out "$w/$b/q-w4a16-split" >/dev/null
+  "$bin" quantize --format w4a8 --group-size 64 --qkv-layout split --samples 8 --seq-len 128 --quiet --out "$w/$b/q-w4a8-split" >/dev/null
+  "$bin" export-phone fixtures/spark-tiny --out "$w/$b/phone-f32" --precision f32 --context 256 --quiet
+  "$bin" export-phone fixtures/spark-tiny --out "$w/$b/phone-w8a16" --context 256 --calib-samples 2 --calib-seq-len 64 --quiet
+  "$bin" run --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits.safetensors"
+  "$bin" run "$w/$b/q-w4a8-fused" --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits-q.safetensors"
+done
+cd "$w"
+n=0; bad=0
+while IFS= read -r f; do
+  n=$((n+1))
+  if [ ! -f "new/$f" ]; then echo "missing in new: $f"; bad=1; continue; fi
+  if [ "$(basename "$f")" = quant_report.json ]; then
+    python3 - "old/$f" "new/$f" <<'PY' || { echo "DIFFERS: $f"; bad=1; }
+import json, sys
+def norm(v):
+    if isinstance(v, dict):
+        return {k: norm(x) for k, x in v.items() if k not in ("out", "peak_rss_bytes") and "seconds" not in k}
+    return [norm(x) for x in v] if isinstance(v, list) else v
+a, b = (norm(json.load(open(p))) for p in sys.argv[1:])
+sys.exit(a != b)
+PY
+  else
+    cmp -s "old/$f" "new/$f" || { echo "DIFFERS: $f"; bad=1; }
+  fi
+done < <(cd old && find . -type f | sort)
+extra=$(cd new && find . -type f ! -name .spark-tool-artifact.json | sort | while read -r f; do [ -f "../old/$f" ] || echo "$f"; done)
+[ -z "$extra" ] || { echo "only in new: $extra"; bad=1; }
+echo "$n files compared; result: $([ $bad = 0 ] && echo identical || echo DIFFERENT)"
+exit $bad
