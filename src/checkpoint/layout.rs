@@ -54,10 +54,174 @@ pub fn layer_prefix(i: usize) -> String {
     format!("model.layers.{i}.")
 }
 
+/// The fused q/k/v module of the published checkpoints: rows `[q | k | v]`.
+pub const FUSED_QKV: &str = "self_attn.q_k_v_proj";
+
+/// One projection of a decoder layer. This table (module name, shape, input, fused rows) is
+/// the one place the model, the graph builder, quantize and its output learn a layer's linears.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Proj {
+    Q,
+    K,
+    V,
+    G,
+    Out,
+    Gate,
+    Up,
+    Down,
+}
+
+/// The activation a projection reads; projections with the same input share a Hessian.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProjInput {
+    /// RMSNorm of the residual (q, k, v and the head gate g).
+    AttnNorm,
+    /// Gated attention output (out_proj).
+    Attention,
+    /// RMSNorm of the residual after attention (gate, up).
+    MlpNorm,
+    /// gelu(gate) ⊙ up (down).
+    MlpAct,
+}
+
+impl Proj {
+    /// In checkpoint order.
+    pub const ALL: [Proj; 8] = [
+        Proj::Q,
+        Proj::K,
+        Proj::V,
+        Proj::G,
+        Proj::Out,
+        Proj::Gate,
+        Proj::Up,
+        Proj::Down,
+    ];
+    /// What quantize writes as GPTQ; `g_proj` (one row per head) stays 16-bit
+    /// (docs/GPTQ_FORMAT.md §6).
+    pub const QUANTIZED: [Proj; 7] = [
+        Proj::Q,
+        Proj::K,
+        Proj::V,
+        Proj::Out,
+        Proj::Gate,
+        Proj::Up,
+        Proj::Down,
+    ];
+
+    /// The module name inside a layer, as in the HF checkpoint (split q/k/v).
+    pub fn module(self) -> &'static str {
+        match self {
+            Proj::Q => "self_attn.q_proj",
+            Proj::K => "self_attn.k_proj",
+            Proj::V => "self_attn.v_proj",
+            Proj::G => "self_attn.g_proj",
+            Proj::Out => "self_attn.out_proj",
+            Proj::Gate => "mlp.gate_proj",
+            Proj::Up => "mlp.up_proj",
+            Proj::Down => "mlp.down_proj",
+        }
+    }
+
+    /// A short stable key (resume files).
+    pub fn key(self) -> &'static str {
+        match self {
+            Proj::Q => "q",
+            Proj::K => "k",
+            Proj::V => "v",
+            Proj::G => "g",
+            Proj::Out => "out",
+            Proj::Gate => "gate",
+            Proj::Up => "up",
+            Proj::Down => "down",
+        }
+    }
+
+    pub fn input(self) -> ProjInput {
+        match self {
+            Proj::Q | Proj::K | Proj::V | Proj::G => ProjInput::AttnNorm,
+            Proj::Out => ProjInput::Attention,
+            Proj::Gate | Proj::Up => ProjInput::MlpNorm,
+            Proj::Down => ProjInput::MlpAct,
+        }
+    }
+
+    /// `[out_features, in_features]`.
+    pub fn shape(self, cfg: &SparkConfig) -> [usize; 2] {
+        let (h, q, kv, i) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        match self {
+            Proj::Q => [q, h],
+            Proj::K | Proj::V => [kv, h],
+            Proj::G => [cfg.num_attention_heads, h],
+            Proj::Out => [h, q],
+            Proj::Gate | Proj::Up => [i, h],
+            Proj::Down => [h, i],
+        }
+    }
+
+    fn class(self) -> TensorClass {
+        match self {
+            Proj::Q | Proj::K | Proj::V => TensorClass::AttentionQkv,
+            Proj::G => TensorClass::AttentionGate,
+            Proj::Out => TensorClass::AttentionOut,
+            Proj::Gate | Proj::Up | Proj::Down => TensorClass::Mlp,
+        }
+    }
+
+    /// Its rows inside the fused `q_k_v_proj` (q, k and v only).
+    pub fn fused_rows(self, cfg: &SparkConfig) -> Option<std::ops::Range<usize>> {
+        let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+        match self {
+            Proj::Q => Some(0..q),
+            Proj::K => Some(q..q + kv),
+            Proj::V => Some(q + kv..q + 2 * kv),
+            _ => None,
+        }
+    }
+
+    /// Where layer `layer` stores this projection under `qkv`: the tensor prefix (no
+    /// `.weight`), and for a fused q/k/v the rows of it that are this projection.
+    pub fn stored_at(
+        self,
+        layer: usize,
+        qkv: QkvLayout,
+        cfg: &SparkConfig,
+    ) -> (String, Option<std::ops::Range<usize>>) {
+        match (qkv, self.fused_rows(cfg)) {
+            (QkvLayout::Fused, Some(rows)) => {
+                (format!("{}{FUSED_QKV}", layer_prefix(layer)), Some(rows))
+            }
+            _ => (format!("{}{}", layer_prefix(layer), self.module()), None),
+        }
+    }
+}
+
+/// The stored linears of layer `layer` among `projs` under `qkv`, in order: each tensor prefix
+/// with the projections it holds (q, k, v together when fused).
+pub fn stored_linears(layer: usize, qkv: QkvLayout, projs: &[Proj]) -> Vec<(String, Vec<Proj>)> {
+    let mut out: Vec<(String, Vec<Proj>)> = Vec::new();
+    for &p in projs {
+        let fused = qkv == QkvLayout::Fused && matches!(p, Proj::Q | Proj::K | Proj::V);
+        let name = if fused {
+            format!("{}{FUSED_QKV}", layer_prefix(layer))
+        } else {
+            format!("{}{}", layer_prefix(layer), p.module())
+        };
+        match out.last_mut() {
+            Some((n, v)) if *n == name => v.push(p),
+            _ => out.push((name, vec![p])),
+        }
+    }
+    out
+}
+
 /// Every tensor the checkpoint must hold, in file-independent order.
 pub fn expected_tensors(cfg: &SparkConfig, tied: bool, qkv: &[QkvLayout]) -> Vec<ExpectedTensor> {
-    let (h, i_dim) = (cfg.hidden_size, cfg.intermediate_size);
-    let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+    let h = cfg.hidden_size;
     let mut out = Vec::new();
     let mut push =
         |name: String, shape: Vec<usize>, class| out.push(ExpectedTensor { name, shape, class });
@@ -73,60 +237,18 @@ pub fn expected_tensors(cfg: &SparkConfig, tied: bool, qkv: &[QkvLayout]) -> Vec
             vec![h],
             TensorClass::Norm,
         );
-        match layout {
-            QkvLayout::Fused => push(
-                format!("{p}self_attn.q_k_v_proj.weight"),
-                vec![q + 2 * kv, h],
-                TensorClass::AttentionQkv,
-            ),
-            QkvLayout::Split => {
+        for (name, projs) in stored_linears(l, *layout, &Proj::ALL) {
+            if projs[0] == Proj::Gate {
                 push(
-                    format!("{p}self_attn.q_proj.weight"),
-                    vec![q, h],
-                    TensorClass::AttentionQkv,
-                );
-                push(
-                    format!("{p}self_attn.k_proj.weight"),
-                    vec![kv, h],
-                    TensorClass::AttentionQkv,
-                );
-                push(
-                    format!("{p}self_attn.v_proj.weight"),
-                    vec![kv, h],
-                    TensorClass::AttentionQkv,
+                    format!("{p}post_attention_layernorm.weight"),
+                    vec![h],
+                    TensorClass::Norm,
                 );
             }
+            let rows = projs.iter().map(|p| p.shape(cfg)[0]).sum();
+            let k = projs[0].shape(cfg)[1];
+            push(format!("{name}.weight"), vec![rows, k], projs[0].class());
         }
-        push(
-            format!("{p}self_attn.g_proj.weight"),
-            vec![cfg.num_attention_heads, h],
-            TensorClass::AttentionGate,
-        );
-        push(
-            format!("{p}self_attn.out_proj.weight"),
-            vec![h, q],
-            TensorClass::AttentionOut,
-        );
-        push(
-            format!("{p}post_attention_layernorm.weight"),
-            vec![h],
-            TensorClass::Norm,
-        );
-        push(
-            format!("{p}mlp.gate_proj.weight"),
-            vec![i_dim, h],
-            TensorClass::Mlp,
-        );
-        push(
-            format!("{p}mlp.up_proj.weight"),
-            vec![i_dim, h],
-            TensorClass::Mlp,
-        );
-        push(
-            format!("{p}mlp.down_proj.weight"),
-            vec![h, i_dim],
-            TensorClass::Mlp,
-        );
     }
     push("model.norm.weight".into(), vec![h], TensorClass::Norm);
     if !tied {
@@ -374,6 +496,44 @@ mod tests {
         // docs/MODEL.md §3 and §15.
         assert_eq!(count(&real(2048, 6656, 28, 8, 2)), (226, 1_707_657_216));
         assert_eq!(count(&real(2560, 10240, 36, 16, 4)).1, 4_112_079_360);
+    }
+
+    #[test]
+    fn projection_table_matches_the_checkpoint_names() {
+        let c = real(2048, 6656, 28, 8, 2);
+        let fused = stored_linears(3, QkvLayout::Fused, &Proj::QUANTIZED);
+        let names: Vec<&str> = fused.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.layers.3.self_attn.q_k_v_proj",
+                "model.layers.3.self_attn.out_proj",
+                "model.layers.3.mlp.gate_proj",
+                "model.layers.3.mlp.up_proj",
+                "model.layers.3.mlp.down_proj",
+            ]
+        );
+        assert_eq!(fused[0].1, [Proj::Q, Proj::K, Proj::V]);
+        assert_eq!(
+            stored_linears(0, QkvLayout::Split, &Proj::QUANTIZED).len(),
+            7
+        );
+        // The fused rows tile q_k_v_proj exactly, in order q | k | v.
+        let mut next = 0;
+        for p in [Proj::Q, Proj::K, Proj::V] {
+            let r = p.fused_rows(&c).unwrap();
+            assert_eq!((r.start, r.len()), (next, p.shape(&c)[0]));
+            next = r.end;
+            let (name, rows) = p.stored_at(1, QkvLayout::Fused, &c);
+            assert_eq!(
+                (name.as_str(), rows),
+                ("model.layers.1.self_attn.q_k_v_proj", Some(r))
+            );
+            assert_eq!(p.stored_at(1, QkvLayout::Split, &c).1, None);
+        }
+        assert_eq!(next, c.q_dim() + 2 * c.kv_dim());
+        assert_eq!(Proj::Out.shape(&c), [2048, c.q_dim()]);
+        assert_eq!(Proj::Down.input(), ProjInput::MlpAct);
     }
 
     #[test]

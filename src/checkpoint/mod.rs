@@ -9,7 +9,7 @@ pub mod write;
 use std::path::{Path, PathBuf};
 
 pub use config::{ConfigError, LayerType, RopeSpec, SparkConfig};
-pub use layout::{CheckedLayout, QkvLayout, TensorClass};
+pub use layout::{CheckedLayout, Proj, ProjInput, QkvLayout, TensorClass};
 pub use store::{TensorEntry, TensorStore};
 
 #[derive(Debug, thiserror::Error)]

@@ -16,7 +16,8 @@
 use std::ops::Range;
 
 use super::onnx::{Attr, DType, Graph};
-use crate::checkpoint::{LayerType, QkvLayout, SparkConfig};
+use crate::checkpoint::layout::layer_prefix;
+use crate::checkpoint::{LayerType, Proj, QkvLayout, SparkConfig};
 
 /// How a MatMul weight is materialised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -207,6 +208,23 @@ impl StepBuilder<'_> {
         )
     }
 
+    /// The `[K, N]` initializer of projection `proj` of layer `l`, read from wherever the
+    /// checkpoint stores it (its rows of a fused `q_k_v_proj`, or its own tensor).
+    fn proj_weight(
+        &self,
+        g: &mut Graph<WeightSpec>,
+        name: &str,
+        l: usize,
+        proj: Proj,
+        fold: Option<String>,
+        mul: f32,
+    ) -> String {
+        let (prefix, rows) = proj.stored_at(l, self.qkv[l], self.cfg);
+        let [n, k] = proj.shape(self.cfg);
+        let rows = rows.unwrap_or(0..n);
+        self.weight(g, name, format!("{prefix}.weight"), rows, k, fold, mul)
+    }
+
     /// `x / sqrt(mean(x²) + eps)` over the last axis of `[1, 1, H]`.
     fn norm(&self, g: &mut Graph<WeightSpec>, p: &str, x: &str) -> String {
         let h = self.cfg.hidden_size;
@@ -298,84 +316,16 @@ impl StepBuilder<'_> {
         );
         let past = past_len(cfg, t, self.context);
         let p = format!("l{l}");
-        let pre = format!("model.layers.{l}.");
+        let pre = layer_prefix(l);
         let ln1 = Some(format!("{pre}input_layernorm.weight"));
         let ln2 = Some(format!("{pre}post_attention_layernorm.weight"));
 
         let n = self.norm(g, &format!("{p}_ln1"), x);
         let scale = 1.0 / (hd as f32).sqrt();
-        let (wq, wk, wv) = match self.qkv[l] {
-            QkvLayout::Fused => {
-                let f = format!("{pre}self_attn.q_k_v_proj.weight");
-                (
-                    self.weight(
-                        g,
-                        &format!("{p}_wq"),
-                        f.clone(),
-                        0..qd,
-                        h,
-                        ln1.clone(),
-                        scale,
-                    ),
-                    self.weight(
-                        g,
-                        &format!("{p}_wk"),
-                        f.clone(),
-                        qd..qd + kvd,
-                        h,
-                        ln1.clone(),
-                        1.0,
-                    ),
-                    self.weight(
-                        g,
-                        &format!("{p}_wv"),
-                        f,
-                        qd + kvd..qd + 2 * kvd,
-                        h,
-                        ln1.clone(),
-                        1.0,
-                    ),
-                )
-            }
-            QkvLayout::Split => (
-                self.weight(
-                    g,
-                    &format!("{p}_wq"),
-                    format!("{pre}self_attn.q_proj.weight"),
-                    0..qd,
-                    h,
-                    ln1.clone(),
-                    scale,
-                ),
-                self.weight(
-                    g,
-                    &format!("{p}_wk"),
-                    format!("{pre}self_attn.k_proj.weight"),
-                    0..kvd,
-                    h,
-                    ln1.clone(),
-                    1.0,
-                ),
-                self.weight(
-                    g,
-                    &format!("{p}_wv"),
-                    format!("{pre}self_attn.v_proj.weight"),
-                    0..kvd,
-                    h,
-                    ln1.clone(),
-                    1.0,
-                ),
-            ),
-        };
-        let wg = self.weight(
-            g,
-            &format!("{p}_wg"),
-            format!("{pre}self_attn.g_proj.weight"),
-            0..nh,
-            h,
-            ln1,
-            1.0,
-        );
+        let wq = self.proj_weight(g, &format!("{p}_wq"), l, Proj::Q, ln1.clone(), scale);
+        let wk = self.proj_weight(g, &format!("{p}_wk"), l, Proj::K, ln1.clone(), 1.0);
+        let wv = self.proj_weight(g, &format!("{p}_wv"), l, Proj::V, ln1.clone(), 1.0);
+        let wg = self.proj_weight(g, &format!("{p}_wg"), l, Proj::G, ln1, 1.0);
         let q = g.f("MatMul", &format!("{p}_q"), &[&n, &wq], &[1, 1, qd]);
         let k = g.f("MatMul", &format!("{p}_k"), &[&n, &wk], &[1, 1, kvd]);
         let v = g.f("MatMul", &format!("{p}_v"), &[&n, &wv], &[1, 1, kvd]);
@@ -437,46 +387,14 @@ impl StepBuilder<'_> {
         let gs4 = self.reshape(g, &format!("{p}_gate4"), &gs, &[1, 1, nh, 1]);
         let og = g.f("Mul", &format!("{p}_gated"), &[&o4, &gs4], &[1, 1, nh, hd]);
         let o2 = self.reshape(g, &format!("{p}_gated2"), &og, &[1, 1, qd]);
-        let wo = self.weight(
-            g,
-            &format!("{p}_wo"),
-            format!("{pre}self_attn.out_proj.weight"),
-            0..h,
-            qd,
-            None,
-            1.0,
-        );
+        let wo = self.proj_weight(g, &format!("{p}_wo"), l, Proj::Out, None, 1.0);
         let a = g.f("MatMul", &format!("{p}_o"), &[&o2, &wo], &[1, 1, h]);
         let x1 = g.f("Add", &format!("{p}_resid1"), &[x, &a], &[1, 1, h]);
 
         let n2 = self.norm(g, &format!("{p}_ln2"), &x1);
-        let wgate = self.weight(
-            g,
-            &format!("{p}_wgate"),
-            format!("{pre}mlp.gate_proj.weight"),
-            0..inter,
-            h,
-            ln2.clone(),
-            1.0,
-        );
-        let wup = self.weight(
-            g,
-            &format!("{p}_wup"),
-            format!("{pre}mlp.up_proj.weight"),
-            0..inter,
-            h,
-            ln2,
-            1.0,
-        );
-        let wdown = self.weight(
-            g,
-            &format!("{p}_wdown"),
-            format!("{pre}mlp.down_proj.weight"),
-            0..h,
-            inter,
-            None,
-            1.0,
-        );
+        let wgate = self.proj_weight(g, &format!("{p}_wgate"), l, Proj::Gate, ln2.clone(), 1.0);
+        let wup = self.proj_weight(g, &format!("{p}_wup"), l, Proj::Up, ln2, 1.0);
+        let wdown = self.proj_weight(g, &format!("{p}_wdown"), l, Proj::Down, None, 1.0);
         let gt = g.f(
             "MatMul",
             &format!("{p}_mlp_gate"),

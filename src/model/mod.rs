@@ -16,11 +16,11 @@ pub mod profile;
 pub mod quantized;
 pub mod rope;
 
-use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 
-use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, QkvLayout, SparkConfig};
+use crate::checkpoint::layout::layer_prefix;
+use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, SparkConfig};
 use crate::kernels::{self, gelu_erf, rms_norm, sigmoid};
 pub use kv_cache::{CacheError, KvCache};
 pub use linear::{DenseLinear, DenseWeight, Linear};
@@ -42,18 +42,7 @@ pub enum ModelError {
     Runtime(String),
 }
 
-/// One projection of a decoder layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Proj {
-    Q,
-    K,
-    V,
-    G,
-    Out,
-    Gate,
-    Up,
-    Down,
-}
+pub use crate::checkpoint::layout::Proj;
 
 /// Which rows of logits a forward call returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,12 +154,7 @@ impl SparkModel {
     pub fn load(ck: &Checkpoint, opts: LoadOptions) -> Result<Self, CheckpointError> {
         let progress = opts.progress;
         let cfg = ck.config.clone();
-        let (h, q, kv, inter) = (
-            cfg.hidden_size,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.intermediate_size,
-        );
+        let h = cfg.hidden_size;
         let wrap = |l: Box<dyn Linear>| -> Box<dyn Linear> {
             if opts.exec.act_bf16 {
                 Box::new(Bf16Act(l))
@@ -192,41 +176,29 @@ impl SparkModel {
             let w = DenseWeight::load(ck, &format!("{prefix}.weight"), rows)?;
             Ok(wrap(dense(w, n, k)))
         };
-        let bar = if progress {
-            let b = ProgressBar::new(cfg.num_hidden_layers as u64 + 2);
-            b.set_style(
-                ProgressStyle::with_template(
-                    "loading {bar:30} {pos}/{len} {msg} [{elapsed}<{eta}]",
-                )
-                .expect("static template"),
-            );
-            b
-        } else {
-            ProgressBar::hidden()
-        };
+        let bar =
+            crate::artifact::progress_bar(progress, cfg.num_hidden_layers as u64 + 2, "loading");
         bar.set_message("embedding");
         let embedding = DenseWeight::load(ck, "model.embedding.weight", None)?;
         bar.inc(1);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, kind) in cfg.layer_types.iter().enumerate() {
             bar.set_message(format!("layer {i}"));
-            let p = format!("model.layers.{i}.");
+            let p = layer_prefix(i);
             let t = |n: &str| ck.tensor_f32(&format!("{p}{n}"));
-            let (q_proj, k_proj, v_proj) = match ck.layout.qkv[i] {
-                QkvLayout::Fused => {
-                    let f = format!("{p}self_attn.q_k_v_proj");
-                    (
-                        lin(f.clone(), Some(0..q), q, h)?,
-                        lin(f.clone(), Some(q..q + kv), kv, h)?,
-                        lin(f, Some(q + kv..q + 2 * kv), kv, h)?,
-                    )
-                }
-                QkvLayout::Split => (
-                    lin(format!("{p}self_attn.q_proj"), None, q, h)?,
-                    lin(format!("{p}self_attn.k_proj"), None, kv, h)?,
-                    lin(format!("{p}self_attn.v_proj"), None, kv, h)?,
-                ),
-            };
+            let lins = Proj::ALL
+                .iter()
+                .map(|&proj| {
+                    let (prefix, rows) = proj.stored_at(i, ck.layout.qkv[i], &cfg);
+                    let [n, k] = proj.shape(&cfg);
+                    lin(prefix, rows, n, k)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            // Proj::ALL's order.
+            let [q_proj, k_proj, v_proj, g_proj, out_proj, gate_proj, up_proj, down_proj]: [Box<
+                dyn Linear,
+            >;
+                8] = lins.try_into().ok().expect("one linear per projection");
             layers.push(DecoderLayer {
                 kind: *kind,
                 input_layernorm: t("input_layernorm.weight")?,
@@ -234,19 +206,14 @@ impl SparkModel {
                     q_proj,
                     k_proj,
                     v_proj,
-                    g_proj: lin(
-                        format!("{p}self_attn.g_proj"),
-                        None,
-                        cfg.num_attention_heads,
-                        h,
-                    )?,
-                    out_proj: lin(format!("{p}self_attn.out_proj"), None, h, q)?,
+                    g_proj,
+                    out_proj,
                 },
                 post_attention_layernorm: t("post_attention_layernorm.weight")?,
                 mlp: Mlp {
-                    gate_proj: lin(format!("{p}mlp.gate_proj"), None, inter, h)?,
-                    up_proj: lin(format!("{p}mlp.up_proj"), None, inter, h)?,
-                    down_proj: lin(format!("{p}mlp.down_proj"), None, h, inter)?,
+                    gate_proj,
+                    up_proj,
+                    down_proj,
                 },
             });
             bar.inc(1);

@@ -13,12 +13,14 @@
 pub mod calibration;
 pub mod output;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use serde::Serialize;
 
+use crate::checkpoint::layout::layer_prefix;
 use crate::checkpoint::{Checkpoint, QkvLayout};
 use crate::device::{WeightFormat, WeightPath};
 use crate::model::{DenseLinear, Proj, SparkModel};
@@ -140,15 +142,22 @@ pub enum QuantizeError {
     NonFiniteActivations { layer: usize, what: &'static str },
 }
 
-/// The quantized linears of one layer, as written.
-pub struct LayerResult {
-    pub q: QuantizedWeight,
-    pub k: QuantizedWeight,
-    pub v: QuantizedWeight,
-    pub out: QuantizedWeight,
-    pub gate: QuantizedWeight,
-    pub up: QuantizedWeight,
-    pub down: QuantizedWeight,
+/// The quantized linears of one layer, as written: one per [`Proj::QUANTIZED`].
+#[derive(Default)]
+pub struct LayerResult(BTreeMap<Proj, QuantizedWeight>);
+
+impl LayerResult {
+    pub fn get(&self, p: Proj) -> &QuantizedWeight {
+        &self.0[&p]
+    }
+
+    pub fn insert(&mut self, p: Proj, q: QuantizedWeight) {
+        self.0.insert(p, q);
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (Proj, &QuantizedWeight)> {
+        self.0.iter().map(|(p, q)| (*p, q))
+    }
 }
 
 fn check_finite(x: &[f32], layer: usize, what: &'static str) -> Result<(), QuantizeError> {
@@ -159,19 +168,17 @@ fn check_finite(x: &[f32], layer: usize, what: &'static str) -> Result<(), Quant
     }
 }
 
-/// Quantize every linear that reads `h` with `method`; with `compare`, RTN,
-/// plain GPTQ and GPTQ + scale search are all measured for the report.
-#[allow(clippy::too_many_arguments)]
+/// Quantize every linear that reads `h` with `opts.method`; with `opts.compare`,
+/// RTN, plain GPTQ and GPTQ + scale search are all measured for the report.
 fn quantize_group(
     names: &[String],
     weights: &[Vec<f32>],
     outs: &[usize],
     h: &Hessian,
-    group_size: usize,
-    damp: f64,
-    method: Method,
-    compare: bool,
+    opts: &QuantizeOptions,
 ) -> Result<(Vec<QuantizedWeight>, Vec<LinearReport>), QuantizeError> {
+    let (group_size, damp, method, compare) =
+        (opts.group_size, opts.damp, opts.method, opts.compare);
     let k = h.dim();
     let t0 = Instant::now();
     let solver = GptqSolver::new(&names.join("+"), h, damp)?;
@@ -234,6 +241,37 @@ fn install(model: &mut SparkModel, li: usize, proj: Proj, q: &QuantizedWeight) {
     model.set_linear(li, proj, Box::new(lin));
 }
 
+/// One true-sequential step: the projections `projs` of layer `li`, which all read `input`
+/// (`[rows, K]`), are quantized against its Hessian and installed, so that later stages see
+/// the deployed numerics.
+fn quantize_projs(
+    model: &mut SparkModel,
+    li: usize,
+    projs: &[Proj],
+    input: &[f32],
+    rows: usize,
+    opts: &QuantizeOptions,
+    result: &mut (LayerResult, Vec<LinearReport>),
+) -> Result<(), QuantizeError> {
+    let cfg = model.config();
+    let mut h = Hessian::new(projs[0].shape(cfg)[1]);
+    h.add(input, rows);
+    let names: Vec<String> = projs
+        .iter()
+        .map(|p| format!("{}{}", layer_prefix(li), p.module()))
+        .collect();
+    let outs: Vec<usize> = projs.iter().map(|p| p.shape(cfg)[0]).collect();
+    let weights: Vec<Vec<f32>> = projs.iter().map(|&p| weight(model, li, p)).collect();
+    let (qs, reports) = quantize_group(&names, &weights, &outs, &h, opts)?;
+    drop((h, weights));
+    result.1.extend(reports);
+    for (&p, q) in projs.iter().zip(qs) {
+        install(model, li, p, &q);
+        result.0.insert(p, q);
+    }
+    Ok(())
+}
+
 /// Run one layer on every calibration sample, quantizing its linears in true-sequential order.
 /// `x` holds the residual stream of all samples (`[samples·seq_len, hidden]`) and is advanced in place.
 fn quantize_layer(
@@ -247,48 +285,24 @@ fn quantize_layer(
 ) -> Result<(LayerResult, Vec<LinearReport>), QuantizeError> {
     let cfg = model.config().clone();
     let rows = samples * seq_len;
-    let (hidden, q_dim, kv_dim, inter) = (
-        cfg.hidden_size,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        cfg.intermediate_size,
-    );
-    let p = format!("model.layers.{li}.");
-    let (gs, damp) = (opts.group_size, opts.damp);
-    let mut reports = Vec::new();
+    let (hidden, q_dim) = (cfg.hidden_size, cfg.q_dim());
+    let mut result = (LayerResult::default(), Vec::new());
 
+    // x ─ norm → h ─ q, k, v
     bar.set_message(format!("layer {li}: q/k/v"));
     check_finite(x, li, "input_layernorm")?;
     let h = model.attn_norm(li, x);
-    let mut h_qkv = Hessian::new(hidden);
-    h_qkv.add(&h, rows);
-    let (qkv, r) = quantize_group(
-        &[
-            format!("{p}self_attn.q_proj"),
-            format!("{p}self_attn.k_proj"),
-            format!("{p}self_attn.v_proj"),
-        ],
-        &[
-            weight(model, li, Proj::Q),
-            weight(model, li, Proj::K),
-            weight(model, li, Proj::V),
-        ],
-        &[q_dim, kv_dim, kv_dim],
-        &h_qkv,
-        gs,
-        damp,
-        opts.method,
-        opts.compare,
+    quantize_projs(
+        model,
+        li,
+        &[Proj::Q, Proj::K, Proj::V],
+        &h,
+        rows,
+        opts,
+        &mut result,
     )?;
-    reports.extend(r);
-    drop(h_qkv);
-    let [q, k, v]: [QuantizedWeight; 3] = qkv
-        .try_into()
-        .map_err(|_| QuantizeError::Invalid("qkv".into()))?;
-    install(model, li, Proj::Q, &q);
-    install(model, li, Proj::K, &k);
-    install(model, li, Proj::V, &v);
 
+    // gated attention over each sample → a ─ out_proj, x += out(a)
     bar.set_message(format!("layer {li}: out_proj"));
     let mut attn = vec![0f32; rows * q_dim];
     for s in 0..samples {
@@ -305,82 +319,32 @@ fn quantize_layer(
     }
     drop(h);
     check_finite(&attn, li, "out_proj")?;
-    let mut h_o = Hessian::new(q_dim);
-    h_o.add(&attn, rows);
-    let (mut o, r) = quantize_group(
-        &[format!("{p}self_attn.out_proj")],
-        &[weight(model, li, Proj::Out)],
-        &[hidden],
-        &h_o,
-        gs,
-        damp,
-        opts.method,
-        opts.compare,
-    )?;
-    reports.extend(r);
-    drop(h_o);
-    let out = o.remove(0);
-    install(model, li, Proj::Out, &out);
+    quantize_projs(model, li, &[Proj::Out], &attn, rows, opts, &mut result)?;
     model.attn_out_residual(li, &attn, rows, x);
     drop(attn);
 
+    // x ─ norm → h2 ─ gate, up
     bar.set_message(format!("layer {li}: gate/up"));
     let h2 = model.mlp_norm(li, x);
     check_finite(&h2, li, "gate_proj/up_proj")?;
-    let mut h_gu = Hessian::new(hidden);
-    h_gu.add(&h2, rows);
-    let (gu, r) = quantize_group(
-        &[format!("{p}mlp.gate_proj"), format!("{p}mlp.up_proj")],
-        &[weight(model, li, Proj::Gate), weight(model, li, Proj::Up)],
-        &[inter, inter],
-        &h_gu,
-        gs,
-        damp,
-        opts.method,
-        opts.compare,
+    quantize_projs(
+        model,
+        li,
+        &[Proj::Gate, Proj::Up],
+        &h2,
+        rows,
+        opts,
+        &mut result,
     )?;
-    reports.extend(r);
-    drop(h_gu);
-    let [gate, up]: [QuantizedWeight; 2] = gu
-        .try_into()
-        .map_err(|_| QuantizeError::Invalid("gate/up".into()))?;
-    install(model, li, Proj::Gate, &gate);
-    install(model, li, Proj::Up, &up);
 
+    // gelu(gate) ⊙ up → act ─ down, x += down(act)
     bar.set_message(format!("layer {li}: down_proj"));
     let act = model.mlp_act(li, &h2, rows);
     drop(h2);
     check_finite(&act, li, "down_proj")?;
-    let mut h_down = Hessian::new(inter);
-    h_down.add(&act, rows);
-    let (mut d, r) = quantize_group(
-        &[format!("{p}mlp.down_proj")],
-        &[weight(model, li, Proj::Down)],
-        &[hidden],
-        &h_down,
-        gs,
-        damp,
-        opts.method,
-        opts.compare,
-    )?;
-    reports.extend(r);
-    drop(h_down);
-    let down = d.remove(0);
-    install(model, li, Proj::Down, &down);
+    quantize_projs(model, li, &[Proj::Down], &act, rows, opts, &mut result)?;
     model.mlp_down_residual(li, &act, rows, x);
-
-    Ok((
-        LayerResult {
-            q,
-            k,
-            v,
-            out,
-            gate,
-            up,
-            down,
-        },
-        reports,
-    ))
+    Ok(result)
 }
 
 /// Quantize the (untied) head on the final-normed residual stream.
@@ -399,10 +363,7 @@ fn quantize_head(
         &[w],
         &[model.config().vocab_size],
         &h,
-        opts.group_size,
-        opts.damp,
-        opts.method,
-        opts.compare,
+        opts,
     )?;
     Ok((q.remove(0), r.remove(0)))
 }
@@ -459,15 +420,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     let (mut x, first, mut results, mut reports, resumed_from_layer) = match state {
         Some(st) => {
             for (li, r) in st.results.iter().enumerate() {
-                for (proj, q) in [
-                    (Proj::Q, &r.q),
-                    (Proj::K, &r.k),
-                    (Proj::V, &r.v),
-                    (Proj::Out, &r.out),
-                    (Proj::Gate, &r.gate),
-                    (Proj::Up, &r.up),
-                    (Proj::Down, &r.down),
-                ] {
+                for (proj, q) in r.iter() {
                     install(&mut model, li, proj, q);
                 }
             }
@@ -481,19 +434,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         }
     };
 
-    let bar = if opts.progress {
-        let b = ProgressBar::new(layers as u64);
-        b.set_style(
-            ProgressStyle::with_template(
-                "quantize {bar:30} {pos}/{len} layers  {msg}  [{elapsed}<{eta}]",
-            )
-            .expect("static template"),
-        );
-        b.set_position(first as u64);
-        b
-    } else {
-        ProgressBar::hidden()
-    };
+    let bar = crate::artifact::progress_bar(opts.progress, layers as u64, "quantize layers");
+    bar.set_position(first as u64);
     for li in first..layers {
         let (res, rep) = quantize_layer(
             &mut model,
@@ -574,23 +516,4 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     report.peak_rss_bytes = crate::bench::peak_rss();
     out.finish(&report)?;
     Ok(report)
-}
-
-pub fn layer_linear_names(li: usize, layout: QkvLayout) -> Vec<String> {
-    let p = format!("model.layers.{li}.");
-    let mut v = match layout {
-        QkvLayout::Fused => vec![format!("{p}self_attn.q_k_v_proj")],
-        QkvLayout::Split => vec![
-            format!("{p}self_attn.q_proj"),
-            format!("{p}self_attn.k_proj"),
-            format!("{p}self_attn.v_proj"),
-        ],
-    };
-    v.extend([
-        format!("{p}self_attn.out_proj"),
-        format!("{p}mlp.gate_proj"),
-        format!("{p}mlp.up_proj"),
-        format!("{p}mlp.down_proj"),
-    ]);
-    v
 }

@@ -4,6 +4,7 @@
 //! end. Nothing under `--out` is ever half-written, and a replace only ever
 //! removes a previous quantized checkpoint.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -14,8 +15,9 @@ use sha2::{Digest, Sha256};
 
 use super::{LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
 use crate::artifact::{self, Staging};
+use crate::checkpoint::layout::{layer_prefix, stored_linears, FUSED_QKV};
 use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
-use crate::checkpoint::{Checkpoint, QkvLayout, TensorStore};
+use crate::checkpoint::{Checkpoint, Proj, QkvLayout, TensorStore};
 use crate::formats::gptq::{concat_outputs, tensors_for};
 use crate::quant::QuantizedWeight;
 
@@ -115,22 +117,9 @@ pub fn dump_dequantized(
         ));
     };
     for (li, r) in results.iter().enumerate() {
-        let p = format!("model.layers.{li}.");
-        match layout {
-            QkvLayout::Fused => push(
-                format!("{p}self_attn.q_k_v_proj"),
-                &concat_outputs(&[&r.q, &r.k, &r.v]),
-            ),
-            QkvLayout::Split => {
-                push(format!("{p}self_attn.q_proj"), &r.q);
-                push(format!("{p}self_attn.k_proj"), &r.k);
-                push(format!("{p}self_attn.v_proj"), &r.v);
-            }
+        for (name, q) in stored(li, r, layout) {
+            push(name, &q);
         }
-        push(format!("{p}self_attn.out_proj"), &r.out);
-        push(format!("{p}mlp.gate_proj"), &r.gate);
-        push(format!("{p}mlp.up_proj"), &r.up);
-        push(format!("{p}mlp.down_proj"), &r.down);
     }
     if let Some(q) = head {
         push("lm_head".into(), q);
@@ -138,7 +127,25 @@ pub fn dump_dequantized(
     write_safetensors_atomic(path, &t, None).map_err(write_err)
 }
 
-const LAYER_PARTS: [&str; 7] = ["q", "k", "v", "out", "gate", "up", "down"];
+/// Each stored linear of layer `li` (tensor prefix) with its weight: q, k and v are concatenated
+/// along N into one `q_k_v_proj` when fused.
+fn stored(
+    li: usize,
+    r: &LayerResult,
+    layout: QkvLayout,
+) -> Vec<(String, Cow<'_, QuantizedWeight>)> {
+    stored_linears(li, layout, &Proj::QUANTIZED)
+        .into_iter()
+        .map(|(name, projs)| {
+            let parts: Vec<&QuantizedWeight> = projs.iter().map(|&p| r.get(p)).collect();
+            let q = match parts.as_slice() {
+                [one] => Cow::Borrowed(*one),
+                many => Cow::Owned(concat_outputs(many)),
+            };
+            (name, q)
+        })
+        .collect()
+}
 
 impl Output {
     pub fn prepare(opts: &QuantizeOptions, ck: &Checkpoint) -> Result<Self, QuantizeError> {
@@ -192,20 +199,15 @@ impl Output {
                 .partial
                 .join(format!("layers/layer_{li:03}.safetensors"));
             let store = TensorStore::open_file(&p)?;
-            let get = |part: &str| {
-                read_q(&store, part).ok_or_else(|| {
+            let mut r = LayerResult::default();
+            for proj in Proj::QUANTIZED {
+                let part = proj.key();
+                let q = read_q(&store, part).ok_or_else(|| {
                     QuantizeError::Invalid(format!("{}: missing {part}", p.display()))
-                })
-            };
-            results.push(LayerResult {
-                q: get("q")?,
-                k: get("k")?,
-                v: get("v")?,
-                out: get("out")?,
-                gate: get("gate")?,
-                up: get("up")?,
-                down: get("down")?,
-            });
+                })?;
+                r.insert(proj, q);
+            }
+            results.push(r);
         }
         let xs = TensorStore::open_file(&self.partial.join("x.safetensors"))?;
         let x = xs.to_f32(
@@ -229,10 +231,8 @@ impl Output {
         settings: &str,
     ) -> Result<(), QuantizeError> {
         let mut t = Vec::new();
-        for (part, q) in LAYER_PARTS
-            .iter()
-            .zip([&r.q, &r.k, &r.v, &r.out, &r.gate, &r.up, &r.down])
-        {
+        for proj in Proj::QUANTIZED {
+            let (part, q) = (proj.key(), r.get(proj));
             t.push(u8_tensor(
                 &format!("{part}.codes"),
                 vec![q.in_features, q.out_features],
@@ -309,29 +309,18 @@ impl Output {
         tensors.push(bf16_copy("model.embedding.weight")?);
         tensors.push(bf16_copy("model.norm.weight")?);
         for (li, r) in results.iter().enumerate() {
-            let p = format!("model.layers.{li}.");
+            let p = layer_prefix(li);
+            let g_proj = format!("{}.weight", Proj::G.module());
             for n in [
                 "input_layernorm.weight",
                 "post_attention_layernorm.weight",
-                "self_attn.g_proj.weight",
+                g_proj.as_str(),
             ] {
                 tensors.push(bf16_copy(&format!("{p}{n}"))?);
             }
-            match self.qkv_layout {
-                QkvLayout::Fused => tensors.extend(tensors_for(
-                    &format!("{p}self_attn.q_k_v_proj"),
-                    &concat_outputs(&[&r.q, &r.k, &r.v]),
-                )?),
-                QkvLayout::Split => {
-                    tensors.extend(tensors_for(&format!("{p}self_attn.q_proj"), &r.q)?);
-                    tensors.extend(tensors_for(&format!("{p}self_attn.k_proj"), &r.k)?);
-                    tensors.extend(tensors_for(&format!("{p}self_attn.v_proj"), &r.v)?);
-                }
+            for (name, q) in stored(li, r, self.qkv_layout) {
+                tensors.extend(tensors_for(&name, &q)?);
             }
-            tensors.extend(tensors_for(&format!("{p}self_attn.out_proj"), &r.out)?);
-            tensors.extend(tensors_for(&format!("{p}mlp.gate_proj"), &r.gate)?);
-            tensors.extend(tensors_for(&format!("{p}mlp.up_proj"), &r.up)?);
-            tensors.extend(tensors_for(&format!("{p}mlp.down_proj"), &r.down)?);
         }
         match head {
             Some(q) => tensors.extend(tensors_for("lm_head", q)?),
@@ -413,17 +402,21 @@ impl Output {
 
     /// docs/GPTQ_FORMAT.md §4, with the q/k/v aliases vLLM needs for the fused QKV (§5).
     fn quantization_config(&self, r: &QuantReport, head: bool) -> serde_json::Value {
-        let mut modules = vec![
-            json!([
-                "self_attn.q_k_v_proj",
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj"
-            ]),
-            json!(["self_attn.out_proj"]),
-            json!(["mlp.gate_proj", "mlp.up_proj"]),
-            json!(["mlp.down_proj"]),
-        ];
+        // One list per shared input (true-sequential order); the fused name leads q/k/v.
+        let mut modules: Vec<Vec<&str>> = Vec::new();
+        let mut last = None;
+        for p in Proj::QUANTIZED {
+            if last != Some(p.input()) {
+                modules.push(if p == Proj::Q {
+                    vec![FUSED_QKV]
+                } else {
+                    vec![]
+                });
+                last = Some(p.input());
+            }
+            modules.last_mut().expect("pushed").push(p.module());
+        }
+        let mut modules: Vec<serde_json::Value> = modules.into_iter().map(|m| json!(m)).collect();
         if head {
             modules.push(json!(["lm_head"]));
         }
