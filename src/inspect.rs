@@ -90,7 +90,7 @@ pub fn inspect(ck: &Checkpoint, context: usize) -> InspectReport {
             .strip_suffix(".weight")
             .filter(|p| ck.layout.gptq.contains(*p))
         {
-            Some(prefix) => ["qweight", "qzeros", "scales", "g_idx"]
+            Some(prefix) => crate::formats::gptq::GPTQ_PARTS
                 .iter()
                 .filter_map(|part| ck.store.get(&format!("{prefix}.{part}")))
                 .map(|e| (e.end - e.start) as u64)

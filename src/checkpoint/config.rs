@@ -9,6 +9,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::formats::gptq::GptqInfo;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
@@ -88,80 +90,6 @@ struct RawConfig {
     eos_token_id: Option<serde_json::Value>,
     pad_token_id: Option<u32>,
     quantization_config: Option<serde_json::Value>,
-}
-
-/// What `quantization_config` says about a GPTQ checkpoint.
-#[derive(Debug, Clone, Serialize)]
-pub struct GptqInfo {
-    pub group_size: usize,
-    pub desc_act: bool,
-    /// The head is GPTQ-quantized too.
-    pub lm_head: bool,
-    /// v1 (`gptq`) stores zero − 1 in qzeros; v2 (`gptq_v2`) the zero itself.
-    pub v2: bool,
-    /// `w4a8` / `w4a16` when written by spark-tool (quantization_config.meta.spark_tool.format).
-    pub spark_tool_format: Option<String>,
-}
-
-fn parse_gptq(v: &serde_json::Value, origin: &str) -> Result<GptqInfo, ConfigError> {
-    let err = |field: &str, message: String| ConfigError::Field {
-        path: origin.to_string(),
-        field: format!("quantization_config.{field}"),
-        message,
-    };
-    match v.get("quant_method").and_then(|m| m.as_str()) {
-        Some("gptq") => {}
-        other => {
-            return Err(err(
-                "quant_method",
-                format!("only \"gptq\" checkpoints are supported, found {other:?}"),
-            ))
-        }
-    }
-    if v.get("bits").and_then(|b| b.as_u64()) != Some(4) {
-        return Err(err(
-            "bits",
-            format!(
-                "expected 4, found {}",
-                v.get("bits").unwrap_or(&serde_json::Value::Null)
-            ),
-        ));
-    }
-    if v.get("sym").and_then(|b| b.as_bool()) == Some(false) {
-        return Err(err(
-            "sym",
-            "asymmetric GPTQ is not supported (vLLM rejects it too)".into(),
-        ));
-    }
-    let group_size = match v.get("group_size").and_then(|g| g.as_i64()) {
-        Some(g) if [32, 64, 128].contains(&g) => g as usize,
-        other => {
-            return Err(err(
-                "group_size",
-                format!("expected 32, 64 or 128, found {other:?}"),
-            ))
-        }
-    };
-    let v2 = match v.get("checkpoint_format").and_then(|f| f.as_str()) {
-        None | Some("gptq") => false,
-        Some("gptq_v2") => true,
-        Some(other) => {
-            return Err(err(
-                "checkpoint_format",
-                format!("expected \"gptq\" or \"gptq_v2\", found \"{other}\""),
-            ))
-        }
-    };
-    Ok(GptqInfo {
-        group_size,
-        desc_act: v.get("desc_act").and_then(|b| b.as_bool()).unwrap_or(false),
-        lm_head: v.get("lm_head").and_then(|b| b.as_bool()).unwrap_or(false),
-        v2,
-        spark_tool_format: v
-            .pointer("/meta/spark_tool/format")
-            .and_then(|f| f.as_str())
-            .map(String::from),
-    })
 }
 
 /// A validated Spark2_5 configuration. Every derived size is a method so
@@ -444,7 +372,7 @@ impl SparkConfig {
             gptq: raw
                 .quantization_config
                 .as_ref()
-                .map(|q| parse_gptq(q, origin))
+                .map(|q| GptqInfo::from_json(q, origin))
                 .transpose()?,
         })
     }

@@ -272,57 +272,6 @@ pub struct CheckedLayout {
     pub warnings: Vec<String>,
 }
 
-/// The GPTQ tensor set of one linear W `[n, k]` (docs/GPTQ_FORMAT.md §1).
-fn check_gptq(
-    store: &TensorStore,
-    prefix: &str,
-    n: usize,
-    k: usize,
-    g: usize,
-    problems: &mut Vec<String>,
-) {
-    let mut want = |part: &str, dtypes: &[Dtype], shape: Vec<usize>, required: bool| {
-        let name = format!("{prefix}.{part}");
-        match store.get(&name) {
-            None if required => problems.push(format!(
-                "missing tensor `{name}` (GPTQ, expected shape {shape:?})"
-            )),
-            None => {}
-            Some(e) => {
-                if e.shape != shape {
-                    problems.push(format!(
-                        "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
-                        store.file_of(e).display(),
-                        e.shape
-                    ));
-                }
-                if !dtypes.contains(&e.dtype) {
-                    problems.push(format!(
-                        "tensor `{name}` in {} has dtype {:?}, expected {dtypes:?}",
-                        store.file_of(e).display(),
-                        e.dtype
-                    ));
-                }
-            }
-        }
-    };
-    if !k.is_multiple_of(8) || !n.is_multiple_of(8) || !k.is_multiple_of(g) {
-        problems.push(format!(
-            "`{prefix}`: shape [{n}, {k}] cannot hold GPTQ with group size {g}"
-        ));
-        return;
-    }
-    want("qweight", &[Dtype::I32], vec![k / 8, n], true);
-    want("qzeros", &[Dtype::I32], vec![k / g, n / 8], true);
-    want(
-        "scales",
-        &[Dtype::F16, Dtype::BF16, Dtype::F32],
-        vec![k / g, n],
-        true,
-    );
-    want("g_idx", &[Dtype::I32], vec![k], false);
-}
-
 /// Buffers some exporters leave in; they carry no information we use.
 fn is_ignorable(name: &str) -> bool {
     name.ends_with(".rotary_emb.inv_freq")
@@ -375,7 +324,7 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
             store.get(&t.name),
         ) {
             if quantizable && store.get(&format!("{prefix}.qweight")).is_some() {
-                check_gptq(
+                crate::formats::gptq::check_tensors(
                     store,
                     prefix,
                     t.shape[0],
@@ -418,7 +367,7 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
             continue;
         }
         if let Some((prefix, part)) = e.name.rsplit_once('.') {
-            if gptq.contains(prefix) && ["qweight", "qzeros", "scales", "g_idx"].contains(&part) {
+            if gptq.contains(prefix) && crate::formats::gptq::GPTQ_PARTS.contains(&part) {
                 continue;
             }
         }

@@ -6,8 +6,8 @@ use std::ops::Range;
 use serde::Serialize;
 
 use super::linear::Linear;
-use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::formats::gptq::unpack_qzeros_v1;
+use crate::checkpoint::{Checkpoint, CheckpointError, TensorStore};
+use crate::formats::gptq::{self, GptqInfo};
 use crate::kernels::bf16;
 use crate::kernels::w4::{self, Codes, W4Nibbles};
 use crate::kernels::w4a16::PackedW4A16;
@@ -84,16 +84,6 @@ impl Linear for GptqLinear {
     }
 }
 
-fn i32s(ck: &Checkpoint, name: &str) -> Result<Vec<i32>, CheckpointError> {
-    let e = ck.entry(name)?;
-    Ok(ck
-        .store
-        .bytes(e)
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect())
-}
-
 /// Build the GPTQ linear `prefix` (output columns `cols` of it, for a fused q/k/v).
 pub fn load_gptq(
     ck: &Checkpoint,
@@ -110,55 +100,36 @@ pub fn load_gptq(
                 "`{prefix}` is GPTQ but config.json has no quantization_config"
             )],
         })?;
-    let qw = ck.entry(&format!("{prefix}.qweight"))?;
-    let (k, n_all) = (qw.shape[0] * 8, qw.shape[1]);
-    let g = info.group_size;
-    let groups = k / g;
-    let mut zeros = unpack_qzeros_v1(&i32s(ck, &format!("{prefix}.qzeros"))?, groups, n_all);
-    if info.v2 {
-        zeros.iter_mut().for_each(|z| *z -= 1);
-    }
-    // vLLM converts scales to the bf16 model dtype at load.
-    let scales_gn: Vec<f32> = ck
-        .tensor_f32(&format!("{prefix}.scales"))?
-        .iter()
-        .map(|s| w4::round_bf16(*s))
-        .collect();
-    let g_idx: Vec<usize> = match ck.store.get(&format!("{prefix}.g_idx")) {
-        Some(_) => i32s(ck, &format!("{prefix}.g_idx"))?
-            .iter()
-            .map(|&v| v as usize)
-            .collect(),
-        None => (0..k).map(|kk| kk / g).collect(),
-    };
-    if g_idx.iter().any(|&gi| gi >= groups) {
-        return Err(CheckpointError::Tensors {
-            problems: vec![format!("`{prefix}.g_idx` points past the {groups} groups")],
-        });
-    }
-    let contiguous = g_idx.iter().enumerate().all(|(kk, &gi)| gi == kk / g);
+    from_store(&ck.store, info, prefix, cols, exec)
+}
+
+fn from_store(
+    store: &TensorStore,
+    info: &GptqInfo,
+    prefix: &str,
+    cols: Range<usize>,
+    exec: QuantExec,
+) -> Result<Box<dyn Linear>, CheckpointError> {
+    let mut d = gptq::read_linear(store, info, prefix, cols.clone())?;
+    let contiguous = d.contiguous();
     if !contiguous && exec.numerics == W4Numerics::W4A8 {
         return Err(CheckpointError::Tensors {
             problems: vec![format!("`{prefix}` uses act-order (g_idx ≠ k/G); vLLM runs such checkpoints only as W4A16 — use --w4-numerics w4a16")],
         });
     }
-    let n = cols.len();
-    let mut zeros_ng = vec![0i32; n * groups];
-    let mut scales = vec![0f32; n * groups];
-    for (j, col) in cols.clone().enumerate() {
-        for gi in 0..groups {
-            zeros_ng[j * groups + gi] = zeros[gi * n_all + col] as i32;
-            scales[j * groups + gi] = scales_gn[gi * n_all + col];
-        }
-    }
+    // vLLM converts scales to the bf16 model dtype at load.
+    d.scales.iter_mut().for_each(|s| *s = w4::round_bf16(*s));
+    let (n, k, g) = (cols.len(), d.k, d.group_size);
+    let groups = k / g;
+    let (g_idx, zeros_ng, scales) = (&d.g_idx, &d.zeros, &d.scales);
     let nib = W4Nibbles {
         q: Codes::GptqWords {
-            bytes: ck.store.bytes(qw),
-            n_all,
+            bytes: d.qweight,
+            n_all: d.n_all,
             col0: cols.start,
         },
-        zeros: &zeros_ng,
-        scales: &scales,
+        zeros: zeros_ng,
+        scales,
         n,
         k,
         g,
@@ -188,4 +159,84 @@ pub fn load_gptq(
         weights,
         exec,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::gptq::read::tests::{info, store_of, weight};
+
+    fn exec(numerics: W4Numerics) -> QuantExec {
+        QuantExec {
+            numerics,
+            act_bf16: false,
+        }
+    }
+
+    /// The weight each runtime uses for column slice `cols`, `[n, K]`: (q − 8) · bf16(s), rounded
+    /// to bf16 for W4A16 (`cpu_gemm_wna16` dequantizes to the model dtype), kept in f32 for W4A8
+    /// (`int4_scaled_mm_cpu` applies the scale in f32).
+    fn expected(
+        w: &crate::quant::QuantizedWeight,
+        cols: Range<usize>,
+        g_idx: &[usize],
+        numerics: W4Numerics,
+    ) -> Vec<f32> {
+        let n = w.out_features;
+        let mut out = Vec::new();
+        for c in cols {
+            for (kk, &gi) in g_idx.iter().enumerate() {
+                let s = w4::round_bf16(half::f16::from_f32(w.scales[gi * n + c]).to_f32());
+                let q = w.codes[kk * n + c] as f32 - 8.0;
+                out.push(match numerics {
+                    W4Numerics::W4A16 => w4::round_bf16(q * s),
+                    W4Numerics::W4A8 => q * s,
+                });
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn fused_column_slices_load_in_both_numerics() {
+        let d = tempfile::tempdir().unwrap();
+        let w = weight();
+        let store = store_of(&w, d.path(), |_| {});
+        let contiguous: Vec<usize> = (0..32).map(|k| k / 8).collect();
+        for numerics in [W4Numerics::W4A16, W4Numerics::W4A8] {
+            for cols in [0..16, 0..8, 8..16] {
+                let l =
+                    from_store(&store, &info(false), "x", cols.clone(), exec(numerics)).unwrap();
+                assert_eq!((l.out_features(), l.in_features()), (cols.len(), 32));
+                assert_eq!(
+                    l.dequantize(),
+                    expected(&w, cols, &contiguous, numerics),
+                    "{numerics:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn act_order_runs_as_w4a16_only() {
+        let d = tempfile::tempdir().unwrap();
+        let w = weight();
+        let perm: Vec<usize> = (0..32).map(|k| (k * 5) % 32 / 8).collect();
+        let store = store_of(&w, d.path(), |t| {
+            let x = t.iter_mut().find(|x| x.name == "x.g_idx").unwrap();
+            x.data = perm
+                .iter()
+                .flat_map(|&g| (g as i32).to_le_bytes())
+                .collect();
+        });
+        let l = from_store(&store, &info(false), "x", 4..12, exec(W4Numerics::W4A16)).unwrap();
+        assert_eq!(
+            l.dequantize(),
+            expected(&w, 4..12, &perm, W4Numerics::W4A16)
+        );
+        let e = from_store(&store, &info(false), "x", 0..16, exec(W4Numerics::W4A8))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("act-order"), "{e}");
+    }
 }

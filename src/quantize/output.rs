@@ -15,10 +15,10 @@ use sha2::{Digest, Sha256};
 
 use super::{LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
 use crate::artifact::{self, Staging};
-use crate::checkpoint::layout::{layer_prefix, stored_linears, FUSED_QKV};
+use crate::checkpoint::layout::{layer_prefix, stored_linears};
 use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use crate::checkpoint::{Checkpoint, Proj, QkvLayout, TensorStore};
-use crate::formats::gptq::{concat_outputs, tensors_for};
+use crate::formats::gptq::{self, concat_outputs, tensors_for};
 use crate::quant::QuantizedWeight;
 
 pub struct Output {
@@ -365,24 +365,9 @@ impl Output {
             serde_json::to_string_pretty(&cfg).expect("json") + "\n",
         )
         .map_err(io(&dir))?;
-        let mut legacy = serde_json::Map::new();
-        for k in [
-            "bits",
-            "group_size",
-            "desc_act",
-            "sym",
-            "static_groups",
-            "true_sequential",
-            "damp_percent",
-            "checkpoint_format",
-            "quant_method",
-            "lm_head",
-        ] {
-            legacy.insert(k.into(), qc[k].clone());
-        }
         std::fs::write(
             dir.join("quantize_config.json"),
-            serde_json::to_string_pretty(&legacy).expect("json") + "\n",
+            serde_json::to_string_pretty(&gptq::legacy_quantize_config(&qc)).expect("json") + "\n",
         )
         .map_err(io(&dir))?;
         for f in [
@@ -402,52 +387,21 @@ impl Output {
 
     /// docs/GPTQ_FORMAT.md §4, with the q/k/v aliases vLLM needs for the fused QKV (§5).
     fn quantization_config(&self, r: &QuantReport, head: bool) -> serde_json::Value {
-        // One list per shared input (true-sequential order); the fused name leads q/k/v.
-        let mut modules: Vec<Vec<&str>> = Vec::new();
-        let mut last = None;
-        for p in Proj::QUANTIZED {
-            if last != Some(p.input()) {
-                modules.push(if p == Proj::Q {
-                    vec![FUSED_QKV]
-                } else {
-                    vec![]
-                });
-                last = Some(p.input());
-            }
-            modules.last_mut().expect("pushed").push(p.module());
-        }
-        let mut modules: Vec<serde_json::Value> = modules.into_iter().map(|m| json!(m)).collect();
-        if head {
-            modules.push(json!(["lm_head"]));
-        }
-        json!({
-            "quant_method": "gptq",
-            "bits": 4,
-            "group_size": r.group_size,
-            "desc_act": false,
-            "sym": true,
-            "static_groups": false,
-            "true_sequential": true,
-            "damp_percent": 0.01,
-            "lm_head": head,
-            "checkpoint_format": "gptq",
-            "pack_dtype": "int32",
-            "modules_in_block_to_quantize": modules,
-            "meta": {
-                "quantizer": [format!("spark-tool:{}", env!("CARGO_PKG_VERSION"))],
-                "spark_tool": {
-                    "format": r.format,
-                    "method": r.method,
-                    "scale_rule": r.scale_rule,
-                    "qkv_layout": r.qkv_layout,
-                    "device_path": r.path,
-                    "calibration_sha256": r.calibration_sha256,
-                    "calibration_files": r.calibration_files,
-                    "samples": r.samples,
-                    "seq_len": r.seq_len,
-                }
-            }
-        })
+        gptq::quantization_config(
+            r.group_size,
+            head,
+            json!({
+                "format": r.format,
+                "method": r.method,
+                "scale_rule": r.scale_rule,
+                "qkv_layout": r.qkv_layout,
+                "device_path": r.path,
+                "calibration_sha256": r.calibration_sha256,
+                "calibration_files": r.calibration_files,
+                "samples": r.samples,
+                "seq_len": r.seq_len,
+            }),
+        )
     }
 
     /// Write the report, move the finished checkpoint onto `--out`, drop the staging folder.

@@ -1,15 +1,26 @@
-//! GPTQ v1 tensors on disk (docs/GPTQ_FORMAT.md §1–§2): knows nothing about Hessians.
+//! GPTQ v1 checkpoints (docs/GPTQ_FORMAT.md): everything about the format lives here, in both
+//! directions; nothing about Hessians. `config` reads and writes `quantization_config`, `read`
+//! checks and decodes a linear's tensors, this file packs and writes them.
 //!
 //! Per quantized linear with W `[N, K]` and group size G:
 //! `qweight` i32 `[K/8, N]` (codes packed along K, k = 8r + j in bits 4j..4j+3),
 //! `qzeros` i32 `[K/G, N/8]` (v1: stored zero − 1 = 7 → `0x77777777`),
 //! `scales` f16 `[K/G, N]`, `g_idx` i32 `[K]` = k / G.
 
+mod config;
+pub(crate) mod read;
+
+pub use config::{legacy_quantize_config, quantization_config, GptqInfo};
+pub use read::{check_tensors, read_linear, GptqLinearData};
+
 use half::f16;
 use safetensors::Dtype;
 
 use crate::checkpoint::write::OwnedTensor;
 use crate::quant::QuantizedWeight;
+
+/// The tensors of one GPTQ linear, as `<prefix>.<part>`.
+pub const GPTQ_PARTS: [&str; 4] = ["qweight", "qzeros", "scales", "g_idx"];
 
 /// Every qzeros word of a symmetric (zero 8) v1 checkpoint.
 pub const QZEROS_V1_SYM: i32 = 0x7777_7777;

@@ -1,0 +1,251 @@
+//! Reading the GPTQ tensors of one linear (docs/GPTQ_FORMAT.md §1–§2): the tensor-set check
+//! of the layout and the decoding of zero points, scales and g_idx that every loader needs.
+
+use std::ops::Range;
+
+use safetensors::Dtype;
+
+use super::{unpack_qzeros_v1, GptqInfo};
+use crate::checkpoint::{CheckpointError, TensorEntry, TensorStore};
+
+/// The GPTQ tensor set of one linear W `[n, k]` (docs/GPTQ_FORMAT.md §1).
+pub fn check_tensors(
+    store: &TensorStore,
+    prefix: &str,
+    n: usize,
+    k: usize,
+    g: usize,
+    problems: &mut Vec<String>,
+) {
+    let mut want = |part: &str, dtypes: &[Dtype], shape: Vec<usize>, required: bool| {
+        let name = format!("{prefix}.{part}");
+        match store.get(&name) {
+            None if required => problems.push(format!(
+                "missing tensor `{name}` (GPTQ, expected shape {shape:?})"
+            )),
+            None => {}
+            Some(e) => {
+                if e.shape != shape {
+                    problems.push(format!(
+                        "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
+                        store.file_of(e).display(),
+                        e.shape
+                    ));
+                }
+                if !dtypes.contains(&e.dtype) {
+                    problems.push(format!(
+                        "tensor `{name}` in {} has dtype {:?}, expected {dtypes:?}",
+                        store.file_of(e).display(),
+                        e.dtype
+                    ));
+                }
+            }
+        }
+    };
+    if !k.is_multiple_of(8) || !n.is_multiple_of(8) || !k.is_multiple_of(g) {
+        problems.push(format!(
+            "`{prefix}`: shape [{n}, {k}] cannot hold GPTQ with group size {g}"
+        ));
+        return;
+    }
+    want("qweight", &[Dtype::I32], vec![k / 8, n], true);
+    want("qzeros", &[Dtype::I32], vec![k / g, n / 8], true);
+    want(
+        "scales",
+        &[Dtype::F16, Dtype::BF16, Dtype::F32],
+        vec![k / g, n],
+        true,
+    );
+    want("g_idx", &[Dtype::I32], vec![k], false);
+}
+
+/// One GPTQ linear as stored, decoded for output columns `cols` (all of a split projection, or
+/// its slice of a fused `q_k_v_proj`): codes stay packed in the memory map.
+pub struct GptqLinearData<'a> {
+    /// `qweight` bytes, i32 words `[K/8, n_all]` (little-endian).
+    pub qweight: &'a [u8],
+    pub n_all: usize,
+    pub k: usize,
+    pub group_size: usize,
+    /// True zero point (v1 and v2 already resolved) per `[n, groups]` of `cols`.
+    pub zeros: Vec<i32>,
+    /// Scales as stored, widened to f32, per `[n, groups]` of `cols`.
+    pub scales: Vec<f32>,
+    /// Group of each input row.
+    pub g_idx: Vec<usize>,
+}
+
+impl GptqLinearData<'_> {
+    /// `g_idx == k / G` (no act-order permutation).
+    pub fn contiguous(&self) -> bool {
+        let g = self.group_size;
+        self.g_idx.iter().enumerate().all(|(kk, &gi)| gi == kk / g)
+    }
+}
+
+fn entry<'a>(store: &'a TensorStore, name: &str) -> Result<&'a TensorEntry, CheckpointError> {
+    store.get(name).ok_or_else(|| CheckpointError::Tensors {
+        problems: vec![format!("missing tensor `{name}`")],
+    })
+}
+
+fn i32s(store: &TensorStore, name: &str) -> Result<Vec<i32>, CheckpointError> {
+    let e = entry(store, name)?;
+    Ok(store
+        .bytes(e)
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+/// Decode linear `prefix` (its `qweight`/`qzeros`/`scales`/`g_idx`) for columns `cols`.
+pub fn read_linear<'a>(
+    store: &'a TensorStore,
+    info: &GptqInfo,
+    prefix: &str,
+    cols: Range<usize>,
+) -> Result<GptqLinearData<'a>, CheckpointError> {
+    let qw = entry(store, &format!("{prefix}.qweight"))?;
+    let (k, n_all) = (qw.shape[0] * 8, qw.shape[1]);
+    let g = info.group_size;
+    let groups = k / g;
+    let mut zeros_gn = unpack_qzeros_v1(&i32s(store, &format!("{prefix}.qzeros"))?, groups, n_all);
+    if info.v2 {
+        zeros_gn.iter_mut().for_each(|z| *z -= 1);
+    }
+    let scales_gn = store.to_f32(entry(store, &format!("{prefix}.scales"))?)?;
+    let g_idx: Vec<usize> = match store.get(&format!("{prefix}.g_idx")) {
+        Some(_) => i32s(store, &format!("{prefix}.g_idx"))?
+            .iter()
+            .map(|&v| v as usize)
+            .collect(),
+        None => (0..k).map(|kk| kk / g).collect(),
+    };
+    if g_idx.iter().any(|&gi| gi >= groups) {
+        return Err(CheckpointError::Tensors {
+            problems: vec![format!("`{prefix}.g_idx` points past the {groups} groups")],
+        });
+    }
+    if cols.end > n_all {
+        return Err(CheckpointError::Tensors {
+            problems: vec![format!(
+                "`{prefix}` has {n_all} output columns, columns {cols:?} were asked for"
+            )],
+        });
+    }
+    let n = cols.len();
+    let mut zeros = vec![0i32; n * groups];
+    let mut scales = vec![0f32; n * groups];
+    for (j, col) in cols.enumerate() {
+        for gi in 0..groups {
+            zeros[j * groups + gi] = zeros_gn[gi * n_all + col] as i32;
+            scales[j * groups + gi] = scales_gn[gi * n_all + col];
+        }
+    }
+    Ok(GptqLinearData {
+        qweight: store.bytes(qw),
+        n_all,
+        k,
+        group_size: g,
+        zeros,
+        scales,
+        g_idx,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
+    use crate::formats::gptq::tensors_for;
+    use crate::quant::QuantizedWeight;
+
+    /// A K = 32, N = 16, G = 8 linear with distinct codes and scales.
+    pub(crate) fn weight() -> QuantizedWeight {
+        let (k, n, g) = (32, 16, 8);
+        QuantizedWeight {
+            in_features: k,
+            out_features: n,
+            group_size: g,
+            codes: (0..k * n).map(|i| ((i * 7 + i / 16) % 16) as u8).collect(),
+            scales: (0..k / g * n).map(|i| 0.01 * (1 + i % 13) as f32).collect(),
+        }
+    }
+
+    pub(crate) fn info(v2: bool) -> GptqInfo {
+        GptqInfo {
+            group_size: 8,
+            desc_act: false,
+            lm_head: false,
+            v2,
+            spark_tool_format: None,
+        }
+    }
+
+    /// Write `w` under prefix `x`, then let `edit` change the tensors (v2 zeros, act-order).
+    pub(crate) fn store_of(
+        w: &QuantizedWeight,
+        dir: &std::path::Path,
+        edit: impl FnOnce(&mut Vec<OwnedTensor>),
+    ) -> TensorStore {
+        let mut t = tensors_for("x", w).unwrap();
+        edit(&mut t);
+        let p = dir.join("x.safetensors");
+        write_safetensors_atomic(&p, &t, None).unwrap();
+        TensorStore::open_file(&p).unwrap()
+    }
+
+    #[test]
+    fn decodes_what_tensors_for_wrote_for_any_column_slice() {
+        let d = tempfile::tempdir().unwrap();
+        let w = weight();
+        let store = store_of(&w, d.path(), |_| {});
+        for cols in [0..16, 8..16, 3..11] {
+            let r = read_linear(&store, &info(false), "x", cols.clone()).unwrap();
+            assert!(r.contiguous());
+            assert!(r.zeros.iter().all(|&z| z == 8), "v1 stores zero − 1");
+            for (j, c) in cols.enumerate() {
+                for g in 0..4 {
+                    assert_eq!(
+                        r.scales[j * 4 + g],
+                        half::f16::from_f32(w.scales[g * 16 + c]).to_f32()
+                    );
+                }
+            }
+        }
+        let e = read_linear(&store, &info(false), "x", 8..17).err().unwrap();
+        assert!(e.to_string().contains("16 output columns"), "{e}");
+    }
+
+    #[test]
+    fn v2_zeros_act_order_and_bad_g_idx() {
+        let d = tempfile::tempdir().unwrap();
+        let w = weight();
+        let set = |t: &mut Vec<OwnedTensor>, part: &str, v: Vec<i32>| {
+            let x = t
+                .iter_mut()
+                .find(|x| x.name == format!("x.{part}"))
+                .unwrap();
+            x.data = v.iter().flat_map(|v| v.to_le_bytes()).collect();
+        };
+        // v2 stores the zero itself: 0x88888888 means 8.
+        let s = store_of(&w, d.path(), |t| {
+            set(t, "qzeros", vec![0x8888_8888u32 as i32; 8])
+        });
+        let r = read_linear(&s, &info(true), "x", 0..16).unwrap();
+        assert!(r.zeros.iter().all(|&z| z == 8));
+        // Act-order: a permuted g_idx is kept and reported as not contiguous.
+        let perm: Vec<i32> = (0..32).map(|k| (k * 5) % 32 / 8).collect();
+        let s = store_of(&w, d.path(), |t| set(t, "g_idx", perm.clone()));
+        let r = read_linear(&s, &info(false), "x", 0..16).unwrap();
+        assert!(!r.contiguous());
+        assert_eq!(
+            r.g_idx,
+            perm.iter().map(|&g| g as usize).collect::<Vec<_>>()
+        );
+        // A g_idx past the groups is an error naming the tensor.
+        let s = store_of(&w, d.path(), |t| set(t, "g_idx", vec![4; 32]));
+        let e = read_linear(&s, &info(false), "x", 0..16).err().unwrap();
+        assert!(e.to_string().contains("x.g_idx"), "{e}");
+    }
+}
