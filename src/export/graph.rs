@@ -18,6 +18,10 @@ use std::ops::Range;
 use super::onnx::{Attr, DType, Graph};
 use crate::checkpoint::layout::layer_prefix;
 use crate::checkpoint::{LayerType, Proj, QkvLayout, SparkConfig};
+pub use crate::phone::manifest::{
+    cos_input, key_in, key_out, mask_input, sin_input, type_name, value_in, value_out, EMBEDS,
+    HIDDEN_IN, HIDDEN_OUT, LOGITS,
+};
 
 /// How a MatMul weight is materialised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,47 +135,15 @@ pub fn past_len(cfg: &SparkConfig, t: LayerType, context: usize) -> usize {
     }
 }
 
-pub fn type_name(t: LayerType) -> &'static str {
-    match t {
-        LayerType::Sliding => "sliding",
-        LayerType::Full => "full",
-    }
-}
-
-pub fn mask_input(t: LayerType) -> String {
-    format!("attention_mask_{}", type_name(t))
-}
-pub fn cos_input(t: LayerType) -> String {
-    format!("position_ids_cos_{}", type_name(t))
-}
-pub fn sin_input(t: LayerType) -> String {
-    format!("position_ids_sin_{}", type_name(t))
-}
-pub fn key_in(l: usize) -> String {
-    format!("past_key_{l}_in")
-}
-pub fn value_in(l: usize) -> String {
-    format!("past_value_{l}_in")
-}
-pub fn key_out(l: usize) -> String {
-    format!("past_key_{l}_out")
-}
-pub fn value_out(l: usize) -> String {
-    format!("past_value_{l}_out")
-}
-pub const EMBEDS: &str = "input_embeds";
-pub const LOGITS: &str = "logits";
-
 /// Residual stream entering a part (`input_embeds` for the first) and
 /// leaving a part without the head; the host passes one part's output to the next.
 pub fn hidden_in(p: &PartPlan) -> String {
     if p.index == 0 {
         EMBEDS.into()
     } else {
-        "hidden_states_in".into()
+        HIDDEN_IN.into()
     }
 }
-pub const HIDDEN_OUT: &str = "hidden_states_out";
 
 pub struct StepBuilder<'a> {
     pub cfg: &'a SparkConfig,

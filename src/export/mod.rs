@@ -761,7 +761,7 @@ fn calibrate(
     let emb = ck.tensor_f32("model.embedding.weight")?;
     ranges.observe(graph::EMBEDS, &emb);
     if let Some(r) = ranges.0.get(graph::HIDDEN_OUT).copied() {
-        ranges.0.insert("hidden_states_in".into(), r);
+        ranges.0.insert(graph::HIDDEN_IN.into(), r);
     }
     drop(model);
     std::fs::remove_dir_all(&dir).map_err(io(&dir))?;

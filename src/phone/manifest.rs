@@ -7,7 +7,46 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::LayerType;
+
 pub const MANIFEST: &str = "phone_manifest.json";
+
+// The graph's I/O names (docs/PHONE_IO.md §4): the exporter writes them, apps read them.
+
+pub fn type_name(t: LayerType) -> &'static str {
+    match t {
+        LayerType::Sliding => "sliding",
+        LayerType::Full => "full",
+    }
+}
+
+pub fn mask_input(t: LayerType) -> String {
+    format!("attention_mask_{}", type_name(t))
+}
+pub fn cos_input(t: LayerType) -> String {
+    format!("position_ids_cos_{}", type_name(t))
+}
+pub fn sin_input(t: LayerType) -> String {
+    format!("position_ids_sin_{}", type_name(t))
+}
+pub fn key_in(l: usize) -> String {
+    format!("past_key_{l}_in")
+}
+pub fn value_in(l: usize) -> String {
+    format!("past_value_{l}_in")
+}
+pub fn key_out(l: usize) -> String {
+    format!("past_key_{l}_out")
+}
+pub fn value_out(l: usize) -> String {
+    format!("past_value_{l}_out")
+}
+pub const EMBEDS: &str = "input_embeds";
+pub const LOGITS: &str = "logits";
+pub const HIDDEN_OUT: &str = "hidden_states_out";
+/// The residual stream entering every part but the first.
+pub const HIDDEN_IN: &str = "hidden_states_in";
+
 pub const FORMAT: &str = "spark-tool phone decode step";
 
 /// `real = (q − zero_point) · scale` (ONNX convention; AIMET's `offset` is `−zero_point`).

@@ -15,7 +15,7 @@ use ort::session::SessionInputValue;
 use ort::session::{builder::GraphOptimizationLevel, Session};
 use ort::value::{DynValue, Tensor, TensorRef};
 
-use crate::checkpoint::{LayerType, SparkConfig, TensorStore};
+use crate::checkpoint::{SparkConfig, TensorStore};
 use crate::engine::{Engine, Sequence};
 use crate::model::rope::Rope;
 use crate::model::{Logits, ModelError};
@@ -328,7 +328,7 @@ impl PhoneSequence<'_> {
                 if io.dtype == "float32" {
                     let (_, d) = v.try_extract_tensor::<f32>().map_err(|e| run(ort_err(e)))?;
                     observe(&io.name, d);
-                    if io.name == "logits" {
+                    if io.name == manifest::LOGITS {
                         logits = Some(d.to_vec());
                     } else if io.name.starts_with("hidden_states") {
                         hidden = d.to_vec();
@@ -418,9 +418,4 @@ impl Sequence for PhoneSequence<'_> {
         }
         Ok(out)
     }
-}
-
-/// Which layer type name the manifest uses.
-pub fn type_key(t: LayerType) -> &'static str {
-    crate::export::graph::type_name(t)
 }
