@@ -9,11 +9,10 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use spark_tool::checkpoint::QkvLayout;
-use spark_tool::device::{self, Priority, Target, WeightFormat};
+use spark_tool::device::WeightFormat;
 use spark_tool::export::{export_phone, ExportOptions, Precision};
 use spark_tool::phone::QType;
-use spark_tool::quantize::{calibration, quantize, Method, QuantizeOptions};
+use spark_tool::quantize::{quantize, QuantizeOptions};
 
 fn copy_fixture(to: &Path) -> PathBuf {
     let dst = to.join("model");
@@ -46,30 +45,9 @@ fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
 }
 
 fn qopts(model: &Path, out: &Path) -> QuantizeOptions {
-    QuantizeOptions {
-        model_dir: model.to_path_buf(),
-        out_dir: out.to_path_buf(),
-        format: WeightFormat::W4A8,
-        group_size: 128,
-        method: Method::GptqSearch,
-        path: device::decide(
-            &device::CpuFeatures::default(),
-            Target::X86,
-            Priority::Speed,
-        ),
-        calibration: vec![calibration::bundled()],
-        samples: 4,
-        seq_len: 64,
-        qkv_layout: QkvLayout::Fused,
-        quantize_head: false,
-        damp: 0.01,
-        resume: false,
-        force: true,
-        progress: false,
-        compare: false,
-        dump_dequantized: None,
-        stop_after_layers: None,
-    }
+    let mut o = common::quantize_options(model, out, WeightFormat::W4A8, 128);
+    (o.samples, o.seq_len, o.compare, o.force) = (4, 64, false, true);
+    o
 }
 
 fn eopts() -> ExportOptions {

@@ -5,7 +5,7 @@ mod common;
 use std::path::Path;
 
 use spark_tool::checkpoint::{QkvLayout, TensorStore};
-use spark_tool::device::{self, Priority, Target, WeightFormat};
+use spark_tool::device::WeightFormat;
 use spark_tool::formats::gptq::{unpack_qweight, QZEROS_V1_SYM};
 use spark_tool::quantize::{
     calibration, quantize, Method, QuantReport, QuantizeError, QuantizeOptions,
@@ -13,30 +13,7 @@ use spark_tool::quantize::{
 
 /// Small calibration so the tests stay fast (16 × 128 = 2048 tokens, > 3× the 768-wide MLP input).
 fn opts(out: &Path, format: WeightFormat, group_size: usize) -> QuantizeOptions {
-    QuantizeOptions {
-        model_dir: common::fixture("spark-tiny"),
-        out_dir: out.to_path_buf(),
-        format,
-        group_size,
-        method: Method::GptqSearch,
-        path: device::decide(
-            &device::CpuFeatures::default(),
-            Target::X86,
-            Priority::Speed,
-        ),
-        calibration: vec![calibration::bundled()],
-        samples: 16,
-        seq_len: 128,
-        qkv_layout: QkvLayout::Fused,
-        quantize_head: false,
-        damp: 0.01,
-        resume: false,
-        force: false,
-        progress: false,
-        compare: true,
-        dump_dequantized: None,
-        stop_after_layers: None,
-    }
+    common::quantize_options(&common::fixture("spark-tiny"), out, format, group_size)
 }
 
 fn i32s(store: &TensorStore, name: &str) -> Vec<i32> {

@@ -51,7 +51,7 @@ pub struct ExportArgs {
     /// spare, clipping unseen outliers costs more (measured in docs/PHONE_EXPORT.md).
     #[arg(long, default_value_t = 2.0)]
     range_margin: f32,
-    /// Replace OUT if it exists.
+    /// Replace OUT if it is a previous export of spark-tool (never anything else; docs/OUTPUTS.md).
     #[arg(long)]
     force: bool,
     #[arg(long)]

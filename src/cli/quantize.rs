@@ -108,7 +108,7 @@ pub fn probe(a: ProbeArgs) -> anyhow::Result<()> {
 pub struct QuantizeArgs {
     /// Checkpoint folder (default: the bundled trained fixture).
     model_dir: Option<PathBuf>,
-    /// Output folder; refused if it exists and is not empty, unless --force.
+    /// Output folder: new, empty, or (with --force) a previous quantized checkpoint of spark-tool.
     #[arg(long)]
     out: PathBuf,
     /// auto = decided by the per-device weight path probe (see `spark-tool probe`).
@@ -143,7 +143,7 @@ pub struct QuantizeArgs {
     /// Continue an interrupted run from its last completed layer.
     #[arg(long)]
     resume: bool,
-    /// Replace a non-empty --out (only once the new checkpoint is complete).
+    /// Replace a previous quantized checkpoint at --out, once the new one is complete (docs/OUTPUTS.md).
     #[arg(long)]
     force: bool,
     /// Print the report as JSON on stdout.

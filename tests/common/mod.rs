@@ -3,8 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use spark_tool::checkpoint::{Checkpoint, TensorStore};
+use spark_tool::checkpoint::{Checkpoint, QkvLayout, TensorStore};
+use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::model::SparkModel;
+use spark_tool::quantize::{calibration, Method, QuantizeOptions};
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -101,5 +103,39 @@ pub fn copy_dir(from: &Path, to: &Path) {
         if e.file_type().unwrap().is_file() {
             std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
         }
+    }
+}
+
+/// `quantize` options for tests: GPTQ + scale search on 16 × 128 bundled calibration tokens,
+/// the comparison columns on, nothing forced.
+pub fn quantize_options(
+    model: &Path,
+    out: &Path,
+    format: WeightFormat,
+    group_size: usize,
+) -> QuantizeOptions {
+    QuantizeOptions {
+        model_dir: model.to_path_buf(),
+        out_dir: out.to_path_buf(),
+        format,
+        group_size,
+        method: Method::GptqSearch,
+        path: device::decide(
+            &device::CpuFeatures::default(),
+            Target::X86,
+            Priority::Speed,
+        ),
+        calibration: vec![calibration::bundled()],
+        samples: 16,
+        seq_len: 128,
+        qkv_layout: QkvLayout::Fused,
+        quantize_head: false,
+        damp: 0.01,
+        resume: false,
+        force: false,
+        progress: false,
+        compare: true,
+        dump_dequantized: None,
+        stop_after_layers: None,
     }
 }
