@@ -45,3 +45,84 @@ impl Engine for SparkModel {
         "spark-tool engine".into()
     }
 }
+
+/// An artifact opened for `run`/`parity`: the engine, where its tokenizer is, and its size.
+pub struct Opened {
+    pub engine: Box<dyn Engine>,
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Bits per weight over everything the artifact ships.
+    pub bpw: f64,
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("opening {dir}")]
+    Checkpoint {
+        dir: String,
+        #[source]
+        source: crate::checkpoint::CheckpointError,
+    },
+    #[error("opening phone export {dir}")]
+    Phone {
+        dir: String,
+        #[source]
+        source: crate::phone::PhoneError,
+    },
+    #[error("listing {dir}")]
+    Io {
+        dir: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Open an original or GPTQ checkpoint (executed with `options(&checkpoint)`) or an exported
+/// phone graph (on `threads` ONNX Runtime threads).
+pub fn open(
+    dir: &std::path::Path,
+    options: impl FnOnce(&crate::checkpoint::Checkpoint) -> crate::model::LoadOptions,
+    threads: usize,
+) -> Result<Opened, OpenError> {
+    use crate::phone::{self, PhoneModel};
+    let name = || dir.display().to_string();
+    if phone::is_phone_export(dir) {
+        let m = PhoneModel::open(dir, threads).map_err(|source| OpenError::Phone {
+            dir: name(),
+            source,
+        })?;
+        let tok = dir.join("tokenizer.json");
+        let io = |source| OpenError::Io {
+            dir: name(),
+            source,
+        };
+        let mut bytes = 0u64;
+        for e in std::fs::read_dir(dir).map_err(io)? {
+            let e = e.map_err(io)?;
+            let n = e.file_name().to_string_lossy().to_string();
+            if n.ends_with(".onnx") || n.ends_with(".onnx.data") || n == m.manifest.embedding.file {
+                bytes += e.metadata().map_err(io)?.len();
+            }
+        }
+        let params = crate::inspect::parameters(m.config()) as f64;
+        return Ok(Opened {
+            bpw: bytes as f64 * 8.0 / params,
+            tokenizer: tok.is_file().then_some(tok),
+            engine: Box::new(m),
+            warnings: Vec::new(),
+        });
+    }
+    let checkpoint = |source| OpenError::Checkpoint {
+        dir: name(),
+        source,
+    };
+    let ck = crate::checkpoint::Checkpoint::open(dir).map_err(checkpoint)?;
+    let r = crate::inspect::inspect(&ck, 1);
+    let model = SparkModel::load(&ck, options(&ck)).map_err(checkpoint)?;
+    Ok(Opened {
+        engine: Box::new(model),
+        tokenizer: ck.tokenizer_path(),
+        bpw: r.bytes as f64 * 8.0 / r.parameters.max(1) as f64,
+        warnings: ck.layout.warnings.clone(),
+    })
+}

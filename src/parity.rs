@@ -61,6 +61,22 @@ pub fn bundled_eval_text() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("calibration/heldout.jsonl")
 }
 
+/// Held-out windows for perplexity: `tokens` tokens of `text` in windows of `seq_len` (at most
+/// `tokens`, at least 2); none when `tokens` is 0.
+pub fn eval_windows(
+    text: &Path,
+    tok: &SparkTokenizer,
+    tokens: usize,
+    seq_len: usize,
+) -> Result<Vec<Vec<u32>>, crate::quantize::calibration::CalibrationError> {
+    if tokens == 0 {
+        return Ok(Vec::new());
+    }
+    let seq = seq_len.min(tokens).max(2);
+    let w = crate::quantize::calibration::build(&[text.to_path_buf()], tok, tokens / seq, seq)?;
+    Ok((0..w.samples).map(|s| w.sample(s).to_vec()).collect())
+}
+
 pub fn read_prompts(path: &Path) -> Result<Vec<Prompt>, ParityError> {
     let bad = |message: String| ParityError::Input {
         path: path.display().to_string(),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Refactors must not change what spark-tool writes. Runs two spark-tool binaries on the fixture
 # (quantize W4A8/W4A16, fused and split QKV, 4-bit head; export-phone f32 and w8a16; run
-# --logits-out of the original and of a quantized checkpoint) and compares every file byte for
+# --logits-out of the original, both quantized formats and the w8a16 phone graph) and compares every file byte for
 # byte. quant_report.json is compared as JSON without the fields that differ from run to run
 # (the output path, wall times, peak RSS); the artifact marker is new since 2026-12 and skipped.
 #
@@ -19,6 +19,8 @@ for b in old new; do
   "$bin" export-phone fixtures/spark-tiny --out "$w/$b/phone-w8a16" --context 256 --calib-samples 2 --calib-seq-len 64 --quiet
   "$bin" run --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits.safetensors"
   "$bin" run "$w/$b/q-w4a8-fused" --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits-q.safetensors"
+  "$bin" run "$w/$b/q-w4a16-split" --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits-q16.safetensors"
+  "$bin" run "$w/$b/phone-w8a16" --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits-phone.safetensors"
 done
 cd "$w"
 n=0; bad=0

@@ -3,7 +3,6 @@ use std::path::PathBuf;
 use clap::Args;
 
 use spark_tool::parity::{self, ParityInputs, ParityReport, Policy};
-use spark_tool::quantize::calibration;
 use spark_tool::tokenizer::SparkTokenizer;
 
 use super::run::ExecArgs;
@@ -85,17 +84,16 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         None => None,
     };
     let prompts = parity::read_prompts(&a.prompts.clone().unwrap_or_else(parity::bundled_prompts))?;
-    let eval_windows = match (&tokenizer, a.eval_tokens) {
-        (_, 0) | (None, _) => Vec::new(),
-        (Some(tok), n) => {
-            let path = a
-                .eval_text
+    let eval_windows = match &tokenizer {
+        Some(tok) => parity::eval_windows(
+            &a.eval_text
                 .clone()
-                .unwrap_or_else(parity::bundled_eval_text);
-            let seq = a.eval_seq_len.min(n).max(2);
-            let w = calibration::build(&[path], tok, n / seq, seq)?;
-            (0..w.samples).map(|s| w.sample(s).to_vec()).collect()
-        }
+                .unwrap_or_else(parity::bundled_eval_text),
+            tok,
+            a.eval_tokens,
+            a.eval_seq_len,
+        )?,
+        None => Vec::new(),
     };
     let inputs = ParityInputs {
         reference: reference.engine.as_ref(),

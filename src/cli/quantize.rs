@@ -171,22 +171,12 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
     if path.format == WeightFormat::W8A16 {
         bail!("--target phone: phones do not run GPTQ checkpoints; use `spark-tool export-phone` (calibrated w8a16 graph)");
     }
-    let format = match a.format {
-        FormatArg::Auto => path.format,
-        FormatArg::W4a8 => WeightFormat::W4A8,
-        FormatArg::W4a16 => WeightFormat::W4A16,
+    let explicit = match a.format {
+        FormatArg::Auto => None,
+        FormatArg::W4a8 => Some(WeightFormat::W4A8),
+        FormatArg::W4a16 => Some(WeightFormat::W4A16),
     };
-    if !matches!(a.format, FormatArg::Auto) {
-        path.reasons.push(format!(
-            "--format {} given explicitly",
-            serde_json::to_value(format)?.as_str().unwrap_or("?")
-        ));
-    }
-    let group_size = a.group_size.unwrap_or(match (a.format, format) {
-        (FormatArg::Auto, _) => path.group_size,
-        (_, WeightFormat::W4A8) => 128,
-        _ => 64,
-    });
+    let (format, group_size) = path.override_with(explicit, a.group_size);
     let opts = QuantizeOptions {
         model_dir: model_dir.clone(),
         out_dir: a.out.clone(),

@@ -62,6 +62,18 @@ pub enum WeightFormat {
     W8A16,
 }
 
+impl WeightFormat {
+    /// The group size when only the format is chosen: 128 for W4A8 (the fast kernel's case), 64 for
+    /// W4A16 (where fidelity is the reason to pick it).
+    pub fn default_group_size(self) -> usize {
+        match self {
+            WeightFormat::W4A8 => 128,
+            WeightFormat::W4A16 => 64,
+            WeightFormat::W8A16 => 0,
+        }
+    }
+}
+
 /// The decision, with the facts behind it.
 #[derive(Debug, Clone, Serialize)]
 pub struct WeightPath {
@@ -74,6 +86,32 @@ pub struct WeightPath {
     /// False when the path has not been verified on a real consumer.
     pub verified: bool,
     pub reasons: Vec<String>,
+}
+
+impl WeightPath {
+    /// Apply a user's explicit choices over the probe's: a format (recorded among the reasons)
+    /// and a group size. Returns the format and group size to quantize with.
+    pub fn override_with(
+        &mut self,
+        format: Option<WeightFormat>,
+        group_size: Option<usize>,
+    ) -> (WeightFormat, usize) {
+        let chosen = format.unwrap_or(self.format);
+        if let Some(f) = format {
+            self.reasons.push(format!(
+                "--format {} given explicitly",
+                serde_json::to_value(f)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default()
+            ));
+        }
+        let default = match format {
+            None => self.group_size,
+            Some(f) => f.default_group_size(),
+        };
+        (chosen, group_size.unwrap_or(default))
+    }
 }
 
 /// Detect the features of the CPU this process runs on, requesting AMX tile
@@ -255,6 +293,33 @@ mod tests {
         assert_eq!(
             (p.format, p.group_size, p.runs_in_vllm, p.target),
             (WeightFormat::W4A8, 128, true, "x86-amx")
+        );
+    }
+
+    #[test]
+    fn explicit_format_and_group_size_override_the_probe() {
+        let probe = || decide(&spr(), Target::Auto, Priority::Speed);
+        let mut p = probe();
+        assert_eq!(p.override_with(None, None), (WeightFormat::W4A8, 128));
+        assert_eq!(
+            p.reasons,
+            probe().reasons,
+            "nothing explicit, nothing recorded"
+        );
+        let mut p = probe();
+        assert_eq!(
+            p.override_with(Some(WeightFormat::W4A16), None),
+            (WeightFormat::W4A16, 64)
+        );
+        assert!(p.reasons.last().unwrap().contains("--format w4a16"));
+        let mut p = probe();
+        assert_eq!(
+            p.override_with(Some(WeightFormat::W4A8), Some(64)),
+            (WeightFormat::W4A8, 64)
+        );
+        assert_eq!(
+            probe().override_with(None, Some(32)),
+            (WeightFormat::W4A8, 32)
         );
     }
 

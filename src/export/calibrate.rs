@@ -34,8 +34,7 @@ pub(super) fn calibrate(
             ck.dir.display()
         ))
     })?;
-    let tok = SparkTokenizer::from_file(&tok_path)
-        .map_err(|e| ExportError::Calibration(e.to_string()))?;
+    let tok = SparkTokenizer::from_file(&tok_path).map_err(ExportError::CalibrationTokenizer)?;
     let files = if opts.calibration.is_empty() {
         vec![calibration::bundled()]
     } else {
@@ -43,7 +42,7 @@ pub(super) fn calibrate(
     };
     let seq_len = opts.calib_seq_len.min(opts.context);
     let windows = calibration::build(&files, &tok, opts.calib_samples, seq_len)
-        .map_err(|e| ExportError::Calibration(e.to_string()))?;
+        .map_err(ExportError::CalibrationText)?;
     let dir = stage.join("calibration-f32");
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
     let pb = artifact::progress_bar(opts.progress, total_inits as u64, "float graph");
@@ -75,8 +74,7 @@ pub(super) fn calibrate(
     m.calibration_outputs = true;
     artifact::write_json(&dir.join(manifest::MANIFEST), &m)?;
     std::fs::copy(ck.dir.join("config.json"), dir.join("config.json")).map_err(io(&dir))?;
-    let model = PhoneModel::open(&dir, opts.threads)
-        .map_err(|e| ExportError::Calibration(e.to_string()))?;
+    let model = PhoneModel::open(&dir, opts.threads).map_err(ExportError::CalibrationGraph)?;
     let mut ranges = qdq::Ranges::default();
     let mask_value = m.mask_value;
     let pb = artifact::progress_bar(
@@ -85,12 +83,10 @@ pub(super) fn calibrate(
         "calibrating",
     );
     for s in 0..windows.samples {
-        let mut seq = model
-            .sequence()
-            .map_err(|e| ExportError::Calibration(e.to_string()))?;
+        let mut seq = model.sequence().map_err(ExportError::CalibrationGraph)?;
         for &t in windows.sample(s) {
             seq.step(t, |name, v| ranges.observe(name, v))
-                .map_err(|e| ExportError::Calibration(e.to_string()))?;
+                .map_err(ExportError::CalibrationRun)?;
             pb.inc(1);
         }
     }

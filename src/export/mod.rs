@@ -69,6 +69,16 @@ pub enum ExportError {
     },
     #[error("calibration: {0}")]
     Calibration(String),
+    #[error("calibration: reading the tokenizer")]
+    CalibrationTokenizer(#[source] crate::tokenizer::TokenizerError),
+    #[error("calibration text")]
+    CalibrationText(#[source] crate::quantize::calibration::CalibrationError),
+    #[error("calibration: running the float graph")]
+    CalibrationGraph(#[source] crate::phone::PhoneError),
+    #[error("calibration: running the float graph")]
+    CalibrationRun(#[source] crate::model::ModelError),
+    #[error(transparent)]
+    Write(#[from] crate::checkpoint::write::WriteError),
 }
 
 fn io(p: &Path) -> impl Fn(std::io::Error) -> ExportError + '_ {
@@ -276,8 +286,7 @@ fn export_staged(
         &stage.join("embed_tokens.safetensors"),
         &[weights::embedding_tensor(ck)?],
         None,
-    )
-    .map_err(|e| ExportError::Invalid(e.to_string()))?;
+    )?;
     copy_side_files(ck, stage)?;
     let total_inits: usize = graphs.iter().map(|g| g.inits.len()).sum();
     let mut calibration_tokens = 0;
