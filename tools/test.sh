@@ -26,6 +26,9 @@ cargo clippy --release --all-targets -- -D warnings
 stage "cargo test --release"
 # As root (CI), the mount-point test of tests/artifacts.rs must run, not skip.
 if [ "$(id -u)" = 0 ]; then export SPARK_REQUIRE_MOUNT=1; fi
+# The SIMD kernel tests must run on every tier this CPU has, not skip it.
+if grep -qw avx512_bf16 /proc/cpuinfo; then export SPARK_REQUIRE_ISA=avx512bf16
+elif grep -qw avx512_vnni /proc/cpuinfo; then export SPARK_REQUIRE_ISA=avx512vnni; fi
 cargo test --release
 
 fresh=$(mktemp -d)

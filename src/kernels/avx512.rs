@@ -678,7 +678,7 @@ mod tests {
     /// (fp16's smallest subnormal up to its largest) and asymmetric zeros.
     #[test]
     fn bf16_tables_round_like_the_scalar_reference() {
-        if !is_x86_feature_detected!("avx512bf16") {
+        if !crate::kernels::isa::Isa::tested().contains(&crate::kernels::isa::Isa::Avx512Bf16) {
             return;
         }
         let mut scales: Vec<f32> = [2f32.powi(-24), 3.0 * 2f32.powi(-24), 6.1e-5, 65504.0]

@@ -45,6 +45,26 @@ impl Isa {
             .collect()
     }
 
+    /// The tiers the kernel tests compare against the portable one. A tier the CPU lacks is
+    /// skipped, unless `SPARK_REQUIRE_ISA` (`avx512vnni` or `avx512bf16`) names it or a higher
+    /// one: then its absence fails the test instead of passing silently (tools/test.sh sets it
+    /// from the CPU's flags, so CI on an AVX-512 machine cannot skip the SIMD tests).
+    #[cfg(test)]
+    pub fn tested() -> Vec<Isa> {
+        let required = match std::env::var("SPARK_REQUIRE_ISA").as_deref() {
+            Ok("avx512bf16") => Isa::Avx512Bf16,
+            Ok("avx512vnni") => Isa::Avx512Vnni,
+            Ok("") | Ok("portable") | Err(_) => Isa::Portable,
+            Ok(other) => panic!("SPARK_REQUIRE_ISA={other}: expected avx512vnni or avx512bf16"),
+        };
+        assert!(
+            Isa::best() >= required,
+            "SPARK_REQUIRE_ISA asks for {required:?} but this CPU's best tier is {:?}",
+            Isa::best()
+        );
+        Isa::available()
+    }
+
     /// Whether the AVX-512 kernels may run.
     pub fn avx512(self) -> bool {
         self >= Isa::Avx512Vnni
