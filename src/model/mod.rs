@@ -120,7 +120,9 @@ impl LoadOptions {
     }
 }
 
-/// Rounds a linear's input and output to bf16 (a bf16 model's activations).
+/// Rounds a linear's input and output to bf16 (a bf16 model's activations): the one place that
+/// does, for dense and GPTQ linears alike. (The W4A8 recipe's own rounding of its input and
+/// output is part of that kernel; rounding a bf16 value again changes nothing.)
 struct Bf16Act(Box<dyn Linear>);
 
 impl Linear for Bf16Act {
@@ -170,8 +172,7 @@ impl SparkModel {
          -> Result<Box<dyn Linear>, CheckpointError> {
             if ck.layout.gptq.contains(&prefix) {
                 let r = rows.unwrap_or(0..n);
-                // GptqLinear applies bf16 activation rounding itself.
-                return quantized::load_gptq(ck, &prefix, r, opts.exec);
+                return Ok(wrap(quantized::load_gptq(ck, &prefix, r, opts.exec)?));
             }
             let w = DenseWeight::load(ck, &format!("{prefix}.weight"), rows)?;
             Ok(wrap(dense(w, n, k)))

@@ -54,22 +54,18 @@ impl Linear for GptqLinear {
     fn out_features(&self) -> usize {
         self.n
     }
+    /// The runtime's kernel alone; a bf16 model's activation rounding is the loader's `Bf16Act`.
     fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        let rounded;
-        let x = if self.exec.act_bf16 || self.exec.numerics == W4Numerics::W4A8 {
-            rounded = x.iter().map(|v| w4::round_bf16(*v)).collect::<Vec<f32>>();
-            &rounded[..]
-        } else {
-            x
-        };
         match &self.weights {
-            // The recipe rounds its output to bf16 itself.
-            GptqWeights::W4A8(p) => p.matmul(x, m, y),
+            // The W4A8 recipe quantizes bf16 activations (and rounds its output to bf16). With
+            // `act_bf16` the loader's wrapper has rounded `x` already: no second pass.
+            GptqWeights::W4A8(p) if self.exec.act_bf16 => p.matmul(x, m, y),
+            GptqWeights::W4A8(p) => {
+                let xr: Vec<f32> = x.iter().map(|v| w4::round_bf16(*v)).collect();
+                p.matmul(&xr, m, y)
+            }
             GptqWeights::W4A16(p) => p.matmul(x, m, y),
             GptqWeights::W4A16ActOrder(w) => bf16::matmul_nt(x, m, self.k, w, self.n, y),
-        }
-        if self.exec.act_bf16 && !matches!(self.weights, GptqWeights::W4A8(_)) {
-            y.iter_mut().for_each(|v| *v = w4::round_bf16(*v));
         }
     }
     fn kind(&self) -> String {
@@ -84,7 +80,9 @@ impl Linear for GptqLinear {
     }
 }
 
-/// Build the GPTQ linear `prefix` (output columns `cols` of it, for a fused q/k/v).
+/// Build the GPTQ linear `prefix` (output columns `cols` of it, for a fused q/k/v). With
+/// `exec.act_bf16` the caller rounds its inputs and outputs to bf16 (`SparkModel::load` wraps every
+/// linear for that); the linear itself runs only its runtime's kernel.
 pub fn load_gptq(
     ck: &Checkpoint,
     prefix: &str,
