@@ -160,6 +160,10 @@ pub struct Overall {
     pub ppl_reference: f64,
     pub ppl_candidate: f64,
     pub ppl_ratio: f64,
+    /// Teacher-forced positions whose logits hold a NaN or an infinity, per side. Any makes the
+    /// comparison meaningless (KL and SNR of NaN compare as "no failure"), so any fails parity.
+    pub non_finite_reference: usize,
+    pub non_finite_candidate: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -313,6 +317,8 @@ pub fn run(
     let mut all = Acc::default();
     let mut reports = Vec::new();
     let mut divergence_sum = 0usize;
+    let (mut bad_ref, mut bad_cand) = (0usize, 0usize);
+    let mut first_bad: Option<(String, usize)> = None;
     for p in inp.prompts {
         let ids = encode(inp.tokenizer, p)?;
         let opts = GenerateOptions {
@@ -338,11 +344,21 @@ pub fn run(
         let lr = r.start(seq.len())?.forward(seq, Logits::All)?;
         let lc = c.start(seq.len())?.forward(seq, Logits::All)?;
         let mut acc = Acc::default();
-        for (a, b) in lr
+        for (pos, (a, b)) in lr
             .chunks_exact(vocab)
             .zip(lc.chunks_exact(vocab))
             .take(seq.len().saturating_sub(1).max(1))
+            .enumerate()
         {
+            let (fa, fb) = (
+                a.iter().all(|v| v.is_finite()),
+                b.iter().all(|v| v.is_finite()),
+            );
+            bad_ref += usize::from(!fa);
+            bad_cand += usize::from(!fb);
+            if !(fa && fb) && first_bad.is_none() {
+                first_bad = Some((p.name.clone(), pos));
+            }
             acc.add(a, b);
             all.add(a, b);
         }
@@ -394,8 +410,22 @@ pub fn run(
         ppl_reference,
         ppl_candidate,
         ppl_ratio: ppl_candidate / ppl_reference,
+        non_finite_reference: bad_ref,
+        non_finite_candidate: bad_cand,
     };
-    let failures = check(&inp.policy, &overall);
+    let mut failures = Vec::new();
+    if let Some((prompt, pos)) = first_bad {
+        failures.push(format!(
+            "non-finite logits (NaN/Inf) at {bad_cand} candidate and {bad_ref} reference positions, \
+             first in prompt `{prompt}` at position {pos}: the artifact is broken"
+        ));
+    }
+    if !inp.eval_windows.is_empty() && !(ppl_candidate.is_finite() && ppl_reference.is_finite()) {
+        failures.push(format!(
+            "perplexity is not finite (reference {ppl_reference}, candidate {ppl_candidate})"
+        ));
+    }
+    failures.extend(check(&inp.policy, &overall));
     Ok(ParityReport {
         reference: inp.reference_name,
         candidate: inp.candidate_name,
@@ -477,6 +507,8 @@ mod tests {
             ppl_reference: 2.0,
             ppl_candidate: 2.2,
             ppl_ratio: 1.1,
+            non_finite_reference: 0,
+            non_finite_candidate: 0,
         };
         let p = Policy {
             min_greedy_match: Some(0.6),

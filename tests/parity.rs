@@ -43,15 +43,20 @@ fn parity(
 
 /// A copy of spark-tiny with one MLP weight scaled: a plausible-looking but broken artifact.
 fn damaged_copy(dir: &std::path::Path) {
+    edited_copy(dir, "model.layers.2.mlp.down_proj.weight", |v| v * 3.0);
+}
+
+/// A copy of spark-tiny with `f` applied to every element of tensor `name`.
+fn edited_copy(dir: &std::path::Path, name: &str, f: impl Fn(f32) -> f32) {
     common::copy_dir(&common::fixture("spark-tiny"), dir);
     let store = TensorStore::open(&common::fixture("spark-tiny")).unwrap();
     let tensors: Vec<OwnedTensor> = store
         .entries()
         .map(|e| {
             let mut data = store.bytes(e).to_vec();
-            if e.name == "model.layers.2.mlp.down_proj.weight" {
+            if e.name == name {
                 for c in data.chunks_exact_mut(2) {
-                    let v = half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32() * 3.0;
+                    let v = f(half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32());
                     c.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
                 }
             }
@@ -88,6 +93,48 @@ fn damaged_artifact_is_reported_as_drift() {
     let (code, text) = parity(&common::fixture("spark-tiny"), d.path(), &[]);
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("DRIFT:"), "{text}");
+}
+
+#[test]
+fn non_finite_logits_fail_whatever_the_policy() {
+    let d = tempfile::tempdir().unwrap();
+    // One NaN in the final norm: every logit of the candidate is NaN.
+    let first = std::sync::atomic::AtomicBool::new(true);
+    edited_copy(d.path(), "model.norm.weight", |v| {
+        if first.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            f32::NAN
+        } else {
+            v
+        }
+    });
+    let fx = common::fixture("spark-tiny");
+    let out = tempfile::tempdir().unwrap();
+    let json = out.path().join("nan-parity.json");
+    // A KL-only policy that NaN would slip past (NaN < threshold is false).
+    let (code, text) = tool()
+        .arg("parity")
+        .arg(&fx)
+        .arg(d.path())
+        .args(["--max-new-tokens", "4", "--eval-tokens", "0"])
+        .args(["--max-kl-mean", "1.0", "--json"])
+        .arg(&json)
+        .output()
+        .map(|o| {
+            (
+                o.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&o.stdout).into_owned()
+                    + &String::from_utf8_lossy(&o.stderr),
+            )
+        })
+        .unwrap();
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("non-finite logits"), "{text}");
+    assert!(!text.contains("PASS"), "{text}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["passed"], false);
+    assert!(r["overall"]["non_finite_candidate"].as_u64().unwrap() > 0);
+    assert_eq!(r["overall"]["non_finite_reference"], 0);
 }
 
 #[test]
