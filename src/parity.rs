@@ -420,7 +420,8 @@ pub fn run(
              first in prompt `{prompt}` at position {pos}: the artifact is broken"
         ));
     }
-    if !inp.eval_windows.is_empty() && !(ppl_candidate.is_finite() && ppl_reference.is_finite()) {
+    let ppl_finite = ppl_candidate.is_finite() && ppl_reference.is_finite();
+    if !inp.eval_windows.is_empty() && !ppl_finite {
         failures.push(format!(
             "perplexity is not finite (reference {ppl_reference}, candidate {ppl_candidate})"
         ));
