@@ -350,3 +350,138 @@ pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantiz
         encodings: enc,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::{QkvLayout, SparkConfig};
+    use crate::export::graph::{plan_parts, StepBuilder};
+
+    fn graph() -> (SparkConfig, Graph<WeightSpec>) {
+        let cfg = SparkConfig::from_json_str(
+            include_str!("../../fixtures/spark-tiny/config.json"),
+            "spark-tiny",
+        )
+        .unwrap();
+        let qkv = vec![QkvLayout::Fused; cfg.num_hidden_layers];
+        let g = StepBuilder {
+            cfg: &cfg,
+            qkv: &qkv,
+            tied: true,
+            context: 128,
+        }
+        .build(&plan_parts(&cfg, 1)[0]);
+        (cfg, g)
+    }
+
+    /// Every float tensor observed in [−1, 2] (and the KV side in [−3, 3]).
+    fn ranges(g: &Graph<WeightSpec>) -> Ranges {
+        let mut r = Ranges::default();
+        for t in g.info.keys() {
+            r.observe(t, &[-1.0, 2.0]);
+        }
+        for l in 0..8 {
+            for t in [key_out(l), value_out(l)] {
+                r.observe(&t, &[-3.0, 3.0]);
+            }
+        }
+        r
+    }
+
+    #[test]
+    fn kv_encodings_are_tied_symmetric_int16_and_sigmoid_is_fixed() {
+        let (cfg, g) = graph();
+        let layers = 0..cfg.num_hidden_layers;
+        let enc = plan_encodings(&g, layers.clone(), &ranges(&g), QType::Int16, 2.0).unwrap();
+        for l in layers {
+            let k = enc[&key_in(l)];
+            for t in [key_out(l), format!("l{l}_kall")] {
+                assert_eq!(enc[&t], k, "{t} shares the layer's key encoding");
+            }
+            assert_eq!((k.dtype, k.zero_point), (QType::Int16, 0));
+            // absmax 3 widened by the margin 2.
+            assert!((k.scale - 6.0 / 32767.0).abs() < 1e-9, "{}", k.scale);
+            assert_eq!(enc[&value_in(l)], enc[&value_out(l)]);
+        }
+        let sigmoid = g.nodes.iter().find(|n| n.op == "Sigmoid").unwrap();
+        let s = enc[&sigmoid.outputs[0]];
+        assert_eq!(
+            (s.dtype, s.scale, s.zero_point),
+            (QType::Uint16, 1.0 / 65536.0, 0)
+        );
+        // Activations: asymmetric uint16 over the widened range.
+        let a = enc[&g.nodes.iter().find(|n| n.op == "MatMul").unwrap().outputs[0]];
+        assert_eq!(a.dtype, QType::Uint16);
+        assert!(
+            (a.min + 2.0).abs() < 1e-3 && (a.max - 4.0).abs() < 1e-3,
+            "{a:?}"
+        );
+    }
+
+    #[test]
+    fn a_tensor_without_a_range_is_named() {
+        let (cfg, g) = graph();
+        let mut r = ranges(&g);
+        let victim = g.nodes.iter().find(|n| n.op == "Add").unwrap().outputs[0].clone();
+        r.0.remove(&victim);
+        let missing =
+            plan_encodings(&g, 0..cfg.num_hidden_layers, &r, QType::Int16, 2.0).unwrap_err();
+        assert_eq!(missing, vec![victim]);
+    }
+
+    #[test]
+    fn every_matmul_weight_is_int8_per_channel_and_kv_io_is_integer() {
+        let (cfg, g) = graph();
+        let enc =
+            plan_encodings(&g, 0..cfg.num_hidden_layers, &ranges(&g), QType::Int16, 2.0).unwrap();
+        let q = quantize(g, enc);
+        let producer: HashMap<&str, &Node> = q
+            .graph
+            .nodes
+            .iter()
+            .flat_map(|n| n.outputs.iter().map(move |o| (o.as_str(), n)))
+            .collect();
+        let inits: HashMap<&str, &DType> = q
+            .graph
+            .inits
+            .iter()
+            .map(|i| (i.info.name.as_str(), &i.info.dtype))
+            .collect();
+        let mut weights = 0;
+        for n in q.graph.nodes.iter().filter(|n| n.op == "MatMul") {
+            let dq = producer[n.inputs[1].as_str()];
+            assert_eq!(dq.op, "DequantizeLinear", "{}", n.name);
+            if let Some(dt) = inits.get(dq.inputs[0].as_str()) {
+                assert_eq!(**dt, DType::I8, "{}: int8 weight", n.name);
+                let n_out = *q.graph.info[&n.inputs[1]].shape.last().unwrap();
+                assert_eq!(
+                    q.graph.info[&dq.inputs[1]].shape,
+                    vec![n_out],
+                    "{}: one scale per output channel",
+                    n.name
+                );
+                weights += 1;
+            }
+        }
+        assert!(
+            weights >= 7 * cfg.num_hidden_layers,
+            "{weights} int8 weights"
+        );
+        for i in q
+            .graph
+            .inputs
+            .iter()
+            .filter(|i| i.name.starts_with("past_"))
+        {
+            assert_eq!(i.dtype, DType::I16, "{}", i.name);
+        }
+        for o in q
+            .graph
+            .outputs
+            .iter()
+            .filter(|o| o.name.starts_with("past_"))
+        {
+            assert_eq!(q.graph.info[&o.name].dtype, DType::I16, "{}", o.name);
+        }
+    }
+}
