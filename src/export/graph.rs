@@ -447,10 +447,11 @@ impl StepBuilder<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn tiny() -> SparkConfig {
+    /// The bundled fixture's config (the graph tests' model).
+    pub(crate) fn tiny() -> SparkConfig {
         SparkConfig::from_json_str(
             include_str!("../../fixtures/spark-tiny/config.json"),
             "spark-tiny",

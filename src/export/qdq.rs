@@ -355,14 +355,11 @@ pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantiz
 mod tests {
     use super::*;
     use crate::checkpoint::{QkvLayout, SparkConfig};
+    use crate::export::graph::tests::tiny;
     use crate::export::graph::{plan_parts, StepBuilder};
 
     fn graph() -> (SparkConfig, Graph<WeightSpec>) {
-        let cfg = SparkConfig::from_json_str(
-            include_str!("../../fixtures/spark-tiny/config.json"),
-            "spark-tiny",
-        )
-        .unwrap();
+        let cfg = tiny();
         let qkv = vec![QkvLayout::Fused; cfg.num_hidden_layers];
         let g = StepBuilder {
             cfg: &cfg,
