@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
+use crate::setting::Setting;
+
 /// The file in every artifact folder that says it is ours and what we wrote.
 pub const MARKER: &str = ".spark-tool-artifact.json";
 /// The file in every staging folder that says we made it (so only ours are ever cleared).
@@ -27,7 +29,7 @@ const INNER_STAGING: &str = ".spark-tool.partial";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {
-    #[error("writing {path}: {source}")]
+    #[error("{path}: {source}")]
     Io {
         path: String,
         #[source]
@@ -105,7 +107,7 @@ fn canonical(p: &Path) -> Option<PathBuf> {
 }
 
 /// Refuse an output that is, or contains, one of the inputs.
-pub fn check_not_input(out: &Path, inputs: &[&Path], flag: &str) -> Result<(), ArtifactError> {
+pub fn check_not_input(out: &Path, inputs: &[&Path], flag: Setting) -> Result<(), ArtifactError> {
     // `out` may not exist yet: resolve its nearest existing ancestor and re-append the rest.
     let mut base = out.to_path_buf();
     let mut rest = Vec::new();
@@ -195,9 +197,10 @@ fn inspect(out: &Path, kind: &str) -> Result<Destination, ArtifactError> {
     }
     let Some(marker) = read_marker(out) else {
         return Err(ArtifactError::Refused(format!(
-            "{} exists and is not a spark-tool artifact (no {MARKER}); it is never replaced, not even with --force — \
+            "{} exists and is not a spark-tool artifact (no {MARKER}); it is never replaced, not even with {} — \
              choose another output or remove it yourself",
-            out.display()
+            out.display(),
+            Setting::Force
         )));
     };
     if marker.kind != kind {
@@ -256,20 +259,25 @@ impl Staging {
         inputs: &[&Path],
         force: bool,
     ) -> Result<Self, ArtifactError> {
-        check_not_input(out, inputs, "--out")?;
+        check_not_input(out, inputs, Setting::Out)?;
         let name = out
             .file_name()
             .filter(|n| *n != "." && *n != "..")
             .ok_or_else(|| {
-                ArtifactError::Refused(format!("--out {} has no folder name", out.display()))
+                ArtifactError::Refused(format!(
+                    "{} {} has no folder name",
+                    Setting::Out,
+                    out.display()
+                ))
             })?
             .to_string_lossy()
             .into_owned();
         match inspect(out, kind)? {
             Destination::Ours if !force => {
                 return Err(ArtifactError::Refused(format!(
-                    "{} exists; pass --force to replace it (it is only replaced once the new {kind} is complete)",
-                    out.display()
+                    "{} exists; pass {} to replace it (it is only replaced once the new {kind} is complete)",
+                    out.display(),
+                    Setting::Force
                 )))
             }
             _ => {}
@@ -405,7 +413,7 @@ fn swap_contents(out: &Path, built: &Path, aside: &Path) -> Result<(), ArtifactE
 pub fn check_output_file(
     path: &Path,
     inputs: &[&Path],
-    flag: &str,
+    flag: Setting,
     is_ours: impl FnOnce(&Path) -> bool,
 ) -> Result<(), ArtifactError> {
     check_not_input(path, inputs, flag)?;
@@ -473,7 +481,7 @@ mod tests {
         let b = build(&st, &[("x", "1")]);
         st.commit(&b).unwrap();
         let e = Staging::plan(&out, "thing", &[], false).err().unwrap();
-        assert!(e.to_string().contains("--force"), "{e}");
+        assert!(e.to_string().contains(&Setting::Force.to_string()), "{e}");
         let st = Staging::plan(&out, "thing", &[], true).unwrap();
         let b = build(&st, &[("y", "2")]);
         st.commit(&b).unwrap();
@@ -530,14 +538,24 @@ mod tests {
         assert!(model.is_dir());
         // A file inside an input, or over a file that is not ours, is refused.
         std::fs::write(model.join("model.safetensors"), "w").unwrap();
-        let e = check_output_file(&model.join("model.safetensors"), &[&model], "--x", |_| true)
-            .unwrap_err();
+        let e = check_output_file(
+            &model.join("model.safetensors"),
+            &[&model],
+            Setting::Out,
+            |_| true,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("inside the input"), "{e}");
         let other = d.path().join("mine.bin");
         std::fs::write(&other, "x").unwrap();
-        assert!(check_output_file(&other, &[&model], "--x", |_| false).is_err());
-        assert!(check_output_file(&other, &[&model], "--x", |_| true).is_ok());
-        assert!(check_output_file(&d.path().join("new.bin"), &[&model], "--x", |_| false).is_ok());
+        assert!(check_output_file(&other, &[&model], Setting::Out, |_| false).is_err());
+        assert!(check_output_file(&other, &[&model], Setting::Out, |_| true).is_ok());
+        assert!(
+            check_output_file(&d.path().join("new.bin"), &[&model], Setting::Out, |_| {
+                false
+            })
+            .is_ok()
+        );
     }
 
     #[test]

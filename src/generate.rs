@@ -143,7 +143,12 @@ fn is_logits_file(path: &Path) -> bool {
 /// Refuse a `--logits-out` path that is an input, lies inside one, or would overwrite a file
 /// that is not a previous logits file of ours.
 pub fn check_logits_path(path: &Path, inputs: &[&Path]) -> Result<(), ArtifactError> {
-    crate::artifact::check_output_file(path, inputs, "--logits-out", is_logits_file)
+    crate::artifact::check_output_file(
+        path,
+        inputs,
+        crate::setting::Setting::LogitsOut,
+        is_logits_file,
+    )
 }
 
 /// The `--logits-out` file (read by tools/*.py): `prompt_logits` f32 `[prompt_len, vocab]`,

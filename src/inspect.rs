@@ -136,7 +136,11 @@ pub fn inspect(ck: &Checkpoint, context: usize) -> InspectReport {
     let mut warnings = ck.layout.warnings.clone();
     let tokenizer = match ck.tokenizer_path() {
         None => {
-            warnings.push("no tokenizer.json: `run` will need --tokens instead of --prompt".into());
+            warnings.push(format!(
+                "no tokenizer.json: `run` will need {} instead of {}",
+                crate::setting::Setting::Tokens,
+                crate::setting::Setting::Prompt
+            ));
             None
         }
         Some(p) => match SparkTokenizer::from_file(&p) {

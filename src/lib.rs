@@ -18,6 +18,7 @@ pub mod phone;
 pub mod quant;
 pub mod quantize;
 pub mod sampling;
+pub mod setting;
 pub mod tokenizer;
 
 use std::path::PathBuf;

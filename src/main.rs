@@ -38,6 +38,10 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    spark_tool::setting::spell_with(match cli.command {
+        Command::ExportPhone(_) => cli::export::flag,
+        _ => cli::flag,
+    });
     if let Some(n) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))

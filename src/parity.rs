@@ -185,7 +185,7 @@ impl ParityReport {
     /// Refuse a `--json` path that is an input, lies inside one, or would overwrite a file that
     /// is not a previous parity report.
     pub fn check_path(path: &Path, inputs: &[&Path]) -> Result<(), crate::artifact::ArtifactError> {
-        crate::artifact::check_output_file(path, inputs, "--json", |p| {
+        crate::artifact::check_output_file(path, inputs, crate::setting::Setting::Json, |p| {
             std::fs::read(p)
                 .ok()
                 .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())

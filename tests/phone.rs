@@ -15,6 +15,7 @@ use spark_tool::export::{export_phone, ExportOptions, Precision};
 use spark_tool::model::Logits;
 use spark_tool::phone::{Manifest, PhoneModel, QType};
 use spark_tool::quantize::calibration;
+use spark_tool::setting::Setting;
 use spark_tool::tokenizer::SparkTokenizer;
 
 fn options(precision: Precision, context: usize) -> ExportOptions {
@@ -201,10 +202,10 @@ fn export_err(model: &Path, o: &ExportOptions) -> String {
 fn bad_requests_fail_with_a_clear_error_and_write_nothing() {
     let tiny = common::fixture("spark-tiny");
     let e = export_err(&tiny, &options(Precision::F32, 1));
-    assert!(e.contains("--context 1"), "{e}");
+    assert!(e.contains(&format!("{} 1", Setting::Context)), "{e}");
     let mut o = options(Precision::F32, 256);
     o.parts = 99;
-    assert!(export_err(&tiny, &o).contains("--parts 99"));
+    assert!(export_err(&tiny, &o).contains(&format!("{} 99", Setting::Parts)));
     // spark-random has no tokenizer: w8a16 cannot calibrate on text.
     let e = export_err(
         &common::fixture("spark-random"),
@@ -218,7 +219,7 @@ fn bad_requests_fail_with_a_clear_error_and_write_nothing() {
         let mut o = options(Precision::F32, 256);
         o.force = force;
         let e = export_phone(&tiny, dir.path(), &o).unwrap_err().to_string();
-        assert!(e.contains("--force"), "{e}");
+        assert!(e.contains(&Setting::Force.to_string()), "{e}");
         assert!(dir.path().join("keep.txt").is_file());
     }
 }
@@ -246,7 +247,7 @@ fn untied_split_qkv_checkpoint_exports_and_runs() {
         .err()
         .expect("context is enforced")
         .to_string();
-    assert!(e.contains("--context 65"), "{e}");
+    assert!(e.contains(&format!("{} 65", Setting::Context)), "{e}");
 }
 
 #[test]

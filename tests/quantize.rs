@@ -10,6 +10,7 @@ use spark_tool::formats::gptq::{unpack_qweight, QZEROS_V1_SYM};
 use spark_tool::quantize::{
     calibration, quantize, Method, QuantReport, QuantizeError, QuantizeOptions,
 };
+use spark_tool::setting::Setting;
 
 /// Small calibration so the tests stay fast (16 × 128 = 2048 tokens, > 3× the 768-wide MLP input).
 fn opts(out: &Path, format: WeightFormat, group_size: usize) -> QuantizeOptions {
@@ -207,7 +208,10 @@ fn refuses_to_overwrite_without_force_and_replaces_only_its_own_output() {
         let mut o = opts(&out, WeightFormat::W4A8, 128);
         o.force = force;
         let e = quantize(&o).unwrap_err().to_string();
-        assert!(e.contains("--force") && e.contains("busy"), "{e}");
+        assert!(
+            e.contains(&Setting::Force.to_string()) && e.contains("busy"),
+            "{e}"
+        );
         assert!(out.join("precious.txt").exists());
     }
     // A previous quantized checkpoint is replaced with --force only.
@@ -216,7 +220,7 @@ fn refuses_to_overwrite_without_force_and_replaces_only_its_own_output() {
     let e = quantize(&opts(&ours, WeightFormat::W4A16, 64))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("--force"), "{e}");
+    assert!(e.contains(&Setting::Force.to_string()), "{e}");
     let mut o = opts(&ours, WeightFormat::W4A16, 64);
     o.force = true;
     quantize(&o).unwrap();

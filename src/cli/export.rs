@@ -4,6 +4,7 @@ use clap::{Args, ValueEnum};
 
 use spark_tool::export::{export_phone, ExportOptions, Precision};
 use spark_tool::phone::QType;
+use spark_tool::setting::Setting;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum PrecisionArg {
@@ -19,6 +20,15 @@ enum KvArg {
     Int16,
     /// Symmetric uint8 (zero point 128), AI Hub's choice: half the cache memory.
     Uint8,
+}
+
+/// export-phone's spelling of settings: its calibration flags carry a `calib-` prefix.
+pub fn flag(s: Setting) -> &'static str {
+    match s {
+        Setting::Samples => "--calib-samples",
+        Setting::SeqLen => "--calib-seq-len",
+        other => super::flag(other),
+    }
 }
 
 #[derive(Args)]

@@ -99,7 +99,8 @@ impl WeightPath {
         let chosen = format.unwrap_or(self.format);
         if let Some(f) = format {
             self.reasons.push(format!(
-                "--format {} given explicitly",
+                "{} {} given explicitly",
+                crate::setting::Setting::Format,
                 serde_json::to_value(f)
                     .ok()
                     .and_then(|v| v.as_str().map(String::from))
@@ -220,7 +221,10 @@ pub fn decide(f: &CpuFeatures, target: Target, priority: Priority) -> WeightPath
         Target::X86Amx | Target::X86 => {
             let amx = resolved == Target::X86Amx;
             if priority == Priority::Fidelity {
-                reasons.push("--priority fidelity: keep bf16 activations (W4A16) and finer groups (g64)".into());
+                reasons.push(format!(
+                    "{} fidelity: keep bf16 activations (W4A16) and finer groups (g64)",
+                    crate::setting::Setting::Priority
+                ));
             } else {
                 reasons.push("no AMX: vLLM CPU falls back to cpu_gemm_wna16 (W4A16, bf16 activations)".into());
             }
@@ -311,7 +315,11 @@ mod tests {
             p.override_with(Some(WeightFormat::W4A16), None),
             (WeightFormat::W4A16, 64)
         );
-        assert!(p.reasons.last().unwrap().contains("--format w4a16"));
+        assert!(p
+            .reasons
+            .last()
+            .unwrap()
+            .contains(&format!("{} w4a16", crate::setting::Setting::Format)));
         let mut p = probe();
         assert_eq!(
             p.override_with(Some(WeightFormat::W4A8), Some(64)),

@@ -6,8 +6,8 @@ use std::path::Path;
 use super::graph::{self, PartPlan, WeightSpec};
 use super::onnx::{DType, Graph};
 use super::weights::WeightReader;
-use super::{descriptors, io, qdq, write_part, ExportError, ExportOptions};
-use crate::artifact;
+use super::{descriptors, qdq, write_part, ExportError, ExportOptions};
+use crate::artifact::{self, io_err};
 use crate::checkpoint::Checkpoint;
 use crate::phone::manifest;
 use crate::phone::PhoneModel;
@@ -44,7 +44,7 @@ pub(super) fn calibrate(
     let windows = calibration::build(&files, &tok, opts.calib_samples, seq_len)
         .map_err(ExportError::CalibrationText)?;
     let dir = stage.join("calibration-f32");
-    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
     let pb = artifact::progress_bar(opts.progress, total_inits as u64, "float graph");
     let mut parts = Vec::new();
     for (g, p) in graphs.iter().zip(plans) {
@@ -73,7 +73,7 @@ pub(super) fn calibrate(
     );
     m.calibration_outputs = true;
     artifact::write_json(&dir.join(manifest::MANIFEST), &m)?;
-    std::fs::copy(ck.dir.join("config.json"), dir.join("config.json")).map_err(io(&dir))?;
+    std::fs::copy(ck.dir.join("config.json"), dir.join("config.json")).map_err(io_err(&dir))?;
     let model = PhoneModel::open(&dir, opts.threads).map_err(ExportError::CalibrationGraph)?;
     let mut ranges = qdq::Ranges::default();
     let mask_value = m.mask_value;
@@ -104,6 +104,6 @@ pub(super) fn calibrate(
         ranges.0.insert(graph::HIDDEN_IN.into(), r);
     }
     drop(model);
-    std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+    std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
     Ok(ranges)
 }

@@ -21,7 +21,7 @@ use std::time::Instant;
 use indicatif::ProgressBar;
 use serde::Serialize;
 
-use crate::artifact::{self, ArtifactError, Staging};
+use crate::artifact::{self, io_err, ArtifactError, Staging};
 use crate::checkpoint::write::write_safetensors_atomic;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::phone::manifest::{self, Encoding, Io, QType};
@@ -62,11 +62,6 @@ pub enum ExportError {
     Artifact(#[from] ArtifactError),
     #[error("{0}")]
     Invalid(String),
-    #[error("writing {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
     #[error("calibration: {0}")]
     Calibration(String),
     #[error("calibration: reading the tokenizer")]
@@ -79,13 +74,6 @@ pub enum ExportError {
     CalibrationRun(#[source] crate::model::ModelError),
     #[error(transparent)]
     Write(#[from] crate::checkpoint::write::WriteError),
-}
-
-fn io(p: &Path) -> impl Fn(std::io::Error) -> ExportError + '_ {
-    move |source| ExportError::Io {
-        path: p.display().to_string(),
-        source,
-    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -129,7 +117,7 @@ fn write_part(
         progress.set_message(info.name.clone());
         reader.resolve(info, spec)
     })
-    .map_err(io(&dir.join(&file)))?;
+    .map_err(io_err(&dir.join(&file)))?;
     let enc_of = |name: &str| -> Option<Encoding> {
         let e = encodings?;
         e.get(name).copied()
@@ -173,7 +161,7 @@ fn copy_side_files(ck: &Checkpoint, dir: &Path) -> Result<(), ExportError> {
     ] {
         let src = ck.dir.join(f);
         if src.is_file() {
-            std::fs::copy(&src, dir.join(f)).map_err(io(&dir.join(f)))?;
+            std::fs::copy(&src, dir.join(f)).map_err(io_err(&dir.join(f)))?;
         }
     }
     Ok(())
@@ -195,7 +183,8 @@ pub fn export_phone(
     }
     if opts.context < 2 || opts.context > cfg.max_position_embeddings {
         return Err(ExportError::Invalid(format!(
-            "--context {} must be in 2..={} (max_position_embeddings of {})",
+            "{} {} must be in 2..={} (max_position_embeddings of {})",
+            crate::setting::Setting::Context,
             opts.context,
             cfg.max_position_embeddings,
             model_dir.join("config.json").display()
@@ -203,13 +192,15 @@ pub fn export_phone(
     }
     if !(opts.range_margin >= 1.0 && opts.range_margin.is_finite()) {
         return Err(ExportError::Invalid(format!(
-            "--range-margin {} must be a finite number >= 1",
+            "{} {} must be a finite number >= 1",
+            crate::setting::Setting::RangeMargin,
             opts.range_margin
         )));
     }
     if opts.parts == 0 || opts.parts > cfg.num_hidden_layers + 1 {
         return Err(ExportError::Invalid(format!(
-            "--parts {} must be in 1..={} (layers + head)",
+            "{} {} must be in 1..={} (layers + head)",
+            crate::setting::Setting::Parts,
             opts.parts,
             cfg.num_hidden_layers + 1
         )));
@@ -219,7 +210,7 @@ pub fn export_phone(
     let staging = Staging::plan(out, ARTIFACT_KIND, &inputs, opts.force)?;
     staging.reset()?;
     let built = staging.root().join("export");
-    std::fs::create_dir_all(&built).map_err(io(&built))?;
+    std::fs::create_dir_all(&built).map_err(io_err(&built))?;
     let r = export_staged(&ck, model_dir, out, &built, opts, t0)
         .and_then(|rep| Ok(staging.commit(&built).map(|()| rep)?));
     if r.is_err() {

@@ -8,7 +8,7 @@ use crate::checkpoint::{LayerType, SparkConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    #[error("context is full: {needed} tokens requested but the KV cache was sized for {context} (raise --context)")]
+    #[error("context is full: {needed} tokens requested but the KV cache was sized for {context} (raise {})", crate::setting::Setting::Context)]
     ContextFull { needed: usize, context: usize },
 }
 

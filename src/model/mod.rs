@@ -38,8 +38,15 @@ pub enum ModelError {
     TokenOutOfRange { id: u32, index: usize, vocab: usize },
     #[error("empty input: at least one token is needed")]
     Empty,
-    #[error("{0}")]
-    Runtime(String),
+    #[error(
+        "{needed} positions needed but the graph was exported for context {context} \
+         (export again with {setting} {needed} or more)",
+        setting = crate::setting::Setting::Context
+    )]
+    PastContext { needed: usize, context: usize },
+    /// A failure of the runtime executing the model (ONNX Runtime for phone graphs).
+    #[error(transparent)]
+    Backend(Box<dyn std::error::Error + Send + Sync>),
 }
 
 pub use crate::checkpoint::layout::Proj;

@@ -112,7 +112,7 @@ fn from_store(
     let contiguous = d.contiguous();
     if !contiguous && exec.numerics == W4Numerics::W4A8 {
         return Err(CheckpointError::Tensors {
-            problems: vec![format!("`{prefix}` uses act-order (g_idx ≠ k/G); vLLM runs such checkpoints only as W4A16 — use --w4-numerics w4a16")],
+            problems: vec![format!("`{prefix}` uses act-order (g_idx ≠ k/G); vLLM runs such checkpoints only as W4A16 — set {} to w4a16", crate::setting::Setting::W4Numerics)],
         });
     }
     // vLLM converts scales to the bf16 model dtype at load.

@@ -32,13 +32,23 @@ pub enum PhoneError {
     )]
     NoRuntime(String),
     #[error("ONNX Runtime: {0}")]
-    Ort(String),
+    Ort(#[source] ort::Error),
+    #[error("{}: ONNX Runtime: {source}", path.display())]
+    Part {
+        path: PathBuf,
+        #[source]
+        source: ort::Error,
+    },
     #[error("{0}")]
+    Broken(&'static str),
+    #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    #[error(transparent)]
+    Config(#[from] crate::checkpoint::ConfigError),
 }
 
-fn ort_err(e: impl std::fmt::Display) -> PhoneError {
-    PhoneError::Ort(e.to_string())
+fn ort_err(e: impl Into<ort::Error>) -> PhoneError {
+    PhoneError::Ort(e.into())
 }
 
 /// The shared library: `ORT_DYLIB_PATH`, else the pip package python3 imports.
@@ -69,6 +79,11 @@ fn find_runtime() -> Result<PathBuf, String> {
 }
 
 static ENV: OnceLock<Result<ort::environment::Environment, String>> = OnceLock::new();
+
+/// A phone-runtime failure as a model error, its cause kept.
+fn backend(e: PhoneError) -> ModelError {
+    ModelError::Backend(Box::new(e))
+}
 
 pub fn environment() -> Result<&'static ort::environment::Environment, PhoneError> {
     ENV.get_or_init(|| {
@@ -155,8 +170,7 @@ pub fn is_phone_export(dir: &Path) -> bool {
 impl PhoneModel {
     pub fn open(dir: &Path, threads: usize) -> Result<Self, PhoneError> {
         let manifest = Manifest::read(dir).map_err(PhoneError::Manifest)?;
-        let config = SparkConfig::from_file(&dir.join("config.json"))
-            .map_err(|e| PhoneError::Manifest(e.to_string()))?;
+        let config = SparkConfig::from_file(&dir.join("config.json"))?;
         let embedding = TensorStore::open_file(&dir.join(&manifest.embedding.file))?;
         if embedding.get(&manifest.embedding.tensor).is_none() {
             return Err(PhoneError::Manifest(format!(
@@ -177,7 +191,10 @@ impl PhoneModel {
                 .with_intra_threads(threads.max(1))
                 .map_err(ort_err)?
                 .commit_from_file(&path)
-                .map_err(|e| PhoneError::Ort(format!("{}: {e}", path.display())))?;
+                .map_err(|e| PhoneError::Part {
+                    path: path.clone(),
+                    source: e,
+                })?;
             sessions.push(Mutex::new(s));
         }
         let ropes = manifest
@@ -215,11 +232,12 @@ impl PhoneModel {
         let e = self
             .embedding
             .get(&self.manifest.embedding.tensor)
-            .ok_or_else(|| ModelError::Runtime("embedding vanished".into()))?;
+            .ok_or(PhoneError::Broken("the embedding table lost its tensor"))
+            .map_err(backend)?;
         self.embedding
             .rows_to_f32(e, token as usize, token as usize + 1)
             .map(|r| r[..h].to_vec())
-            .map_err(|e| ModelError::Runtime(e.to_string()))
+            .map_err(|e| backend(e.into()))
     }
 
     pub fn sequence(&self) -> Result<PhoneSequence<'_>, PhoneError> {
@@ -265,12 +283,12 @@ impl PhoneSequence<'_> {
         let man = &m.manifest;
         let pos = self.pos;
         if pos >= man.context {
-            return Err(ModelError::Runtime(format!(
-                "position {pos} is past the exported context {} (export with a larger --context)",
-                man.context
-            )));
+            return Err(ModelError::PastContext {
+                needed: pos + 1,
+                context: man.context,
+            });
         }
-        let run = |e: PhoneError| ModelError::Runtime(e.to_string());
+        let run = backend;
         // Per layer type: mask (0 = attend), cos, sin.
         // mask, cos, sin
         type Host = (Vec<f32>, Vec<f32>, Vec<f32>);
@@ -319,10 +337,13 @@ impl PhoneSequence<'_> {
             }
             let mut session = m.sessions[pi]
                 .lock()
-                .map_err(|_| ModelError::Runtime("session poisoned".into()))?;
-            let outs = session
-                .run(feeds)
-                .map_err(|e| ModelError::Runtime(format!("{}: {e}", part.file)))?;
+                .map_err(|_| run(PhoneError::Broken("an earlier run of this part panicked")))?;
+            let outs = session.run(feeds).map_err(|e| {
+                run(PhoneError::Part {
+                    path: m.dir.join(&part.file),
+                    source: e,
+                })
+            })?;
             for io in &part.outputs {
                 let v = &outs[io.name.as_str()];
                 if io.dtype == "float32" {
@@ -364,7 +385,7 @@ impl PhoneSequence<'_> {
             }
         }
         self.pos += 1;
-        logits.ok_or_else(|| ModelError::Runtime("the last part produced no `logits`".into()))
+        logits.ok_or_else(|| run(PhoneError::Broken("the last part produced no `logits`")))
     }
 }
 
@@ -386,15 +407,12 @@ impl Engine for PhoneModel {
     }
     fn start(&self, context: usize) -> Result<Box<dyn Sequence + '_>, ModelError> {
         if context > self.manifest.context {
-            return Err(ModelError::Runtime(format!(
-                "{} positions needed but the graph was exported for context {} (re-export with --context {})",
-                context, self.manifest.context, context
-            )));
+            return Err(ModelError::PastContext {
+                needed: context,
+                context: self.manifest.context,
+            });
         }
-        Ok(Box::new(
-            self.sequence()
-                .map_err(|e| ModelError::Runtime(e.to_string()))?,
-        ))
+        Ok(Box::new(self.sequence().map_err(backend)?))
     }
     fn describe(&self) -> String {
         format!(

@@ -21,7 +21,7 @@ pub enum CalibrationError {
     },
     #[error("calibration input is empty ({0})")]
     Empty(String),
-    #[error("calibration text has {have} tokens but {samples} samples × {seq_len} tokens = {need} are needed; pass fewer --samples, a shorter --seq-len, or more text")]
+    #[error("calibration text has {have} tokens but {samples} samples × {seq_len} tokens = {need} are needed; pass fewer {s}, a shorter {l}, or more text", s = crate::setting::Setting::Samples, l = crate::setting::Setting::SeqLen)]
     TooShort {
         have: usize,
         need: usize,

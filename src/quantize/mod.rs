@@ -131,12 +131,18 @@ pub enum QuantizeError {
     Artifact(#[from] crate::artifact::ArtifactError),
     #[error("{0}")]
     Invalid(String),
-    #[error("stopped after {0} layers as requested; continue with --resume")]
+    #[error(
+        "stopped after {0} layers as requested; continue with {resume}",
+        resume = crate::setting::Setting::Resume
+    )]
     Interrupted(usize),
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
+    #[error(transparent)]
+    Write(#[from] crate::checkpoint::write::WriteError),
+    #[error("{}: {source}", path.display())]
+    Json {
+        path: std::path::PathBuf,
+        #[source]
+        source: serde_json::Error,
     },
     #[error("layer {layer}: non-finite activations entering {what} (NaN/Inf); the checkpoint or an earlier quantized layer is broken")]
     NonFiniteActivations { layer: usize, what: &'static str },
@@ -373,7 +379,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     let t0 = Instant::now();
     if ![32, 64, 128].contains(&opts.group_size) {
         return Err(QuantizeError::Invalid(format!(
-            "--group-size {}: vLLM's GPTQ loader accepts 32, 64 or 128",
+            "{} {}: vLLM's GPTQ loader accepts 32, 64 or 128",
+            crate::setting::Setting::GroupSize,
             opts.group_size
         )));
     }

@@ -14,7 +14,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use super::{LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
-use crate::artifact::{self, Staging};
+use crate::artifact::{self, io_err, Staging};
 use crate::checkpoint::layout::{layer_prefix, stored_linears};
 use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use crate::checkpoint::{Checkpoint, Proj, QkvLayout, TensorStore};
@@ -34,17 +34,6 @@ pub struct ResumeState {
     pub results: Vec<LayerResult>,
     pub reports: Vec<LinearReport>,
     pub x: Vec<f32>,
-}
-
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> QuantizeError + '_ {
-    move |source| QuantizeError::Io {
-        path: path.display().to_string(),
-        source,
-    }
-}
-
-fn write_err(e: crate::checkpoint::write::WriteError) -> QuantizeError {
-    QuantizeError::Invalid(e.to_string())
 }
 
 /// Identifies a run: same model bytes, calibration and settings ⇒ same fingerprint.
@@ -124,7 +113,7 @@ pub fn dump_dequantized(
     if let Some(q) = head {
         push("lm_head".into(), q);
     }
-    write_safetensors_atomic(path, &t, None).map_err(write_err)
+    write_safetensors_atomic(path, &t, None).map_err(QuantizeError::from)
 }
 
 /// Each stored linear of layer `li` (tensor prefix) with its weight: q, k and v are concatenated
@@ -161,7 +150,8 @@ impl Output {
 
     pub fn reset_state(&self) -> Result<(), QuantizeError> {
         self.staging.reset()?;
-        std::fs::create_dir_all(self.partial.join("layers")).map_err(io(&self.partial))
+        std::fs::create_dir_all(self.partial.join("layers")).map_err(io_err(&self.partial))?;
+        Ok(())
     }
 
     /// Completed layers of an interrupted run with identical settings.
@@ -182,17 +172,26 @@ impl Output {
             );
             return Ok(None);
         };
-        let st: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| QuantizeError::Invalid(format!("{}: {e}", state_path.display())))?;
+        let st: serde_json::Value =
+            serde_json::from_str(&text).map_err(|source| QuantizeError::Json {
+                path: state_path.clone(),
+                source,
+            })?;
         if st["settings"].as_str() != Some(settings) {
             return Err(QuantizeError::Invalid(format!(
-                "{} was made with a different model, calibration or settings; run without --resume to start over",
-                self.partial.display()
+                "{} was made with a different model, calibration or settings; run without {} to start over",
+                self.partial.display(),
+                crate::setting::Setting::Resume
             )));
         }
         let done = st["completed_layers"].as_u64().unwrap_or(0) as usize;
-        let reports: Vec<LinearReport> = serde_json::from_value(st["reports"].clone())
-            .map_err(|e| QuantizeError::Invalid(format!("{}: {e}", state_path.display())))?;
+        let reports: Vec<LinearReport> =
+            serde_json::from_value(st["reports"].clone()).map_err(|source| {
+                QuantizeError::Json {
+                    path: state_path.clone(),
+                    source,
+                }
+            })?;
         let mut results = Vec::new();
         for li in 0..done.min(layers) {
             let p = self
@@ -250,14 +249,12 @@ impl Output {
                 .join(format!("layers/layer_{li:03}.safetensors")),
             &t,
             None,
-        )
-        .map_err(write_err)?;
+        )?;
         write_safetensors_atomic(
             &self.partial.join("x.safetensors"),
             &[OwnedTensor::f32("x", vec![x.len()], x)],
             None,
-        )
-        .map_err(write_err)?;
+        )?;
         let state_path = self.partial.join("state.json");
         let mut all: Vec<LinearReport> = std::fs::read_to_string(&state_path)
             .ok()
@@ -284,9 +281,9 @@ impl Output {
     ) -> Result<(u64, u64), QuantizeError> {
         let dir = self.staged();
         if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+            std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
         }
-        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
         let mut tensors = Vec::new();
         let bf16_copy = |name: &str| -> Result<OwnedTensor, QuantizeError> {
             let e = ck.entry(name)?;
@@ -345,15 +342,17 @@ impl Output {
             "producer".to_string(),
             format!("spark-tool {}", env!("CARGO_PKG_VERSION")),
         );
-        write_safetensors_atomic(&dir.join("model.safetensors"), &tensors, Some(meta))
-            .map_err(write_err)?;
+        write_safetensors_atomic(&dir.join("model.safetensors"), &tensors, Some(meta))?;
         drop(tensors);
 
         let qc = self.quantization_config(report, head.is_some());
         let cfg_path = ck.dir.join("config.json");
         let mut cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?)
-                .map_err(|e| QuantizeError::Invalid(format!("{}: {e}", cfg_path.display())))?;
+            serde_json::from_str(&std::fs::read_to_string(&cfg_path).map_err(io_err(&cfg_path))?)
+                .map_err(|source| QuantizeError::Json {
+                path: cfg_path.clone(),
+                source,
+            })?;
         cfg["quantization_config"] = qc.clone();
         cfg["dtype"] = json!("bfloat16");
         if cfg.get("torch_dtype").is_some() {
@@ -364,12 +363,12 @@ impl Output {
             dir.join("config.json"),
             serde_json::to_string_pretty(&cfg).expect("json") + "\n",
         )
-        .map_err(io(&dir))?;
+        .map_err(io_err(&dir))?;
         std::fs::write(
             dir.join("quantize_config.json"),
             serde_json::to_string_pretty(&gptq::legacy_quantize_config(&qc)).expect("json") + "\n",
         )
-        .map_err(io(&dir))?;
+        .map_err(io_err(&dir))?;
         for f in [
             "tokenizer.json",
             "tokenizer_config.json",
@@ -379,7 +378,7 @@ impl Output {
         ] {
             let src = ck.dir.join(f);
             if src.exists() {
-                std::fs::copy(&src, dir.join(f)).map_err(io(&src))?;
+                std::fs::copy(&src, dir.join(f)).map_err(io_err(&src))?;
             }
         }
         Ok((bytes, params))
