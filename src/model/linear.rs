@@ -19,6 +19,12 @@ pub trait Linear: Send + Sync {
     fn kind(&self) -> String;
     /// The effective weight `[out, in]` in f32 (what `forward` multiplies by).
     fn dequantize(&self) -> Vec<f32>;
+    /// `forward` into a new `[m, out]` buffer.
+    fn project(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let mut y = vec![0f32; m * self.out_features()];
+        self.forward(x, m, &mut y);
+        y
+    }
 }
 
 /// A dense row-major weight. bf16 checkpoints stay bf16 (half the bytes a

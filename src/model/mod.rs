@@ -10,18 +10,19 @@
 //! logits = RMSNorm(x)·headᵀ
 //! ```
 
+pub mod block;
 pub mod kv_cache;
 pub mod linear;
 pub mod profile;
 pub mod quantized;
 pub mod rope;
 
-use rayon::prelude::*;
 use std::collections::BTreeMap;
 
 use crate::checkpoint::layout::layer_prefix;
 use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, SparkConfig};
-use crate::kernels::{self, gelu_erf, rms_norm, sigmoid};
+use crate::kernels;
+pub use block::{Ctx, DecoderLayer, Mlp, RmsNorm, SelfAttention};
 pub use kv_cache::{CacheError, KvCache};
 pub use linear::{DenseLinear, DenseWeight, Linear};
 use profile::{Stage, StageTimers};
@@ -60,33 +61,11 @@ pub enum Logits {
     Last,
 }
 
-struct SelfAttention {
-    q_proj: Box<dyn Linear>,
-    k_proj: Box<dyn Linear>,
-    v_proj: Box<dyn Linear>,
-    g_proj: Box<dyn Linear>,
-    out_proj: Box<dyn Linear>,
-}
-
-struct Mlp {
-    gate_proj: Box<dyn Linear>,
-    up_proj: Box<dyn Linear>,
-    down_proj: Box<dyn Linear>,
-}
-
-struct DecoderLayer {
-    kind: LayerType,
-    input_layernorm: Vec<f32>,
-    self_attn: SelfAttention,
-    post_attention_layernorm: Vec<f32>,
-    mlp: Mlp,
-}
-
 pub struct SparkModel {
     config: SparkConfig,
     embedding: DenseWeight,
     layers: Vec<DecoderLayer>,
-    norm: Vec<f32>,
+    norm: RmsNorm,
     lm_head: Box<dyn Linear>,
     ropes: BTreeMap<LayerType, Rope>,
     timers: StageTimers,
@@ -193,40 +172,27 @@ impl SparkModel {
         for (i, kind) in cfg.layer_types.iter().enumerate() {
             bar.set_message(format!("layer {i}"));
             let p = layer_prefix(i);
-            let t = |n: &str| ck.tensor_f32(&format!("{p}{n}"));
-            let lins = Proj::ALL
-                .iter()
-                .map(|&proj| {
-                    let (prefix, rows) = proj.stored_at(i, ck.layout.qkv[i], &cfg);
-                    let [n, k] = proj.shape(&cfg);
-                    lin(prefix, rows, n, k)
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            // Proj::ALL's order.
-            let [q_proj, k_proj, v_proj, g_proj, out_proj, gate_proj, up_proj, down_proj]: [Box<
-                dyn Linear,
-            >;
-                8] = lins.try_into().ok().expect("one linear per projection");
+            let norm = |n: &str| -> Result<RmsNorm, CheckpointError> {
+                Ok(RmsNorm::new(
+                    ck.tensor_f32(&format!("{p}{n}"))?,
+                    cfg.rms_norm_eps,
+                ))
+            };
+            let mut lin = |proj: Proj| {
+                let (prefix, rows) = proj.stored_at(i, ck.layout.qkv[i], &cfg);
+                let [n, k] = proj.shape(&cfg);
+                lin(prefix, rows, n, k)
+            };
             layers.push(DecoderLayer {
                 kind: *kind,
-                input_layernorm: t("input_layernorm.weight")?,
-                self_attn: SelfAttention {
-                    q_proj,
-                    k_proj,
-                    v_proj,
-                    g_proj,
-                    out_proj,
-                },
-                post_attention_layernorm: t("post_attention_layernorm.weight")?,
-                mlp: Mlp {
-                    gate_proj,
-                    up_proj,
-                    down_proj,
-                },
+                input_layernorm: norm("input_layernorm.weight")?,
+                self_attn: SelfAttention::load(&mut lin)?,
+                post_attention_layernorm: norm("post_attention_layernorm.weight")?,
+                mlp: Mlp::load(&mut lin)?,
             });
             bar.inc(1);
         }
-        let norm = ck.tensor_f32("model.norm.weight")?;
+        let norm = RmsNorm::new(ck.tensor_f32("model.norm.weight")?, cfg.rms_norm_eps);
         let lm_head: Box<dyn Linear> = if ck.layout.tied {
             wrap(dense(embedding.clone(), cfg.vocab_size, h))
         } else {
@@ -275,48 +241,42 @@ impl SparkModel {
         cache.reserve(m)?;
         let start = cache.pos();
         let tm = &self.timers;
-        let t = tm.start();
-        let mut x = self.embed(tokens)?;
-        tm.stop(Stage::Embed, t);
-        for li in 0..self.layers.len() {
-            let t = tm.start();
-            let h = self.attn_norm(li, &x);
-            tm.stop(Stage::Norms, t);
-            let attn = self.gated_attention(li, &h, m, start, cache.layer_mut(li));
-            self.attn_out_residual(li, &attn, m, &mut x);
-            let t = tm.start();
-            let h2 = self.mlp_norm(li, &x);
-            tm.stop(Stage::Norms, t);
-            let act = self.mlp_act(li, &h2, m);
-            self.mlp_down_residual(li, &act, m, &mut x);
+        // x = E[tokens]
+        let mut x = tm.time(Stage::Embed, || self.embed(tokens))?;
+        // x = layer(x) for each layer, each with its own cache
+        for (li, layer) in self.layers.iter().enumerate() {
+            layer.forward(&mut x, m, start, cache.layer_mut(li), &self.ctx(li));
         }
         cache.advance(m);
-        let hidden = self.config.hidden_size;
+        // logits = head(RMSNorm(x)) of the rows asked for
         let rows = match want {
             Logits::All => 0,
             Logits::Last => m - 1,
         };
-        let t = tm.start();
-        let logits = self.logits(&x[rows * hidden..]);
-        tm.stop(Stage::Head, t);
-        Ok(logits)
+        let hidden = self.config.hidden_size;
+        Ok(tm.time(Stage::Head, || self.logits(&x[rows * hidden..])))
     }
 
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }
 
-    pub fn linear(&self, layer: usize, proj: Proj) -> &dyn Linear {
-        let l = &self.layers[layer];
-        match proj {
-            Proj::Q => l.self_attn.q_proj.as_ref(),
-            Proj::K => l.self_attn.k_proj.as_ref(),
-            Proj::V => l.self_attn.v_proj.as_ref(),
-            Proj::G => l.self_attn.g_proj.as_ref(),
-            Proj::Out => l.self_attn.out_proj.as_ref(),
-            Proj::Gate => l.mlp.gate_proj.as_ref(),
-            Proj::Up => l.mlp.up_proj.as_ref(),
-            Proj::Down => l.mlp.down_proj.as_ref(),
+    /// Layer `li` and what its blocks need to run.
+    pub fn layer(&self, li: usize) -> (&DecoderLayer, Ctx<'_>) {
+        (&self.layers[li], self.ctx(li))
+    }
+
+    pub fn layer_mut(&mut self, li: usize) -> &mut DecoderLayer {
+        &mut self.layers[li]
+    }
+
+    fn ctx(&self, li: usize) -> Ctx<'_> {
+        let kind = self.layers[li].kind;
+        Ctx {
+            cfg: &self.config,
+            kind,
+            rope: &self.ropes[&kind],
+            timers: &self.timers,
         }
     }
 
@@ -326,30 +286,7 @@ impl SparkModel {
 
     /// Final RMSNorm of residual rows (the input of the head).
     pub fn final_norm(&self, x: &[f32]) -> Vec<f32> {
-        let mut y = vec![0f32; x.len()];
-        rms_norm(x, &self.norm, self.config.rms_norm_eps, &mut y);
-        y
-    }
-
-    /// Replace one projection (e.g. by its quantized version).
-    pub fn set_linear(&mut self, layer: usize, proj: Proj, linear: Box<dyn Linear>) {
-        let l = &mut self.layers[layer];
-        let slot = match proj {
-            Proj::Q => &mut l.self_attn.q_proj,
-            Proj::K => &mut l.self_attn.k_proj,
-            Proj::V => &mut l.self_attn.v_proj,
-            Proj::G => &mut l.self_attn.g_proj,
-            Proj::Out => &mut l.self_attn.out_proj,
-            Proj::Gate => &mut l.mlp.gate_proj,
-            Proj::Up => &mut l.mlp.up_proj,
-            Proj::Down => &mut l.mlp.down_proj,
-        };
-        assert_eq!(
-            (slot.in_features(), slot.out_features()),
-            (linear.in_features(), linear.out_features()),
-            "replacement linear must keep the shape"
-        );
-        *slot = linear;
+        self.norm.forward(x)
     }
 
     /// Embedding rows of `tokens` (`[m, hidden]`); no scaling (docs/MODEL.md §4).
@@ -370,137 +307,6 @@ impl SparkModel {
         Ok(x)
     }
 
-    /// `input_layernorm`: the input of q/k/v and of the gate projection.
-    pub fn attn_norm(&self, li: usize, x: &[f32]) -> Vec<f32> {
-        let mut h = vec![0f32; x.len()];
-        rms_norm(
-            x,
-            &self.layers[li].input_layernorm,
-            self.config.rms_norm_eps,
-            &mut h,
-        );
-        h
-    }
-
-    /// q/k/v/g projections, RoPE, attention over `cache` + these `m` tokens at
-    /// positions `start..`, per-head sigmoid gate. Appends K/V to `cache`.
-    /// Returns the gated attention output `[m, q_dim]` (the input of `out_proj`).
-    pub fn gated_attention(
-        &self,
-        li: usize,
-        h: &[f32],
-        m: usize,
-        start: usize,
-        cache: &mut kv_cache::LayerKvCache,
-    ) -> Vec<f32> {
-        let cfg = &self.config;
-        let layer = &self.layers[li];
-        let sa = &layer.self_attn;
-        let (hd, q_dim, kv_dim, heads) = (
-            cfg.head_dim,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.num_attention_heads,
-        );
-        let mut q = vec![0f32; m * q_dim];
-        let mut k = vec![0f32; m * kv_dim];
-        let mut v = vec![0f32; m * kv_dim];
-        let mut g = vec![0f32; m * heads];
-        let t = self.timers.start();
-        sa.q_proj.forward(h, m, &mut q);
-        sa.k_proj.forward(h, m, &mut k);
-        sa.v_proj.forward(h, m, &mut v);
-        sa.g_proj.forward(h, m, &mut g);
-        self.timers.stop(Stage::QkvgProj, t);
-        let t = self.timers.start();
-
-        let rope = &self.ropes[&layer.kind];
-        for i in 0..m {
-            let (cos, sin) = rope.angles(start + i);
-            for head in q[i * q_dim..(i + 1) * q_dim].chunks_exact_mut(hd) {
-                rope.apply(head, &cos, &sin);
-            }
-            for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
-                rope.apply(head, &cos, &sin);
-            }
-        }
-        let mut attn = vec![0f32; m * q_dim];
-        self.attention(layer.kind, &q, &k, &v, start, cache, &mut attn);
-        for (i, row) in attn.chunks_exact_mut(q_dim).enumerate() {
-            for (hh, head) in row.chunks_exact_mut(hd).enumerate() {
-                let s = sigmoid(g[i * heads + hh]);
-                head.iter_mut().for_each(|a| *a *= s);
-            }
-        }
-        cache.append(&k, &v);
-        self.timers.stop(Stage::Attention, t);
-        attn
-    }
-
-    /// `x += out_proj(attn)`.
-    pub fn attn_out_residual(&self, li: usize, attn: &[f32], m: usize, x: &mut [f32]) {
-        let mut delta = vec![0f32; x.len()];
-        let t = self.timers.start();
-        self.layers[li]
-            .self_attn
-            .out_proj
-            .forward(attn, m, &mut delta);
-        self.timers.stop(Stage::OutProj, t);
-        let t = self.timers.start();
-        x.iter_mut().zip(&delta).for_each(|(a, d)| *a += d);
-        self.timers.stop(Stage::Norms, t);
-    }
-
-    /// `post_attention_layernorm`: the input of gate/up.
-    pub fn mlp_norm(&self, li: usize, x: &[f32]) -> Vec<f32> {
-        let mut h = vec![0f32; x.len()];
-        rms_norm(
-            x,
-            &self.layers[li].post_attention_layernorm,
-            self.config.rms_norm_eps,
-            &mut h,
-        );
-        h
-    }
-
-    /// `gelu_erf(gate(h2)) ⊙ up(h2)`: the input of `down_proj`.
-    pub fn mlp_act(&self, li: usize, h2: &[f32], m: usize) -> Vec<f32> {
-        let mlp = &self.layers[li].mlp;
-        let inter = self.config.intermediate_size;
-        let mut gate = vec![0f32; m * inter];
-        let mut up = vec![0f32; m * inter];
-        let t = self.timers.start();
-        mlp.gate_proj.forward(h2, m, &mut gate);
-        mlp.up_proj.forward(h2, m, &mut up);
-        self.timers.stop(Stage::GateUpProj, t);
-        let t = self.timers.start();
-        // erf is the costly part of prefill outside the matmuls: spread it
-        // when there is enough of it (decode's one row stays on this thread).
-        const CHUNK: usize = 1 << 14;
-        if gate.len() >= 2 * CHUNK {
-            gate.par_chunks_mut(CHUNK)
-                .zip(up.par_chunks(CHUNK))
-                .for_each(|(g, u)| g.iter_mut().zip(u).for_each(|(a, u)| *a = gelu_erf(*a) * u));
-        } else {
-            gate.iter_mut()
-                .zip(&up)
-                .for_each(|(a, u)| *a = gelu_erf(*a) * u);
-        }
-        self.timers.stop(Stage::GeluMul, t);
-        gate
-    }
-
-    /// `x += down_proj(act)`.
-    pub fn mlp_down_residual(&self, li: usize, act: &[f32], m: usize, x: &mut [f32]) {
-        let mut delta = vec![0f32; x.len()];
-        let t = self.timers.start();
-        self.layers[li].mlp.down_proj.forward(act, m, &mut delta);
-        self.timers.stop(Stage::DownProj, t);
-        let t = self.timers.start();
-        x.iter_mut().zip(&delta).for_each(|(a, d)| *a += d);
-        self.timers.stop(Stage::Norms, t);
-    }
-
     /// Final norm and head for residual rows `x` (`[n, hidden]`).
     pub fn logits(&self, x: &[f32]) -> Vec<f32> {
         let n = x.len() / self.config.hidden_size;
@@ -509,67 +315,183 @@ impl SparkModel {
         self.lm_head.forward(&y, n, &mut logits);
         logits
     }
+}
 
-    /// Causal attention for `m` new queries at positions `start..start+m`.
-    /// Keys before `start` come from the cache, the rest from this call's
-    /// `k`/`v`; sliding layers see the last `sliding_window` positions
-    /// including the query's own.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        kind: LayerType,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        start: usize,
-        cache: &kv_cache::LayerKvCache,
-        out: &mut [f32],
-    ) {
-        let cfg = &self.config;
-        let (hd, q_dim, kv_dim, group) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim(), cfg.gqa_group());
-        let scale = 1.0 / (hd as f32).sqrt();
-        let window = cfg.sliding_window;
-        let key = |pos: usize| -> &[f32] {
-            if pos >= start {
-                &k[(pos - start) * kv_dim..(pos - start + 1) * kv_dim]
-            } else {
-                cache.key(pos)
-            }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use std::sync::Arc;
+
+    /// 4 query heads sharing 2 KV heads (head_dim 8), a window of 4.
+    fn config(layer_types: &[&str]) -> SparkConfig {
+        let v = serde_json::json!({
+            "architectures": ["Spark2_5ForCausalLM"], "model_type": "spark2_5",
+            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": layer_types.len(),
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "vocab_size": 40, "max_position_embeddings": 64, "sliding_window": 4,
+            "layer_types": layer_types,
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.5, "rope_theta": 1000000},
+                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000}},
+            "rms_norm_eps": 1e-6, "hidden_act": "gelu", "headwise_attn_output_gate": true,
+            "gate_attn_act_mode": "sigmoid", "attention_bias": false, "mlp_bias": false,
+            "tie_word_embeddings": true, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2
+        });
+        SparkConfig::from_json_str(&v.to_string(), "test/config.json").unwrap()
+    }
+
+    fn random(rng: &mut impl Rng, n: usize, k: usize) -> Box<dyn Linear> {
+        let s = 1.0 / (k as f32).sqrt();
+        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-s..s)).collect();
+        Box::new(DenseLinear::new(w.into(), n, k))
+    }
+
+    /// Random dense weights and norms: the math needs no checkpoint.
+    fn model(layer_types: &[&str], seed: u64) -> SparkModel {
+        let cfg = config(layer_types);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let h = cfg.hidden_size;
+        let emb: Vec<f32> = (0..cfg.vocab_size * h)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let embedding = DenseWeight::F32(Arc::from(emb));
+        let norm = |rng: &mut rand_chacha::ChaCha8Rng| {
+            RmsNorm::new(
+                (0..h).map(|_| rng.random_range(0.5..1.5)).collect(),
+                cfg.rms_norm_eps,
+            )
         };
-        let value = |pos: usize| -> &[f32] {
-            if pos >= start {
-                &v[(pos - start) * kv_dim..(pos - start + 1) * kv_dim]
-            } else {
-                cache.value(pos)
-            }
-        };
-        // One job per (query row, KV head): the `group` query heads sharing a
-        // KV head stream its keys and values once, and decode (one row) still
-        // spreads over the KV heads. Per query head the arithmetic and its
-        // order are those of a plain per-head loop.
-        let kv_heads = kv_dim / hd;
-        out.par_chunks_mut(group * hd)
-            .enumerate()
-            .for_each(|(c, out_g)| {
-                let (i, kvh) = (c / kv_heads, c % kv_heads);
-                let p = start + i;
-                let lo = match kind {
-                    LayerType::Sliding => (p + 1).saturating_sub(window),
-                    LayerType::Full => 0,
+        let layers = cfg
+            .layer_types
+            .iter()
+            .map(|&kind| {
+                let input_layernorm = norm(&mut rng);
+                let post_attention_layernorm = norm(&mut rng);
+                let mut lin = |p: Proj| -> Result<Box<dyn Linear>, CheckpointError> {
+                    let [n, k] = p.shape(&cfg);
+                    Ok(random(&mut rng, n, k))
                 };
-                let kvo = kvh * hd;
-                let q0 = i * q_dim + kvh * group * hd;
-                kernels::attention::attend(
-                    &q[q0..q0 + group * hd],
-                    |pos| &key(pos)[kvo..kvo + hd],
-                    |pos| &value(pos)[kvo..kvo + hd],
-                    lo,
-                    p,
-                    hd,
-                    scale,
-                    &mut Vec::new(),
-                    out_g,
+                DecoderLayer {
+                    kind,
+                    input_layernorm,
+                    self_attn: SelfAttention::load(&mut lin).unwrap(),
+                    post_attention_layernorm,
+                    mlp: Mlp::load(&mut lin).unwrap(),
+                }
+            })
+            .collect();
+        SparkModel {
+            norm: norm(&mut rng),
+            lm_head: dense(embedding.clone(), cfg.vocab_size, h),
+            embedding,
+            layers,
+            ropes: cfg.rope.iter().map(|(t, s)| (*t, Rope::new(*s))).collect(),
+            timers: StageTimers::default(),
+            config: cfg,
+        }
+    }
+
+    fn logits(m: &SparkModel, tokens: &[u32]) -> Vec<f32> {
+        let mut cache = m.new_cache(tokens.len());
+        m.forward(tokens, &mut cache, Logits::All).unwrap()
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn a_sliding_layer_forgets_what_left_its_window_and_a_full_layer_does_not() {
+        let a: Vec<u32> = (3..11).collect();
+        let mut b = a.clone();
+        b[0] = 30;
+        let v = 40;
+        let sliding = model(&["sliding_attention"], 1);
+        let (la, lb) = (logits(&sliding, &a), logits(&sliding, &b));
+        // Position p sees p-3 ..= p: token 0 still reaches positions 1..=3, then never again.
+        for p in 1..4 {
+            assert!(max_diff(&la[p * v..(p + 1) * v], &lb[p * v..(p + 1) * v]) > 1e-4);
+        }
+        for p in 4..8 {
+            assert_eq!(
+                la[p * v..(p + 1) * v],
+                lb[p * v..(p + 1) * v],
+                "position {p}"
+            );
+        }
+        let full = model(&["full_attention"], 1);
+        let (la, lb) = (logits(&full, &a), logits(&full, &b));
+        assert!(max_diff(&la[7 * v..], &lb[7 * v..]) > 1e-4);
+    }
+
+    #[test]
+    fn the_first_token_attends_to_itself_alone_through_its_kv_head_and_gate() {
+        let m = model(&["full_attention"], 2);
+        let (layer, ctx) = m.layer(0);
+        let cfg = m.config();
+        let h: Vec<f32> = (0..cfg.hidden_size)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let mut cache = kv_cache::LayerKvCache::new(cfg, LayerType::Full, 4);
+        let a = layer.self_attn.attend(&h, 1, 0, &mut cache, &ctx);
+        // softmax over one key is 1: each query head returns its KV head's value, gated.
+        let v = layer.self_attn.v_proj.project(&h, 1);
+        let g = layer.self_attn.g_proj.project(&h, 1);
+        let hd = cfg.head_dim;
+        for qh in 0..cfg.num_attention_heads {
+            let kvh = qh / cfg.gqa_group();
+            for d in 0..hd {
+                let want = v[kvh * hd + d] * kernels::sigmoid(g[qh]);
+                let got = a[qh * hd + d];
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                    "head {qh}"
                 );
-            });
+            }
+        }
+        assert_eq!(cache.len(), 1, "this call's K/V were appended");
+    }
+
+    #[test]
+    fn chunked_calls_and_last_row_logits_match_one_call() {
+        let m = model(&["sliding_attention", "full_attention"], 3);
+        let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 40) as u32).collect();
+        let one = logits(&m, &tokens);
+        let mut cache = m.new_cache(tokens.len());
+        let mut chunked = Vec::new();
+        for c in [&tokens[..5], &tokens[5..6], &tokens[6..]] {
+            chunked.extend(m.forward(c, &mut cache, Logits::All).unwrap());
+        }
+        // Different row counts may take different matmul kernels: same math, other sum order.
+        assert!(
+            max_diff(&one, &chunked) < 1e-4,
+            "{}",
+            max_diff(&one, &chunked)
+        );
+        let mut cache = m.new_cache(tokens.len());
+        let last = m.forward(&tokens, &mut cache, Logits::Last).unwrap();
+        assert!(max_diff(&last, &one[11 * 40..]) < 1e-4);
+        assert_eq!(cache.pos(), 12);
+    }
+
+    #[test]
+    fn bad_token_and_empty_input_are_errors() {
+        let m = model(&["full_attention"], 4);
+        let mut cache = m.new_cache(4);
+        assert!(matches!(
+            m.forward(&[], &mut cache, Logits::All),
+            Err(ModelError::Empty)
+        ));
+        match m.forward(&[1, 40], &mut cache, Logits::All) {
+            Err(ModelError::TokenOutOfRange { id, index, vocab }) => {
+                assert_eq!((id, index, vocab), (40, 1, 40))
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        assert_eq!(cache.pos(), 0, "a refused call leaves the cache untouched");
     }
 }

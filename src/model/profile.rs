@@ -72,6 +72,15 @@ impl StageTimers {
         }
     }
 
+    /// Run `f`, its wall time added to `stage` when timing is on.
+    #[inline]
+    pub fn time<T>(&self, stage: Stage, f: impl FnOnce() -> T) -> T {
+        let t = self.start();
+        let out = f();
+        self.stop(stage, t);
+        out
+    }
+
     /// Milliseconds per stage since the last call, then reset.
     pub fn take(&self) -> Vec<(Stage, f64)> {
         Stage::ALL

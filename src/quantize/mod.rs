@@ -23,6 +23,7 @@ use serde::Serialize;
 use crate::checkpoint::layout::layer_prefix;
 use crate::checkpoint::{Checkpoint, QkvLayout};
 use crate::device::{WeightFormat, WeightPath};
+use crate::model::block::residual_add;
 use crate::model::{DenseLinear, Proj, SparkModel};
 use crate::quant::{
     relative_output_error, rtn, GptqConfig, GptqSolver, Hessian, QuantizedWeight, ScaleRule,
@@ -239,12 +240,12 @@ fn quantize_group(
 }
 
 fn weight(model: &SparkModel, li: usize, proj: Proj) -> Vec<f32> {
-    model.linear(li, proj).dequantize()
+    model.layer(li).0.linear(proj).dequantize()
 }
 
 fn install(model: &mut SparkModel, li: usize, proj: Proj, q: &QuantizedWeight) {
     let lin = DenseLinear::new(q.dequantize().into(), q.out_features, q.in_features);
-    model.set_linear(li, proj, Box::new(lin));
+    model.layer_mut(li).set_linear(proj, Box::new(lin));
 }
 
 /// One true-sequential step: the projections `projs` of layer `li`, which all read `input`
@@ -297,7 +298,7 @@ fn quantize_layer(
     // x ─ norm → h ─ q, k, v
     bar.set_message(format!("layer {li}: q/k/v"));
     check_finite(x, li, "input_layernorm")?;
-    let h = model.attn_norm(li, x);
+    let h = model.layer(li).0.input_layernorm.forward(x);
     quantize_projs(
         model,
         li,
@@ -311,27 +312,28 @@ fn quantize_layer(
     // gated attention over each sample → a ─ out_proj, x += out(a)
     bar.set_message(format!("layer {li}: out_proj"));
     let mut attn = vec![0f32; rows * q_dim];
+    let (layer, ctx) = model.layer(li);
     for s in 0..samples {
         let mut cache =
             crate::model::kv_cache::LayerKvCache::new(&cfg, cfg.layer_types[li], seq_len);
-        let a = model.gated_attention(
-            li,
+        let a = layer.self_attn.attend(
             &h[s * seq_len * hidden..(s + 1) * seq_len * hidden],
             seq_len,
             0,
             &mut cache,
+            &ctx,
         );
         attn[s * seq_len * q_dim..(s + 1) * seq_len * q_dim].copy_from_slice(&a);
     }
     drop(h);
     check_finite(&attn, li, "out_proj")?;
     quantize_projs(model, li, &[Proj::Out], &attn, rows, opts, &mut result)?;
-    model.attn_out_residual(li, &attn, rows, x);
+    residual_add(x, &model.layer(li).0.linear(Proj::Out).project(&attn, rows));
     drop(attn);
 
     // x ─ norm → h2 ─ gate, up
     bar.set_message(format!("layer {li}: gate/up"));
-    let h2 = model.mlp_norm(li, x);
+    let h2 = model.layer(li).0.post_attention_layernorm.forward(x);
     check_finite(&h2, li, "gate_proj/up_proj")?;
     quantize_projs(
         model,
@@ -345,11 +347,12 @@ fn quantize_layer(
 
     // gelu(gate) ⊙ up → act ─ down, x += down(act)
     bar.set_message(format!("layer {li}: down_proj"));
-    let act = model.mlp_act(li, &h2, rows);
+    let (layer, ctx) = model.layer(li);
+    let act = layer.mlp.act(&h2, rows, &ctx);
     drop(h2);
     check_finite(&act, li, "down_proj")?;
     quantize_projs(model, li, &[Proj::Down], &act, rows, opts, &mut result)?;
-    model.mlp_down_residual(li, &act, rows, x);
+    residual_add(x, &model.layer(li).0.linear(Proj::Down).project(&act, rows));
     Ok(result)
 }
 

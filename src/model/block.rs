@@ -1,0 +1,305 @@
+//! The blocks of a decoder layer, each owning its weights and its forward, named after the HF
+//! modules (`model.layers.{i}.self_attn.*`, `.mlp.*`; docs/MODEL.md §3–4). The quantizer drives
+//! the same blocks step by step (`layer.self_attn.attend`, then `out_proj`, …), so what it
+//! calibrates on is exactly what the forward computes.
+
+use rayon::prelude::*;
+
+use super::kv_cache::LayerKvCache;
+use super::profile::{Stage, StageTimers};
+use super::rope::Rope;
+use super::Linear;
+use crate::checkpoint::{CheckpointError, LayerType, Proj, SparkConfig};
+use crate::kernels::{self, gelu_erf, rms_norm, sigmoid};
+
+/// What a block needs besides its weights: the shapes, its layer type and rotary table, and the
+/// stage timers of `bench --stages`.
+#[derive(Clone, Copy)]
+pub struct Ctx<'a> {
+    pub cfg: &'a SparkConfig,
+    pub kind: LayerType,
+    pub rope: &'a Rope,
+    pub timers: &'a StageTimers,
+}
+
+pub struct RmsNorm {
+    weight: Vec<f32>,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn new(weight: Vec<f32>, eps: f32) -> Self {
+        RmsNorm { weight, eps }
+    }
+
+    /// `x / rms(x) · weight` per row.
+    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
+        let mut y = vec![0f32; x.len()];
+        rms_norm(x, &self.weight, self.eps, &mut y);
+        y
+    }
+}
+
+/// `x += delta`.
+pub fn residual_add(x: &mut [f32], delta: &[f32]) {
+    x.iter_mut().zip(delta).for_each(|(a, d)| *a += d);
+}
+
+/// Gated attention: `a = attention(RoPE(h·Wqᵀ), RoPE(h·Wkᵀ), h·Wvᵀ) ⊙ sigmoid(h·Wgᵀ)` per head,
+/// then `a·Woᵀ`.
+pub struct SelfAttention {
+    pub q_proj: Box<dyn Linear>,
+    pub k_proj: Box<dyn Linear>,
+    pub v_proj: Box<dyn Linear>,
+    pub g_proj: Box<dyn Linear>,
+    pub out_proj: Box<dyn Linear>,
+}
+
+impl SelfAttention {
+    pub fn load(
+        mut lin: impl FnMut(Proj) -> Result<Box<dyn Linear>, CheckpointError>,
+    ) -> Result<Self, CheckpointError> {
+        Ok(SelfAttention {
+            q_proj: lin(Proj::Q)?,
+            k_proj: lin(Proj::K)?,
+            v_proj: lin(Proj::V)?,
+            g_proj: lin(Proj::G)?,
+            out_proj: lin(Proj::Out)?,
+        })
+    }
+
+    /// `out_proj(attend(h))` for `m` rows at positions `start..`.
+    pub fn forward(
+        &self,
+        h: &[f32],
+        m: usize,
+        start: usize,
+        cache: &mut LayerKvCache,
+        ctx: &Ctx,
+    ) -> Vec<f32> {
+        let a = self.attend(h, m, start, cache, ctx);
+        ctx.timers
+            .time(Stage::OutProj, || self.out_proj.project(&a, m))
+    }
+
+    /// Everything before `out_proj`: the gated attention output `[m, q_dim]` of the normed rows
+    /// `h` at positions `start..`, over `cache` and these rows. Appends their K/V to `cache`.
+    pub fn attend(
+        &self,
+        h: &[f32],
+        m: usize,
+        start: usize,
+        cache: &mut LayerKvCache,
+        ctx: &Ctx,
+    ) -> Vec<f32> {
+        let cfg = ctx.cfg;
+        let (hd, q_dim, kv_dim, heads) = (
+            cfg.head_dim,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.num_attention_heads,
+        );
+        // q, k, v, g = h·W{q,k,v,g}ᵀ
+        let [mut q, mut k, v, g] = ctx.timers.time(Stage::QkvgProj, || {
+            [&self.q_proj, &self.k_proj, &self.v_proj, &self.g_proj].map(|l| l.project(h, m))
+        });
+        ctx.timers.time(Stage::Attention, || {
+            // q, k = RoPE(q, k) at each row's position
+            for i in 0..m {
+                let (cos, sin) = ctx.rope.angles(start + i);
+                for head in q[i * q_dim..(i + 1) * q_dim].chunks_exact_mut(hd) {
+                    ctx.rope.apply(head, &cos, &sin);
+                }
+                for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
+                    ctx.rope.apply(head, &cos, &sin);
+                }
+            }
+            // a = softmax(q·kᵀ/√d over the visible keys)·v
+            let mut a = vec![0f32; m * q_dim];
+            attention(ctx, &q, &k, &v, start, cache, &mut a);
+            // a_head *= sigmoid(g_head)
+            for (i, row) in a.chunks_exact_mut(q_dim).enumerate() {
+                for (hh, head) in row.chunks_exact_mut(hd).enumerate() {
+                    let s = sigmoid(g[i * heads + hh]);
+                    head.iter_mut().for_each(|x| *x *= s);
+                }
+            }
+            // Only now: a sliding ring must not drop a key a query of this call still needs.
+            cache.append(&k, &v);
+            a
+        })
+    }
+}
+
+/// Causal attention for `m` new queries at positions `start..start+m`. Keys before `start` come
+/// from the cache, the rest from this call's `k`/`v`; sliding layers see the last
+/// `sliding_window` positions including the query's own.
+fn attention(
+    ctx: &Ctx,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    start: usize,
+    cache: &LayerKvCache,
+    out: &mut [f32],
+) {
+    let cfg = ctx.cfg;
+    let (hd, q_dim, kv_dim, group) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim(), cfg.gqa_group());
+    let scale = 1.0 / (hd as f32).sqrt();
+    let window = cfg.sliding_window;
+    let kind = ctx.kind;
+    let key = |pos: usize| -> &[f32] {
+        if pos >= start {
+            &k[(pos - start) * kv_dim..(pos - start + 1) * kv_dim]
+        } else {
+            cache.key(pos)
+        }
+    };
+    let value = |pos: usize| -> &[f32] {
+        if pos >= start {
+            &v[(pos - start) * kv_dim..(pos - start + 1) * kv_dim]
+        } else {
+            cache.value(pos)
+        }
+    };
+    // One job per (query row, KV head): the `group` query heads sharing a KV head stream its
+    // keys and values once, and decode (one row) still spreads over the KV heads. Per query
+    // head the arithmetic and its order are those of a plain per-head loop.
+    let kv_heads = kv_dim / hd;
+    out.par_chunks_mut(group * hd)
+        .enumerate()
+        .for_each(|(c, out_g)| {
+            let (i, kvh) = (c / kv_heads, c % kv_heads);
+            let p = start + i;
+            let lo = match kind {
+                LayerType::Sliding => (p + 1).saturating_sub(window),
+                LayerType::Full => 0,
+            };
+            let kvo = kvh * hd;
+            let q0 = i * q_dim + kvh * group * hd;
+            kernels::attention::attend(
+                &q[q0..q0 + group * hd],
+                |pos| &key(pos)[kvo..kvo + hd],
+                |pos| &value(pos)[kvo..kvo + hd],
+                lo,
+                p,
+                hd,
+                scale,
+                &mut Vec::new(),
+                out_g,
+            );
+        });
+}
+
+/// `down_proj(gelu_erf(gate_proj(h)) ⊙ up_proj(h))`.
+pub struct Mlp {
+    pub gate_proj: Box<dyn Linear>,
+    pub up_proj: Box<dyn Linear>,
+    pub down_proj: Box<dyn Linear>,
+}
+
+impl Mlp {
+    pub fn load(
+        mut lin: impl FnMut(Proj) -> Result<Box<dyn Linear>, CheckpointError>,
+    ) -> Result<Self, CheckpointError> {
+        Ok(Mlp {
+            gate_proj: lin(Proj::Gate)?,
+            up_proj: lin(Proj::Up)?,
+            down_proj: lin(Proj::Down)?,
+        })
+    }
+
+    pub fn forward(&self, h: &[f32], m: usize, ctx: &Ctx) -> Vec<f32> {
+        let act = self.act(h, m, ctx);
+        ctx.timers
+            .time(Stage::DownProj, || self.down_proj.project(&act, m))
+    }
+
+    /// `gelu_erf(gate_proj(h)) ⊙ up_proj(h)`: the input of `down_proj`.
+    pub fn act(&self, h: &[f32], m: usize, ctx: &Ctx) -> Vec<f32> {
+        let [mut gate, up] = ctx.timers.time(Stage::GateUpProj, || {
+            [&self.gate_proj, &self.up_proj].map(|l| l.project(h, m))
+        });
+        ctx.timers.time(Stage::GeluMul, || {
+            // erf is the costly part of prefill outside the matmuls: spread it when there is
+            // enough of it (decode's one row stays on this thread).
+            const CHUNK: usize = 1 << 14;
+            if gate.len() >= 2 * CHUNK {
+                gate.par_chunks_mut(CHUNK)
+                    .zip(up.par_chunks(CHUNK))
+                    .for_each(|(g, u)| {
+                        g.iter_mut().zip(u).for_each(|(a, u)| *a = gelu_erf(*a) * u)
+                    });
+            } else {
+                gate.iter_mut()
+                    .zip(&up)
+                    .for_each(|(a, u)| *a = gelu_erf(*a) * u);
+            }
+            gate
+        })
+    }
+}
+
+/// One decoder layer: `x += attn(norm(x)); x += mlp(norm(x))`.
+pub struct DecoderLayer {
+    pub kind: LayerType,
+    pub input_layernorm: RmsNorm,
+    pub self_attn: SelfAttention,
+    pub post_attention_layernorm: RmsNorm,
+    pub mlp: Mlp,
+}
+
+impl DecoderLayer {
+    /// `m` rows of the residual stream `x` at positions `start..`, advanced in place.
+    pub fn forward(
+        &self,
+        x: &mut [f32],
+        m: usize,
+        start: usize,
+        cache: &mut LayerKvCache,
+        ctx: &Ctx,
+    ) {
+        let tm = ctx.timers;
+        let h = tm.time(Stage::Norms, || self.input_layernorm.forward(x));
+        let a = self.self_attn.forward(&h, m, start, cache, ctx);
+        tm.time(Stage::Norms, || residual_add(x, &a));
+        let h2 = tm.time(Stage::Norms, || self.post_attention_layernorm.forward(x));
+        let d = self.mlp.forward(&h2, m, ctx);
+        tm.time(Stage::Norms, || residual_add(x, &d));
+    }
+
+    pub fn linear(&self, proj: Proj) -> &dyn Linear {
+        let (a, f) = (&self.self_attn, &self.mlp);
+        match proj {
+            Proj::Q => a.q_proj.as_ref(),
+            Proj::K => a.k_proj.as_ref(),
+            Proj::V => a.v_proj.as_ref(),
+            Proj::G => a.g_proj.as_ref(),
+            Proj::Out => a.out_proj.as_ref(),
+            Proj::Gate => f.gate_proj.as_ref(),
+            Proj::Up => f.up_proj.as_ref(),
+            Proj::Down => f.down_proj.as_ref(),
+        }
+    }
+
+    /// Replace one projection (e.g. by its quantized version) with one of the same shape.
+    pub fn set_linear(&mut self, proj: Proj, linear: Box<dyn Linear>) {
+        let (a, f) = (&mut self.self_attn, &mut self.mlp);
+        let slot = match proj {
+            Proj::Q => &mut a.q_proj,
+            Proj::K => &mut a.k_proj,
+            Proj::V => &mut a.v_proj,
+            Proj::G => &mut a.g_proj,
+            Proj::Out => &mut a.out_proj,
+            Proj::Gate => &mut f.gate_proj,
+            Proj::Up => &mut f.up_proj,
+            Proj::Down => &mut f.down_proj,
+        };
+        assert_eq!(
+            (slot.in_features(), slot.out_features()),
+            (linear.in_features(), linear.out_features()),
+            "replacement linear must keep the shape"
+        );
+        *slot = linear;
+    }
+}
