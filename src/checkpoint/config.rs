@@ -379,7 +379,7 @@ impl SparkConfig {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// The real 1.7B config (docs/MODEL.md §1), reduced to the keys we read.

@@ -75,4 +75,25 @@ impl Checkpoint {
         let p = self.dir.join("tokenizer.json");
         p.exists().then_some(p)
     }
+
+    /// Copy the checkpoint's [`SIDE_FILES`] that exist into `dir`.
+    pub fn copy_side_files(&self, dir: &Path) -> Result<(), crate::artifact::ArtifactError> {
+        for f in SIDE_FILES {
+            let src = self.dir.join(f);
+            if src.is_file() {
+                std::fs::copy(&src, dir.join(f)).map_err(crate::artifact::io_err(&dir.join(f)))?;
+            }
+        }
+        Ok(())
+    }
 }
+
+/// What a runtime needs besides weights and `config.json`, carried into every artifact as is:
+/// the tokenizer, its special tokens and chat template, the generation defaults.
+pub const SIDE_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+];

@@ -152,19 +152,11 @@ fn write_part(
     })
 }
 
+/// The config unchanged (the phone runtime reads its shapes) and the checkpoint's side files.
 fn copy_side_files(ck: &Checkpoint, dir: &Path) -> Result<(), ExportError> {
-    for f in [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        let src = ck.dir.join(f);
-        if src.is_file() {
-            std::fs::copy(&src, dir.join(f)).map_err(io_err(&dir.join(f)))?;
-        }
-    }
-    Ok(())
+    let cfg = ck.dir.join("config.json");
+    std::fs::copy(&cfg, dir.join("config.json")).map_err(io_err(&dir.join("config.json")))?;
+    Ok(ck.copy_side_files(dir)?)
 }
 
 pub fn export_phone(

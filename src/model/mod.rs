@@ -325,19 +325,21 @@ mod tests {
 
     /// 4 query heads sharing 2 KV heads (head_dim 8), a window of 4.
     fn config(layer_types: &[&str]) -> SparkConfig {
-        let v = serde_json::json!({
-            "architectures": ["Spark2_5ForCausalLM"], "model_type": "spark2_5",
-            "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": layer_types.len(),
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-            "vocab_size": 40, "max_position_embeddings": 64, "sliding_window": 4,
-            "layer_types": layer_types,
-            "rope_parameters": {
-                "full_attention": {"partial_rotary_factor": 0.5, "rope_theta": 1000000},
-                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000}},
-            "rms_norm_eps": 1e-6, "hidden_act": "gelu", "headwise_attn_output_gate": true,
-            "gate_attn_act_mode": "sigmoid", "attention_bias": false, "mlp_bias": false,
-            "tie_word_embeddings": true, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2
-        });
+        let mut v = crate::checkpoint::config::tests::real_1_7b_json();
+        for (key, value) in [
+            ("hidden_size", serde_json::json!(32)),
+            ("intermediate_size", 48.into()),
+            ("num_hidden_layers", layer_types.len().into()),
+            ("num_attention_heads", 4.into()),
+            ("head_dim", 8.into()),
+            ("vocab_size", 40.into()),
+            ("max_position_embeddings", 64.into()),
+            ("sliding_window", 4.into()),
+            ("layer_types", layer_types.into()),
+        ] {
+            v[key] = value;
+        }
+        v["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 0.5.into();
         SparkConfig::from_json_str(&v.to_string(), "test/config.json").unwrap()
     }
 

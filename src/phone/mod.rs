@@ -358,7 +358,7 @@ impl PhoneSequence<'_> {
                 if let Some(ci) = man.caches.iter().position(|c| c.key_out == io.name) {
                     let c = &man.caches[ci];
                     let (heads, hd, past) = (c.key_shape[0], c.key_shape[2], c.key_shape[3]);
-                    if let Some(slot) = slot_of(man, &c.layer_type, pos, past) {
+                    if let Some(slot) = slot_of(man.context, &c.layer_type, pos, past) {
                         // new key [H,1,hd,1] → cache [H,1,hd,past] column `slot`
                         self.caches[ci]
                             .0
@@ -372,7 +372,7 @@ impl PhoneSequence<'_> {
                 } else if let Some(ci) = man.caches.iter().position(|c| c.value_out == io.name) {
                     let c = &man.caches[ci];
                     let (hd, past) = (c.value_shape[3], c.value_shape[2]);
-                    if let Some(slot) = slot_of(man, &c.layer_type, pos, past) {
+                    if let Some(slot) = slot_of(man.context, &c.layer_type, pos, past) {
                         self.caches[ci]
                             .1
                             .write(v, |i| {
@@ -390,7 +390,7 @@ impl PhoneSequence<'_> {
 }
 
 /// Slot a new entry at `pos` goes to, or None when nothing will read it.
-fn slot_of(man: &Manifest, layer_type: &str, pos: usize, past: usize) -> Option<usize> {
+fn slot_of(context: usize, layer_type: &str, pos: usize, past: usize) -> Option<usize> {
     if past == 0 {
         return None;
     }
@@ -398,7 +398,7 @@ fn slot_of(man: &Manifest, layer_type: &str, pos: usize, past: usize) -> Option<
         "sliding" => Some(pos % past),
         _ => (pos < past).then_some(pos),
     }
-    .filter(|_| pos + 1 < man.context)
+    .filter(|_| pos + 1 < context)
 }
 
 impl Engine for PhoneModel {
@@ -435,5 +435,40 @@ impl Sequence for PhoneSequence<'_> {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_entries_go_to_the_ring_slot_or_the_growing_tail_and_the_last_step_stores_nothing() {
+        // Sliding layers: a ring of `past` slots, position p in slot p mod past.
+        let ring: Vec<_> = (0..7).map(|p| slot_of(100, "sliding", p, 3)).collect();
+        assert_eq!(ring, [0, 1, 2, 0, 1, 2, 0].map(Some));
+        // Full layers: position p in slot p while it fits.
+        assert_eq!(slot_of(100, "full", 5, 8), Some(5));
+        assert_eq!(slot_of(100, "full", 8, 8), None);
+        // The step at the last position of the context has no next step to read its entry.
+        assert_eq!(slot_of(10, "full", 9, 16), None);
+        assert_eq!(slot_of(10, "sliding", 9, 4), None);
+        assert_eq!(slot_of(10, "full", 8, 16), Some(8));
+        // A layer type without a cache input.
+        assert_eq!(slot_of(10, "sliding", 0, 0), None);
+    }
+
+    #[test]
+    fn cache_buffers_start_at_the_encodings_zero_and_refuse_unknown_types() {
+        match Buf::new("int16", 4, -7).unwrap() {
+            Buf::I16(v) => assert_eq!(v, [-7; 4]),
+            _ => panic!("int16 buffer expected"),
+        }
+        match Buf::new("uint8", 2, 128).unwrap() {
+            Buf::U8(v) => assert_eq!(v, [128; 2]),
+            _ => panic!("uint8 buffer expected"),
+        }
+        let e = Buf::new("bfloat16", 4, 0).err().unwrap().to_string();
+        assert!(e.contains("bfloat16"), "{e}");
     }
 }

@@ -527,3 +527,108 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     out.finish(&report)?;
     Ok(report)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{CpuFeatures, Priority, Target};
+    use rand::{Rng, SeedableRng};
+
+    fn options(method: Method, compare: bool) -> QuantizeOptions {
+        QuantizeOptions {
+            model_dir: PathBuf::new(),
+            out_dir: PathBuf::new(),
+            format: WeightFormat::W4A16,
+            group_size: 32,
+            method,
+            path: crate::device::decide(&CpuFeatures::default(), Target::X86, Priority::Speed),
+            calibration: Vec::new(),
+            samples: 1,
+            seq_len: 1,
+            qkv_layout: QkvLayout::Fused,
+            quantize_head: false,
+            damp: 0.01,
+            resume: false,
+            force: false,
+            progress: false,
+            compare,
+            dump_dequantized: None,
+            stop_after_layers: None,
+        }
+    }
+
+    /// Inputs with strongly correlated columns (where GPTQ's error feedback pays) and two
+    /// weights that read them.
+    fn case() -> (Hessian, Vec<Vec<f32>>) {
+        let (k, rows) = (64, 256);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let mut x = vec![0f32; rows * k];
+        for r in 0..rows {
+            let common: f32 = rng.random_range(-1.0..1.0);
+            for c in 0..k {
+                x[r * k + c] = common + 0.3 * rng.random_range(-1.0f32..1.0);
+            }
+        }
+        let mut h = Hessian::new(k);
+        h.add(&x, rows);
+        let w = |n: usize, rng: &mut rand_chacha::ChaCha8Rng| -> Vec<f32> {
+            (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect()
+        };
+        let ws = vec![w(48, &mut rng), w(16, &mut rng)];
+        (h, ws)
+    }
+
+    #[test]
+    fn linears_sharing_an_input_get_one_solve_and_a_report_each() {
+        let (h, ws) = case();
+        let names = ["a".to_string(), "b".to_string()];
+        let (qs, reports) = quantize_group(
+            &names,
+            &ws,
+            &[48, 16],
+            &h,
+            &options(Method::GptqSearch, true),
+        )
+        .unwrap();
+        assert_eq!(qs.len(), 2);
+        assert_eq!((qs[0].out_features, qs[1].out_features), (48, 16));
+        for (r, name) in reports.iter().zip(&names) {
+            assert_eq!(&r.name, name);
+            let (rtn, gptq, search) = (
+                r.rtn_error.unwrap(),
+                r.gptq_error.unwrap(),
+                r.gptq_search_error.unwrap(),
+            );
+            // The written weights are the chosen method's; GPTQ beats rounding on correlated inputs.
+            assert_eq!(r.error, search);
+            assert!(gptq < rtn, "{name}: gptq {gptq} vs rtn {rtn}");
+            assert!(r.error > 0.0 && r.error < 0.1, "{name}: {}", r.error);
+        }
+    }
+
+    #[test]
+    fn without_compare_only_the_chosen_method_is_measured() {
+        let (h, ws) = case();
+        let (_, reports) = quantize_group(
+            &["a".into()],
+            &ws[..1],
+            &[48],
+            &h,
+            &options(Method::Rtn, false),
+        )
+        .unwrap();
+        let r = &reports[0];
+        assert_eq!(r.rtn_error, Some(r.error));
+        assert_eq!((r.gptq_error, r.gptq_search_error), (None, None));
+    }
+
+    #[test]
+    fn non_finite_activations_name_the_layer_and_the_linear_they_feed() {
+        assert!(check_finite(&[0.0, 1.0], 3, "down_proj").is_ok());
+        let e = check_finite(&[0.0, f32::NAN], 3, "down_proj")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("layer 3") && e.contains("down_proj"), "{e}");
+        assert!(check_finite(&[f32::INFINITY], 0, "out_proj").is_err());
+    }
+}

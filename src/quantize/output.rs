@@ -369,18 +369,7 @@ impl Output {
             serde_json::to_string_pretty(&gptq::legacy_quantize_config(&qc)).expect("json") + "\n",
         )
         .map_err(io_err(&dir))?;
-        for f in [
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "generation_config.json",
-            "special_tokens_map.json",
-            "chat_template.jinja",
-        ] {
-            let src = ck.dir.join(f);
-            if src.exists() {
-                std::fs::copy(&src, dir.join(f)).map_err(io_err(&src))?;
-            }
-        }
+        ck.copy_side_files(&dir)?;
         Ok((bytes, params))
     }
 
