@@ -1,16 +1,17 @@
 //! Numeric kernels, kept apart from the model. Every kernel has a plain
 //! scalar reference; fast paths are tested against it.
 
-// The kernels index several register arrays ([stream][row]) by one counter.
-// (AVX-512 intrinsics are why the crate needs Rust 1.89.)
 pub mod attention;
+// Shared by each format's AVX-512 child module (`bf16::avx512`, …).
+// (AVX-512 intrinsics are why the crate needs Rust 1.89.)
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::needless_range_loop)]
-mod avx512;
+mod avx512_util;
 pub mod bf16;
 pub mod convert;
 pub mod isa;
 pub mod par;
+#[cfg(test)]
+pub(crate) mod test_util;
 pub mod w4;
 pub mod w4a16;
 pub mod w4a8;
@@ -122,46 +123,6 @@ pub fn panel_matmul(
             }
         }
     });
-}
-
-/// [`panel_matmul`] when every activation is a bf16 value and the CPU has
-/// AVX512-BF16: weight panels (bf16 values after `expand`) are packed in
-/// 32-column slices and multiplied with `vdpbf16ps` — exact products, f32
-/// sums, twice the f32 FMA rate. Returns false (nothing done) otherwise.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn bf16_act_panel_matmul(
-    isa: isa::Isa,
-    x: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-    y: &mut [f32],
-    expand: impl Fn(Range<usize>, &mut [f32]) + Sync,
-) -> bool {
-    use avx512::GEMM_SLICE;
-    if isa < isa::Isa::Avx512Bf16
-        || !k.is_multiple_of(2)
-        || !x.iter().all(|v| v.to_bits() & 0xFFFF == 0)
-    {
-        return false;
-    }
-    assert_eq!((x.len(), y.len()), (m * k, m * n));
-    let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-    let out = ColumnsOut::new(y, m, n);
-    for_ranges(n.div_ceil(GEMM_SLICE), m * n * k, |slices| {
-        let mut wf = vec![0f32; GEMM_SLICE * k];
-        let mut packed = vec![0u16; GEMM_SLICE * k];
-        for si in slices {
-            let cols = si * GEMM_SLICE..((si + 1) * GEMM_SLICE).min(n);
-            let c = cols.len();
-            expand(cols.clone(), &mut wf[..c * k]);
-            debug_assert!(wf[..c * k].iter().all(|v| v.to_bits() & 0xFFFF == 0));
-            avx512::pack_bf16_slice(&wf[..c * k], c, k, &mut packed);
-            // SAFETY: the tier was checked above; this job owns columns `cols`.
-            unsafe { avx512::bf16_gemm_slice(&xb, k, &packed, 0..m, cols.start, c, &out) };
-        }
-    });
-    true
 }
 
 /// `dst[i, j] = Σ_kk x[i, kk] · w[j, kk]` with `gemm`: x is `[m, k]` and w

@@ -5,7 +5,15 @@
 //!
 //! Decode (few rows) streams the weights once through a row-dot kernel;
 //! prefill (many rows) widens panels of weight rows to f32 and runs `gemm`
-//! on them, see [`super::panel_matmul`].
+//! on them, see [`super::panel_matmul`] — or, when the activations are bf16
+//! values and the CPU has AVX512-BF16, multiplies the panels with
+//! `vdpbf16ps` (`bf16_act_panel_matmul`, also used by W4A16). The AVX-512
+//! kernels are in the child module `avx512`.
+
+// The AVX-512 kernels index several register arrays ([stream][row]) by one counter.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
+mod avx512;
 
 use super::isa::{isa, Isa};
 use super::par::{for_tiles, ColumnsOut};
@@ -61,7 +69,7 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
             }
         };
         #[cfg(target_arch = "x86_64")]
-        if super::bf16_act_panel_matmul(isa, x, m, k, n, y, expand) {
+        if bf16_act_panel_matmul(isa, x, m, k, n, y, expand) {
             return;
         }
         super::panel_matmul(x, m, k, n, y, expand);
@@ -73,16 +81,54 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
         #[cfg(target_arch = "x86_64")]
         isa if isa.avx512() => {
             // SAFETY: the tier was detected on this CPU; bounds asserted above.
-            unsafe { super::avx512::bf16_gemv(w, k, &xp, rows, cb, &out) }
+            unsafe { avx512::bf16_gemv(w, k, &xp, rows, cb, &out) }
         }
         _ => gemv_portable(w, k, &xp, rows, cb, &out),
     });
 }
 
+/// [`panel_matmul`](super::panel_matmul) when every activation is a bf16 value and the CPU has
+/// AVX512-BF16: weight panels (bf16 values after `expand`) are packed in
+/// 32-column slices and multiplied with `vdpbf16ps` — exact products, f32
+/// sums, twice the f32 FMA rate. Returns false (nothing done) otherwise.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn bf16_act_panel_matmul(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    y: &mut [f32],
+    expand: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+) -> bool {
+    use avx512::GEMM_SLICE;
+    if isa < Isa::Avx512Bf16 || !k.is_multiple_of(2) || !x.iter().all(|v| v.to_bits() & 0xFFFF == 0)
+    {
+        return false;
+    }
+    assert_eq!((x.len(), y.len()), (m * k, m * n));
+    let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    let out = ColumnsOut::new(y, m, n);
+    super::par::for_ranges(n.div_ceil(GEMM_SLICE), m * n * k, |slices| {
+        let mut wf = vec![0f32; GEMM_SLICE * k];
+        let mut packed = vec![0u16; GEMM_SLICE * k];
+        for si in slices {
+            let cols = si * GEMM_SLICE..((si + 1) * GEMM_SLICE).min(n);
+            let c = cols.len();
+            expand(cols.clone(), &mut wf[..c * k]);
+            debug_assert!(wf[..c * k].iter().all(|v| v.to_bits() & 0xFFFF == 0));
+            avx512::pack_bf16_slice(&wf[..c * k], c, k, &mut packed);
+            // SAFETY: the tier was checked above; this job owns columns `cols`.
+            unsafe { avx512::bf16_gemm_slice(&xb, k, &packed, 0..m, cols.start, c, &out) };
+        }
+    });
+    true
+}
+
 /// Each row's full 32-element chunks reordered as 16 even then 16 odd
 /// elements (the order a 32-bit lane split of 32 bf16 yields); the tail
 /// (`k % 32`) stays in place.
-pub(crate) fn deinterleave(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+fn deinterleave(x: &[f32], m: usize, k: usize) -> Vec<f32> {
     let mut xp = x.to_vec();
     for r in 0..m {
         for c in 0..k / 32 {
@@ -127,21 +173,10 @@ fn gemv_portable(
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
+    use crate::kernels::test_util::assert_close_sum_order;
     use rand::{Rng, SeedableRng};
-
-    /// Any summation order of K products: |error| ≤ γ_K·Σ|x·w| with
-    /// γ_K ≈ K·2⁻²⁴ per side, so two orders differ by at most twice that.
-    pub(crate) fn assert_close_sum_order(got: &[f32], want: &[f32], abs: &[f32], k: usize) {
-        let gamma = (k as f32 + 2.0) * f32::EPSILON;
-        for (i, ((g, w), a)) in got.iter().zip(want).zip(abs).enumerate() {
-            assert!(
-                (g - w).abs() <= gamma * a + f32::MIN_POSITIVE,
-                "element {i}: {g} vs {w} (Σ|x·w| {a}, k {k})"
-            );
-        }
-    }
 
     #[test]
     fn every_tier_matches_the_reference_on_odd_shapes() {
@@ -195,7 +230,7 @@ pub(crate) mod tests {
                             .for_each(|(d, s)| *d = widen(*s));
                     }
                 };
-                assert!(super::super::bf16_act_panel_matmul(
+                assert!(super::bf16_act_panel_matmul(
                     Isa::Avx512Bf16,
                     &x,
                     m,

@@ -17,6 +17,11 @@
 
 use std::ops::Range;
 
+// The AVX-512 kernels index several register arrays ([stream][row]) by one counter.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
+mod avx512;
+
 use super::bf16::{widen, GEMM_MIN_ROWS};
 use super::isa::{isa, Isa};
 use super::par::{for_tiles, ColumnsOut};
@@ -26,24 +31,24 @@ use super::w4::{gptq_word, round_bf16, spread8, Codes, W4Nibbles, Zeros};
 
 /// A `[n, k]` 4-bit weight packed for W4A16.
 pub struct PackedW4A16 {
-    pub(super) n: usize,
-    pub(super) k: usize,
-    pub(super) g: usize,
-    pub(super) groups: usize,
+    n: usize,
+    k: usize,
+    g: usize,
+    groups: usize,
     /// `ceil(k / 64)`
-    pub(super) chunks: usize,
+    chunks: usize,
     /// `[n][chunks][32]`
-    pub(super) nib: Vec<u8>,
+    nib: Vec<u8>,
     /// bf16 bits `[n][groups]`
-    pub(super) scales: Vec<u16>,
+    scales: Vec<u16>,
     /// `[n][groups]`
-    pub(super) zeros: Zeros,
+    zeros: Zeros,
     /// Whether the SIMD kernels apply: whole 64-input chunks, groups of
     /// 2^half_shift 32-input halves.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub(super) simd_ok: bool,
+    simd_ok: bool,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub(super) half_shift: u32,
+    half_shift: u32,
 }
 
 impl PackedW4A16 {
@@ -108,7 +113,7 @@ impl PackedW4A16 {
     }
 
     /// The 16 dequantized values of nibbles 0…15 in group `gi` of column `col`.
-    pub(super) fn lut(&self, col: usize, gi: usize) -> [f32; 16] {
+    fn lut(&self, col: usize, gi: usize) -> [f32; 16] {
         let sl = col * self.groups + gi;
         let (z, s) = (self.zeros.get(sl), widen(self.scales[sl]));
         std::array::from_fn(|q| round_bf16((q as i32 - z) as f32 * s))
@@ -131,7 +136,7 @@ impl PackedW4A16 {
             #[cfg(target_arch = "x86_64")]
             isa if isa.avx512() && self.simd_ok => {
                 // SAFETY: the tier was detected on this CPU; sizes asserted above.
-                unsafe { super::avx512::w4a16_expand(self, cols, out) }
+                unsafe { avx512::w4a16_expand(self, cols, out) }
             }
             _ => {
                 for (col, o) in cols.zip(out.chunks_exact_mut(self.k)) {
@@ -168,7 +173,7 @@ impl PackedW4A16 {
         if m >= GEMM_MIN_ROWS {
             let expand = |cols, out: &mut [f32]| self.expand_with(isa, cols, out);
             #[cfg(target_arch = "x86_64")]
-            if super::bf16_act_panel_matmul(isa, x, m, k, n, y, expand) {
+            if super::bf16::bf16_act_panel_matmul(isa, x, m, k, n, y, expand) {
                 return;
             }
             super::panel_matmul(x, m, k, n, y, expand);
@@ -184,7 +189,7 @@ impl PackedW4A16 {
             #[cfg(target_arch = "x86_64")]
             isa if isa.avx512() && self.simd_ok => {
                 // SAFETY: the tier was detected on this CPU; this job owns `cb`.
-                unsafe { super::avx512::w4a16_gemv(self, x, xb.as_deref(), rows, cb, &out) }
+                unsafe { avx512::w4a16_gemv(self, x, xb.as_deref(), rows, cb, &out) }
             }
             _ => self.gemv_portable(x, rows, cb, &out),
         });
@@ -214,9 +219,8 @@ impl PackedW4A16 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::bf16::tests::assert_close_sum_order;
+    use crate::kernels::test_util::{activations, assert_close_sum_order, Case};
     use crate::kernels::w4::w4a16_weights;
-    use crate::kernels::w4a8::tests::{activations, Case};
     use crate::kernels::{F32Matmul, ReferenceMatmul};
     use rand::SeedableRng;
 

@@ -17,31 +17,36 @@
 
 use std::ops::Range;
 
+// The AVX-512 kernels index several register arrays ([stream][row]) by one counter.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
+mod avx512;
+
 use super::isa::{isa, Isa};
 use super::par::{for_ranges, ColumnsOut};
 use rayon::prelude::*;
 
 use super::w4::{gptq_word, round_bf16, spread4, Codes, W4Nibbles, Zeros};
 
-pub(crate) const TILE: usize = 16;
+const TILE: usize = 16;
 
 /// A `[n, k]` 4-bit weight packed for W4A8.
 pub struct PackedW4A8 {
-    pub(super) n: usize,
-    pub(super) k: usize,
-    pub(super) g: usize,
+    n: usize,
+    k: usize,
+    g: usize,
     /// Inner block of the recipe, `min(g, 128)`.
-    pub(super) bk: usize,
-    pub(super) groups: usize,
-    pub(super) tiles: usize,
+    bk: usize,
+    groups: usize,
+    tiles: usize,
     /// `ceil(k / 8)`
-    pub(super) octets: usize,
+    octets: usize,
     /// `[tiles][octets][64]`
-    pub(super) nib: Vec<u8>,
+    nib: Vec<u8>,
     /// bf16 bits `[tiles][groups][16]`
-    pub(super) scales: Vec<u16>,
+    scales: Vec<u16>,
     /// `[tiles][groups][16]`
-    pub(super) zeros: Zeros,
+    zeros: Zeros,
     /// Pieces of blocks with one zero point each: block b covers
     /// `segs[block_segs[b]..block_segs[b + 1]]`. One per block unless a
     /// block straddles groups (G > 128 and not a multiple of 128).
@@ -49,7 +54,7 @@ pub struct PackedW4A8 {
     block_segs: Vec<usize>,
     /// Whether the SIMD kernels apply: whole blocks of whole octets, one segment each.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub(super) simd_ok: bool,
+    simd_ok: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -60,15 +65,15 @@ struct Seg {
 }
 
 /// Activation rows quantized once per call, shared by all jobs.
-pub(super) struct Acts {
+struct Acts {
     /// `[m][octets·8]`, zero padded.
-    pub(super) a: Vec<i8>,
-    pub(super) stride: usize,
-    pub(super) sa: Vec<f32>,
+    a: Vec<i8>,
+    stride: usize,
+    sa: Vec<f32>,
     /// Σ a over each segment, `[m][segs]` (= per block on the SIMD path).
-    pub(super) sums: Vec<i32>,
-    pub(super) nsegs: usize,
-    pub(super) m: usize,
+    sums: Vec<i32>,
+    nsegs: usize,
+    m: usize,
 }
 
 /// One row's slots in [`Acts`]: index, ((int8 codes, scale), segment sums).
@@ -206,7 +211,7 @@ impl PackedW4A8 {
             #[cfg(target_arch = "x86_64")]
             isa if isa.avx512() && self.simd_ok => {
                 // SAFETY: the tier was detected on this CPU; jobs own disjoint tiles.
-                unsafe { super::avx512::w4a8_tiles(self, &acts, tiles, &out) }
+                unsafe { avx512::w4a8_tiles(self, &acts, tiles, &out) }
             }
             _ => self.tiles_portable(&acts, tiles, &out),
         });
@@ -297,78 +302,11 @@ impl PackedW4A8 {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
+    use crate::kernels::test_util::{activations, Case};
     use crate::kernels::w4::{w4a8_matmul, Codes, W4Weights};
-    use rand::{Rng, SeedableRng};
-
-    /// Random GPTQ-like weights: nibbles, zeros (8, or random per group), bf16 scales.
-    pub(crate) struct Case {
-        pub q: Vec<u8>,
-        pub zeros: Vec<i32>,
-        pub scales: Vec<f32>,
-        pub n: usize,
-        pub k: usize,
-        pub g: usize,
-    }
-
-    impl Case {
-        pub fn random(rng: &mut impl Rng, n: usize, k: usize, g: usize, sym: bool) -> Case {
-            let groups = k / g;
-            Case {
-                q: (0..n * k).map(|_| rng.random_range(0..16u8)).collect(),
-                zeros: (0..n * groups)
-                    .map(|_| if sym { 8 } else { rng.random_range(1..=16) })
-                    .collect(),
-                scales: (0..n * groups)
-                    .map(|_| round_bf16(rng.random_range(1e-4f32..2e-2)))
-                    .collect(),
-                n,
-                k,
-                g,
-            }
-        }
-        /// This case's codes as columns `col0..col0 + n` of a GPTQ
-        /// `qweight` `[k/8, n_all]` (bytes), other columns random.
-        pub fn gptq_bytes(&self, rng: &mut impl Rng, n_all: usize, col0: usize) -> Vec<u8> {
-            let (n, k) = (self.n, self.k);
-            let mut kn: Vec<u8> = (0..k * n_all).map(|_| rng.random_range(0..16u8)).collect();
-            for j in 0..n {
-                for kk in 0..k {
-                    kn[kk * n_all + col0 + j] = self.q[j * k + kk];
-                }
-            }
-            crate::formats::gptq::pack_qweight(&kn, k, n_all)
-                .iter()
-                .flat_map(|w| w.to_le_bytes())
-                .collect()
-        }
-        pub fn nibbles(&self) -> W4Nibbles<'_> {
-            W4Nibbles {
-                q: Codes::Unpacked(&self.q),
-                zeros: &self.zeros,
-                scales: &self.scales,
-                n: self.n,
-                k: self.k,
-                g: self.g,
-            }
-        }
-    }
-
-    /// bf16 activations in ±2 with an exact .5 tie after scaling in every row.
-    pub(crate) fn activations(rng: &mut impl Rng, m: usize, k: usize) -> Vec<f32> {
-        let mut x: Vec<f32> = (0..m * k)
-            .map(|_| round_bf16(rng.random_range(-2.0f32..2.0)))
-            .collect();
-        if k > 1 {
-            for r in 0..m {
-                let row = &mut x[r * k..(r + 1) * k];
-                let amax = row.iter().fold(0f32, |a, v| a.max(v.abs()));
-                row[k / 2] = amax / 2.0;
-            }
-        }
-        x
-    }
+    use rand::SeedableRng;
 
     #[test]
     fn packing_gptq_words_in_place_matches_packing_unpacked_codes() {

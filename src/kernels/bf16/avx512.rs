@@ -1,0 +1,214 @@
+//! AVX-512 (F/BW/VL + VNNI) versions of the dense bf16 kernels: the row-dot
+//! decode kernel, and the AVX512-BF16 panel GEMM behind
+//! [`bf16_act_panel_matmul`](super::bf16_act_panel_matmul). The layout and
+//! numerics are described, and the portable versions written, in the parent
+//! module; tests there compare every tier.
+//!
+//! Every function here is `unsafe`: the caller has checked
+//! [`Isa::avx512`](crate::kernels::isa::Isa::avx512) on this CPU, and owns the output
+//! columns it passes (disjoint between parallel jobs).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::widen;
+use crate::kernels::avx512_util::{pad, prefetch, two_streams, PREFETCH_BYTES};
+use crate::kernels::par::ColumnsOut;
+
+// ---------------------------------------------------------------- dense bf16
+
+/// Columns `cols`, rows `rows` (at most 4) of `x · wᵀ`; `xp` is `x`
+/// deinterleaved by [`super::deinterleave`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn bf16_gemv(
+    w: &[u16],
+    k: usize,
+    xp: &[f32],
+    rows: Range<usize>,
+    cols: Range<usize>,
+    out: &ColumnsOut,
+) {
+    assert!(cols.end * k <= w.len() && rows.end * k <= xp.len() && rows.len() <= 4);
+    let x = unsafe { xp.as_ptr().add(rows.start * k) };
+    macro_rules! go {
+        ($r:expr, $s:literal, $cs:expr) => {{
+            let cs: [usize; $s] = $cs;
+            let ws = cs.map(|c| unsafe { w.as_ptr().add(c * k) });
+            // SAFETY: every column c < n has k weights; rows of x hold k values.
+            let v: [[f32; 4]; $s] = unsafe {
+                match $r {
+                    1 => pad(bf16_dot::<1, $s>(ws, k, x)),
+                    2 => pad(bf16_dot::<2, $s>(ws, k, x)),
+                    3 => pad(bf16_dot::<3, $s>(ws, k, x)),
+                    _ => pad(bf16_dot::<4, $s>(ws, k, x)),
+                }
+            };
+            for (c, v) in cs.iter().zip(v) {
+                for (r, v) in rows.clone().zip(v) {
+                    unsafe { out.row_mut(r, *c..*c + 1)[0] = v };
+                }
+            }
+        }};
+    }
+    two_streams!(rows.len(), cols, go);
+}
+
+/// Weight rows `w[s][..k]` against `R` rows of `x` (stride k).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn bf16_dot<const R: usize, const S: usize>(
+    w: [*const u16; S],
+    k: usize,
+    x: *const f32,
+) -> [[f32; R]; S] {
+    let hi = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let mut ae = [[_mm512_setzero_ps(); R]; S];
+    let mut ao = ae;
+    let chunks = k / 32;
+    for ch in 0..chunks {
+        let mut we = [_mm512_setzero_ps(); S];
+        let mut wo = we;
+        for s in 0..S {
+            prefetch(w[s].wrapping_add(32 * ch + PREFETCH_BYTES / 2));
+            // SAFETY: ch < k / 32.
+            let v = unsafe { _mm512_loadu_si512(w[s].add(32 * ch) as *const __m512i) };
+            // 32-bit lane i = (w[2i] low half, w[2i+1] high half).
+            we[s] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+            wo[s] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+        }
+        for r in 0..R {
+            // SAFETY: rows of x hold k values.
+            let xe = unsafe { _mm512_loadu_ps(x.add(r * k + 32 * ch)) };
+            let xo = unsafe { _mm512_loadu_ps(x.add(r * k + 32 * ch + 16)) };
+            for s in 0..S {
+                ae[s][r] = _mm512_fmadd_ps(we[s], xe, ae[s][r]);
+                ao[s][r] = _mm512_fmadd_ps(wo[s], xo, ao[s][r]);
+            }
+        }
+    }
+    let mut res = [[0f32; R]; S];
+    for s in 0..S {
+        for r in 0..R {
+            let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(ae[s][r], ao[s][r]));
+            for kk in chunks * 32..k {
+                sum += unsafe { widen(*w[s].add(kk)) * *x.add(r * k + kk) };
+            }
+            res[s][r] = sum;
+        }
+    }
+    res
+}
+
+// ---------------------------------------------------------------- bf16 GEMM
+
+/// Columns per packed slice of [`bf16_gemm_slice`]: two 16-lane tiles.
+pub(super) const GEMM_SLICE: usize = 32;
+
+/// Pack `w` (`[cols ≤ 32, k]` f32 holding bf16 values, k even) into the
+/// slice layout: tile s (columns 16s…), input pair p, lane j →
+/// `out[(s·k/2 + p)·32 + 2j + {0,1}]` = bits of `w[16s + j][2p + {0,1}]`;
+/// missing columns are zero.
+pub(super) fn pack_bf16_slice(w: &[f32], cols: usize, k: usize, out: &mut [u16]) {
+    debug_assert!(k.is_multiple_of(2) && out.len() == GEMM_SLICE * k && w.len() == cols * k);
+    out.fill(0);
+    for c in 0..cols {
+        let (s, j) = (c / 16, c % 16);
+        let row = &w[c * k..(c + 1) * k];
+        for p in 0..k / 2 {
+            let o = (s * (k / 2) + p) * 32 + 2 * j;
+            out[o] = (row[2 * p].to_bits() >> 16) as u16;
+            out[o + 1] = (row[2 * p + 1].to_bits() >> 16) as u16;
+        }
+    }
+}
+
+/// `y[rows, c0..c0 + cols] = x[rows] · slice` for bf16 activations `xb`
+/// (`[m, k]` bits) and a slice from [`pack_bf16_slice`]: eight rows at a
+/// time, each weight vector reused by every row, `vdpbf16ps` (exact
+/// products, f32 sums).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn bf16_gemm_slice(
+    xb: &[u16],
+    k: usize,
+    slice: &[u16],
+    rows: Range<usize>,
+    c0: usize,
+    cols: usize,
+    out: &ColumnsOut,
+) {
+    assert!(k.is_multiple_of(2) && slice.len() == GEMM_SLICE * k && rows.end * k <= xb.len());
+    assert!(cols <= GEMM_SLICE);
+    let mut r = rows.start;
+    while r < rows.end {
+        let left = rows.end - r;
+        // SAFETY (all): bounds asserted above; the caller owns these columns.
+        unsafe {
+            match left {
+                8.. => bf16_gemm_rows::<8>(xb, k, slice, r, c0, cols, out),
+                4..=7 => bf16_gemm_rows::<4>(xb, k, slice, r, c0, cols, out),
+                2..=3 => bf16_gemm_rows::<2>(xb, k, slice, r, c0, cols, out),
+                _ => bf16_gemm_rows::<1>(xb, k, slice, r, c0, cols, out),
+            }
+        }
+        r += match left {
+            8.. => 8,
+            4..=7 => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn bf16_gemm_rows<const R: usize>(
+    xb: &[u16],
+    k: usize,
+    slice: &[u16],
+    r0: usize,
+    c0: usize,
+    cols: usize,
+    out: &ColumnsOut,
+) {
+    let half = k / 2;
+    let w = slice.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); R]; 2];
+    for p in 0..half {
+        // SAFETY: p < k/2 pairs of each tile.
+        let (w0, w1) = unsafe {
+            (
+                _mm512_loadu_si512(w.add(p * 32) as *const __m512i),
+                _mm512_loadu_si512(w.add((half + p) * 32) as *const __m512i),
+            )
+        };
+        prefetch(w.wrapping_add(p * 32 + 256));
+        prefetch(w.wrapping_add((half + p) * 32 + 256));
+        for r in 0..R {
+            // SAFETY: row r0 + r < m, pair p < k/2.
+            let pair =
+                unsafe { (xb.as_ptr().add((r0 + r) * k + 2 * p) as *const i32).read_unaligned() };
+            let a = _mm512_set1_epi32(pair);
+            // SAFETY: __m512i and __m512bh are both 32 × 16 bits.
+            let (a, w0, w1) = unsafe {
+                (
+                    std::mem::transmute::<__m512i, __m512bh>(a),
+                    std::mem::transmute::<__m512i, __m512bh>(w0),
+                    std::mem::transmute::<__m512i, __m512bh>(w1),
+                )
+            };
+            acc[0][r] = _mm512_dpbf16_ps(acc[0][r], w0, a);
+            acc[1][r] = _mm512_dpbf16_ps(acc[1][r], w1, a);
+        }
+    }
+    for s in 0..2 {
+        let valid = cols.saturating_sub(16 * s).min(16);
+        if valid == 0 {
+            continue;
+        }
+        let mask: __mmask16 = if valid == 16 { !0 } else { (1u16 << valid) - 1 };
+        for r in 0..R {
+            // SAFETY: columns c0 + 16s.. (valid of them) of row r0 + r belong to this job.
+            unsafe { _mm512_mask_storeu_ps(out.ptr_at(r0 + r, c0 + 16 * s), mask, acc[s][r]) };
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! AVX-512 (F/BW/VL + VNNI, and AVX512-BF16 for bf16 activations) versions
+//! of the W4A16 kernels. The layout and numerics are described, and the
+//! portable versions written, in the parent module; tests there compare
+//! every tier, and the one here checks the `vcvtneps2bf16` tables.
+//!
+//! Every function here is `unsafe`: the caller has checked
+//! [`Isa::avx512`](crate::kernels::isa::Isa::avx512) on this CPU, and owns the output
+//! columns it passes (disjoint between parallel jobs).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::PackedW4A16;
+use crate::kernels::avx512_util::{
+    pad, prefetch, round_bf16_ps, two_streams, PREFETCH_BYTES_W4A16,
+};
+use crate::kernels::bf16::widen;
+use crate::kernels::par::ColumnsOut;
+use crate::kernels::w4::Zeros;
+
+/// `bf16((q − z)·s)` for q = 0…15 in group `gi` of column `col`, as f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn w4a16_lut(p: &PackedW4A16, col: usize, gi: usize) -> __m512 {
+    let sl = col * p.groups + gi;
+    let c = lut_codes(p.zeros.get(sl));
+    round_bf16_ps(_mm512_mul_ps(c, _mm512_set1_ps(widen(p.scales[sl]))))
+}
+
+/// `q − z` for q = 0…15, as f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn lut_codes(z: i32) -> __m512 {
+    let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(z)))
+}
+
+/// The table of [`w4a16_lut`] as 16 bf16 values stored twice (32 u16 lanes
+/// for `vpermw`), in four instructions; `cz` = [`lut_codes`] of a
+/// uniform zero point. `vcvtneps2bf16` rounds to nearest even like
+/// [`round_bf16_ps`] except that it flushes f32 denormals, and none occur
+/// here: the product of a bf16 scale and a code below 16 is exact, and a
+/// nonzero one is at least 2^-24 (the smallest fp16 scale).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+fn lut_bf16_ne(p: &PackedW4A16, cz: Option<__m512>, col: usize, gi: usize) -> __m512i {
+    let sl = col * p.groups + gi;
+    let c = cz.unwrap_or_else(|| lut_codes(p.zeros.get(sl)));
+    let v = _mm512_mul_ps(c, _mm512_set1_ps(widen(p.scales[sl])));
+    // SAFETY: __m256bh and __m256i are both 256 bits.
+    let h = unsafe { std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)) };
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(h), h)
+}
+
+/// The table for half-chunk `h` (inputs 32h…32h + 31), rebuilt only when
+/// the group changes (once per group for G ≥ 64, per half for G = 32).
+/// Groups are `2^shift` halves (`simd_ok`), so no division per chunk.
+struct LutCache<T> {
+    group: usize,
+    lut: T,
+}
+
+impl<T: Copy> LutCache<T> {
+    #[inline(always)]
+    fn get(&mut self, shift: u32, h: usize, build: impl FnOnce(usize) -> T) -> T {
+        let gi = h >> shift;
+        if gi != self.group {
+            self.group = gi;
+            self.lut = build(gi);
+        }
+        self.lut
+    }
+}
+
+/// Columns `cols`, rows `rows` (at most 4) of `x · Wᵀ` (requires `p.simd_ok`);
+/// `xb` holds `x` as bf16 bits when all of it is bf16 and the CPU has AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn w4a16_gemv(
+    p: &PackedW4A16,
+    x: &[f32],
+    xb: Option<&[u16]>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    out: &ColumnsOut,
+) {
+    assert!(p.simd_ok && cols.end <= p.n && rows.end * p.k <= x.len() && rows.len() <= 4);
+    assert!(xb.is_none_or(|b| b.len() == x.len()));
+    let xr = unsafe { x.as_ptr().add(rows.start * p.k) };
+    let xbr = xb.map(|b| unsafe { b.as_ptr().add(rows.start * p.k) });
+    macro_rules! go {
+        ($r:expr, $s:literal, $cs:expr) => {{
+            let cs: [usize; $s] = $cs;
+            // SAFETY: every column c < n; rows of x hold k values; the bf16
+            // path is only taken with xb present, i.e. on an AVX512-BF16 CPU.
+            let v: [[f32; 4]; $s] = unsafe {
+                match (xbr, $r) {
+                    (Some(b), 1) => pad(w4a16_dot_bf16::<1, $s>(p, b, cs)),
+                    (Some(b), 2) => pad(w4a16_dot_bf16::<2, $s>(p, b, cs)),
+                    (Some(b), 3) => pad(w4a16_dot_bf16::<3, $s>(p, b, cs)),
+                    (Some(b), _) => pad(w4a16_dot_bf16::<4, $s>(p, b, cs)),
+                    (None, 1) => pad(w4a16_dot::<1, $s>(p, xr, cs)),
+                    (None, 2) => pad(w4a16_dot::<2, $s>(p, xr, cs)),
+                    (None, 3) => pad(w4a16_dot::<3, $s>(p, xr, cs)),
+                    (None, _) => pad(w4a16_dot::<4, $s>(p, xr, cs)),
+                }
+            };
+            for (c, v) in cs.iter().zip(v) {
+                for (r, v) in rows.clone().zip(v) {
+                    unsafe { out.row_mut(r, *c..*c + 1)[0] = v };
+                }
+            }
+        }};
+    }
+    two_streams!(rows.len(), cols, go);
+}
+
+/// The 64 weights of chunk `ch` of column `col` as f32: inputs 64ch + 0…15,
+/// 16…31 (table `lo`), 32…47, 48…63 (table `hi`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn w4a16_chunk(
+    p: &PackedW4A16,
+    col: usize,
+    ch: usize,
+    lo: __m512,
+    hi: __m512,
+) -> [__m512; 4] {
+    let at = unsafe { p.nib.as_ptr().add((col * p.chunks + ch) * 32) };
+    // SAFETY: col < n and ch < chunks, checked by the callers.
+    let (b0, b1) = unsafe {
+        (
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i)),
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(at.add(16) as *const __m128i)),
+        )
+    };
+    [
+        _mm512_permutexvar_ps(b0, lo),
+        _mm512_permutexvar_ps(b1, lo),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b0), hi),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b1), hi),
+    ]
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn w4a16_dot<const R: usize, const S: usize>(
+    p: &PackedW4A16,
+    x: *const f32,
+    cols: [usize; S],
+) -> [[f32; R]; S] {
+    let k = p.k;
+    let nib = p.nib.as_ptr();
+    let mut acc = [[[_mm512_setzero_ps(); 2]; R]; S];
+    let mut luts = [(); S].map(|_| LutCache {
+        group: usize::MAX,
+        lut: _mm512_setzero_ps(),
+    });
+    for ch in 0..p.chunks {
+        let mut w = [[_mm512_setzero_ps(); 4]; S];
+        for s in 0..S {
+            let at = (cols[s] * p.chunks + ch) * 32;
+            if at.is_multiple_of(64) {
+                prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
+            }
+            let lo = luts[s].get(p.half_shift, 2 * ch, |gi| w4a16_lut(p, cols[s], gi));
+            let hi = luts[s].get(p.half_shift, 2 * ch + 1, |gi| w4a16_lut(p, cols[s], gi));
+            // SAFETY: column < n, ch < chunks.
+            w[s] = unsafe { w4a16_chunk(p, cols[s], ch, lo, hi) };
+        }
+        for r in 0..R {
+            for q in 0..4 {
+                // SAFETY: rows of x hold k = 64·chunks values (simd_ok).
+                let xv = unsafe { _mm512_loadu_ps(x.add(r * k + 64 * ch + 16 * q)) };
+                for s in 0..S {
+                    acc[s][r][q % 2] = _mm512_fmadd_ps(w[s][q], xv, acc[s][r][q % 2]);
+                }
+            }
+        }
+    }
+    let mut res = [[0f32; R]; S];
+    for s in 0..S {
+        for r in 0..R {
+            res[s][r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[s][r][0], acc[s][r][1]));
+        }
+    }
+    res
+}
+
+/// [`w4a16_dot`] with bf16 activations `xb`: 32 weights per `vpermw`,
+/// 32 products per `vdpbf16ps`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
+unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
+    p: &PackedW4A16,
+    xb: *const u16,
+    cols: [usize; S],
+) -> [[f32; R]; S] {
+    let k = p.k;
+    let nib = p.nib.as_ptr();
+    let mut acc = [[[_mm512_setzero_ps(); 2]; R]; S];
+    let mut luts = [(); S].map(|_| LutCache {
+        group: usize::MAX,
+        lut: _mm512_setzero_si512(),
+    });
+    let cz = match p.zeros {
+        Zeros::Uniform(z) => Some(lut_codes(z)),
+        Zeros::PerGroup(_) => None,
+    };
+    for ch in 0..p.chunks {
+        let mut w = [[_mm512_setzero_si512(); 2]; S];
+        for s in 0..S {
+            let at = (cols[s] * p.chunks + ch) * 32;
+            if at.is_multiple_of(64) {
+                prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
+            }
+            let lo = luts[s].get(p.half_shift, 2 * ch, |gi| lut_bf16_ne(p, cz, cols[s], gi));
+            let hi = luts[s].get(p.half_shift, 2 * ch + 1, |gi| {
+                lut_bf16_ne(p, cz, cols[s], gi)
+            });
+            // SAFETY: column < n, ch < chunks.
+            let v =
+                unsafe { _mm512_cvtepu8_epi16(_mm256_loadu_si256(nib.add(at) as *const __m256i)) };
+            // u16 lane i = q[64ch + i] | q[64ch + 32 + i] << 4; vpermw reads 5 bits
+            // and the table is stored twice, so the high nibble's low bit is harmless.
+            w[s] = [
+                _mm512_permutexvar_epi16(v, lo),
+                _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(v), hi),
+            ];
+        }
+        for r in 0..R {
+            for h in 0..2 {
+                // SAFETY: rows of xb hold k = 64·chunks values (simd_ok).
+                let xv = unsafe {
+                    _mm512_loadu_si512(xb.add(r * k + 64 * ch + 32 * h) as *const __m512i)
+                };
+                for s in 0..S {
+                    // SAFETY: __m512i and __m512bh are both 32 × 16 bits.
+                    let (wv, xv) = unsafe {
+                        (
+                            std::mem::transmute::<__m512i, __m512bh>(w[s][h]),
+                            std::mem::transmute::<__m512i, __m512bh>(xv),
+                        )
+                    };
+                    acc[s][r][h] = _mm512_dpbf16_ps(acc[s][r][h], wv, xv);
+                }
+            }
+        }
+    }
+    let mut res = [[0f32; R]; S];
+    for s in 0..S {
+        for r in 0..R {
+            res[s][r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[s][r][0], acc[s][r][1]));
+        }
+    }
+    res
+}
+
+/// Weight rows `cols` as f32 `[cols.len(), k]` (requires `p.simd_ok`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn w4a16_expand(p: &PackedW4A16, cols: Range<usize>, out: &mut [f32]) {
+    assert!(p.simd_ok && cols.end <= p.n && out.len() == cols.len() * p.k);
+    for (col, o) in cols.zip(out.chunks_exact_mut(p.k)) {
+        let mut lut = LutCache {
+            group: usize::MAX,
+            lut: _mm512_setzero_ps(),
+        };
+        for ch in 0..p.chunks {
+            let lo = lut.get(p.half_shift, 2 * ch, |gi| w4a16_lut(p, col, gi));
+            let hi = lut.get(p.half_shift, 2 * ch + 1, |gi| w4a16_lut(p, col, gi));
+            let w = unsafe { w4a16_chunk(p, col, ch, lo, hi) };
+            for (q, w) in w.into_iter().enumerate() {
+                // SAFETY: 64·ch + 64 ≤ k = o.len().
+                unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(64 * ch + 16 * q), w) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::w4::{Codes, W4Nibbles};
+
+    /// The `vcvtneps2bf16` table equals the scalar one for extreme scales
+    /// (fp16's smallest subnormal up to its largest) and asymmetric zeros.
+    #[test]
+    fn bf16_tables_round_like_the_scalar_reference() {
+        if !crate::kernels::isa::Isa::tested().contains(&crate::kernels::isa::Isa::Avx512Bf16) {
+            return;
+        }
+        let mut scales: Vec<f32> = [2f32.powi(-24), 3.0 * 2f32.powi(-24), 6.1e-5, 65504.0]
+            .map(|s| half::bf16::from_f32(s).to_f32())
+            .to_vec();
+        let mut seed = 3u32;
+        while scales.len() < 256 {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let h = half::f16::from_bits((seed >> 16) as u16 & 0x7BFF); // finite, positive
+            scales.push(half::bf16::from_f32(h.to_f32()).to_f32());
+        }
+        let n = scales.len();
+        for zero in [8, 1, 16] {
+            let zeros = vec![zero; n];
+            let q = vec![0u8; n * 64];
+            let p = PackedW4A16::pack(W4Nibbles {
+                q: Codes::Unpacked(&q),
+                zeros: &zeros,
+                scales: &scales,
+                n,
+                k: 64,
+                g: 64,
+            });
+            for cz in [Some(unsafe { lut_codes(zero) }), None] {
+                for col in 0..n {
+                    let got: [u16; 32] =
+                        unsafe { std::mem::transmute(lut_bf16_ne(&p, cz, col, 0)) };
+                    let want = p.lut(col, 0);
+                    for (i, w) in want.iter().enumerate() {
+                        let w = half::bf16::from_f32(*w).to_bits();
+                        assert_eq!((got[i], got[16 + i]), (w, w), "scale {} q {i}", scales[col]);
+                    }
+                }
+            }
+        }
+    }
+}

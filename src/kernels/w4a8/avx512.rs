@@ -1,0 +1,146 @@
+//! AVX-512 (F/BW/VL + VNNI) version of the W4A8 kernel. The layout and
+//! numerics are described, and the portable version written, in the parent
+//! module; tests there compare every tier.
+//!
+//! Every function here is `unsafe`: the caller has checked
+//! [`Isa::avx512`](crate::kernels::isa::Isa::avx512) on this CPU, and owns the output
+//! columns it passes (disjoint between parallel jobs).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::{Acts, PackedW4A8, TILE};
+use crate::kernels::avx512_util::{prefetch, round_bf16_ps, two_streams, PREFETCH_BYTES};
+use crate::kernels::par::ColumnsOut;
+use crate::kernels::w4::Zeros;
+
+/// Tiles `tiles` of `y` for all activation rows (requires `p.simd_ok`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn w4a8_tiles(
+    p: &PackedW4A8,
+    acts: &Acts,
+    tiles: Range<usize>,
+    out: &ColumnsOut,
+) {
+    assert!(p.simd_ok && tiles.end <= p.tiles && p.k.is_multiple_of(p.bk));
+    // SAFETY (all calls): as this function's contract.
+    if acts.m == 1 {
+        macro_rules! go {
+            ($r:expr, $s:literal, $ts:expr) => {
+                unsafe { w4a8_tile::<1, $s>(p, acts, $ts, 0, out) }
+            };
+        }
+        two_streams!(1, tiles, go);
+        return;
+    }
+    for t in tiles {
+        let mut r0 = 0;
+        while r0 < acts.m {
+            let rows = (acts.m - r0).min(4);
+            unsafe {
+                match rows {
+                    1 => w4a8_tile::<1, 1>(p, acts, [t], r0, out),
+                    2 => w4a8_tile::<2, 1>(p, acts, [t], r0, out),
+                    3 => w4a8_tile::<3, 1>(p, acts, [t], r0, out),
+                    _ => w4a8_tile::<4, 1>(p, acts, [t], r0, out),
+                }
+            }
+            r0 += rows;
+        }
+    }
+}
+
+/// Tiles `ts` (one per stream), activation rows `r0..r0 + R`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn w4a8_tile<const R: usize, const S: usize>(
+    p: &PackedW4A8,
+    acts: &Acts,
+    ts: [usize; S],
+    r0: usize,
+    out: &ColumnsOut,
+) {
+    let low4 = _mm512_set1_epi8(0x0F);
+    let per_block = p.bk / 8;
+    let wt = ts.map(|t| unsafe { p.nib.as_ptr().add(t * p.octets * 64) });
+    let a = unsafe { acts.a.as_ptr().add(r0 * acts.stride) };
+    let mut o = [[_mm512_setzero_ps(); R]; S];
+    for b in 0..p.k / p.bk {
+        // Two accumulators per row and stream (low / high nibbles), and two
+        // octets per step when the block allows: independent vpdpbusd chains.
+        let mut acc = [[[_mm512_setzero_si512(); 4]; R]; S];
+        let step = |acc: &mut [[[__m512i; 4]; R]; S], oc: usize, half: usize| {
+            let mut lo = [_mm512_setzero_si512(); S];
+            let mut hi = lo;
+            for s in 0..S {
+                prefetch(wt[s].wrapping_add(oc * 64 + PREFETCH_BYTES));
+                // SAFETY: oc < octets of the tile.
+                let v = unsafe { _mm512_loadu_si512(wt[s].add(oc * 64) as *const __m512i) };
+                lo[s] = _mm512_and_si512(v, low4);
+                hi[s] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+            }
+            for r in 0..R {
+                // SAFETY: the activation row holds octets·8 bytes.
+                let ap = unsafe { a.add(r * acts.stride + oc * 8) } as *const i32;
+                let (a_lo, a_hi) = unsafe { (ap.read_unaligned(), ap.add(1).read_unaligned()) };
+                let (a_lo, a_hi) = (_mm512_set1_epi32(a_lo), _mm512_set1_epi32(a_hi));
+                for s in 0..S {
+                    let c = &mut acc[s][r];
+                    c[2 * half] = _mm512_dpbusd_epi32(c[2 * half], lo[s], a_lo);
+                    c[2 * half + 1] = _mm512_dpbusd_epi32(c[2 * half + 1], hi[s], a_hi);
+                }
+            }
+        };
+        let (o0, o1) = (b * per_block, (b + 1) * per_block);
+        let mut oc = o0;
+        while oc + 1 < o1 {
+            step(&mut acc, oc, 0);
+            step(&mut acc, oc + 1, 1);
+            oc += 2;
+        }
+        if oc < o1 {
+            step(&mut acc, oc, 0);
+        }
+        for s in 0..S {
+            let slot = (ts[s] * p.groups + b * p.bk / p.g) * TILE;
+            let scale = unsafe {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(p.scales.as_ptr().add(slot) as *const __m256i),
+                )))
+            };
+            for r in 0..R {
+                let sum = acts.sums[(r0 + r) * acts.nsegs + b];
+                // Zero-point correction z·Σa: exact in i32 (|z·Σa| ≤ 16·127·128).
+                let corr = match &p.zeros {
+                    Zeros::Uniform(z) => _mm512_set1_epi32(z * sum),
+                    Zeros::PerGroup(zs) => {
+                        let z = unsafe {
+                            _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                zs.as_ptr().add(slot) as *const __m128i
+                            ))
+                        };
+                        _mm512_mullo_epi32(z, _mm512_set1_epi32(sum))
+                    }
+                };
+                let [a0, a1, a2, a3] = acc[s][r];
+                let total = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
+                let acc_i = _mm512_sub_epi32(total, corr);
+                let tv = _mm512_mul_ps(_mm512_cvtepi32_ps(acc_i), _mm512_set1_ps(acts.sa[r0 + r]));
+                o[s][r] = _mm512_fmadd_ps(tv, scale, o[s][r]);
+            }
+        }
+    }
+    for s in 0..S {
+        let t = ts[s];
+        let valid = (p.n - t * TILE).min(TILE);
+        let mask: __mmask16 = if valid == TILE {
+            !0
+        } else {
+            (1u16 << valid) - 1
+        };
+        for (r, o) in o[s].iter().enumerate() {
+            // SAFETY: tile t's columns belong to this job; the mask keeps to n.
+            unsafe { _mm512_mask_storeu_ps(out.ptr_at(r0 + r, t * TILE), mask, round_bf16_ps(*o)) };
+        }
+    }
+}
