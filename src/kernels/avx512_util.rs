@@ -11,8 +11,7 @@
 //! ~100 %. So the decode paths read two streams: bf16 and W4A16 for up to
 //! 4 rows, W4A8 for one row.
 //!
-//! The AVX-512 intrinsics are stable since Rust 1.89, above the crate's
-//! declared rust-version (1.85): building this module needs 1.89.
+//! The AVX-512 intrinsics are stable since Rust 1.89, the crate's declared rust-version.
 
 use std::arch::x86_64::*;
 
