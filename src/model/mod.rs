@@ -266,12 +266,19 @@ impl SparkModel {
         (&self.layers[li], self.ctx(li))
     }
 
-    pub fn layer_mut(&mut self, li: usize) -> &mut DecoderLayer {
-        &mut self.layers[li]
+    /// Hand the layers to a caller that runs them one at a time and drops each when done (the
+    /// quantizer: a finished layer's weights are never needed again, so memory does not grow
+    /// with depth). The model keeps its embedding, final norm, head and rotary tables.
+    pub fn take_layers(&mut self) -> Vec<DecoderLayer> {
+        std::mem::take(&mut self.layers)
     }
 
     fn ctx(&self, li: usize) -> Ctx<'_> {
-        let kind = self.layers[li].kind;
+        self.ctx_for(self.layers[li].kind)
+    }
+
+    /// What a block of a `kind` layer needs to run.
+    pub fn ctx_for(&self, kind: LayerType) -> Ctx<'_> {
         Ctx {
             cfg: &self.config,
             kind,

@@ -21,10 +21,11 @@ use indicatif::ProgressBar;
 use serde::Serialize;
 
 use crate::checkpoint::layout::layer_prefix;
+use crate::checkpoint::SparkConfig;
 use crate::checkpoint::{Checkpoint, QkvLayout};
 use crate::device::{WeightFormat, WeightPath};
 use crate::model::block::residual_add;
-use crate::model::{DenseLinear, Proj, SparkModel};
+use crate::model::{DecoderLayer, DenseLinear, Proj, SparkModel};
 use crate::quant::{
     relative_output_error, rtn, GptqConfig, GptqSolver, Hessian, QuantizedWeight, ScaleRule,
 };
@@ -239,83 +240,91 @@ fn quantize_group(
     Ok((kept, reports))
 }
 
-fn weight(model: &SparkModel, li: usize, proj: Proj) -> Vec<f32> {
-    model.layer(li).0.linear(proj).dequantize()
-}
-
-fn install(model: &mut SparkModel, li: usize, proj: Proj, q: &QuantizedWeight) {
+fn install(layer: &mut DecoderLayer, proj: Proj, q: &QuantizedWeight) {
     let lin = DenseLinear::new(q.dequantize().into(), q.out_features, q.in_features);
-    model.layer_mut(li).set_linear(proj, Box::new(lin));
+    layer.set_linear(proj, Box::new(lin));
 }
 
-/// One true-sequential step: the projections `projs` of layer `li`, which all read `input`
-/// (`[rows, K]`), are quantized against its Hessian and installed, so that later stages see
-/// the deployed numerics.
-fn quantize_projs(
-    model: &mut SparkModel,
+/// One layer's solve: what its steps share and what they have produced so far.
+struct LayerSolve<'a> {
+    cfg: &'a SparkConfig,
     li: usize,
-    projs: &[Proj],
-    input: &[f32],
     rows: usize,
-    opts: &QuantizeOptions,
-    result: &mut (LayerResult, Vec<LinearReport>),
-) -> Result<(), QuantizeError> {
-    let cfg = model.config();
-    let mut h = Hessian::new(projs[0].shape(cfg)[1]);
-    h.add(input, rows);
-    let names: Vec<String> = projs
-        .iter()
-        .map(|p| format!("{}{}", layer_prefix(li), p.module()))
-        .collect();
-    let outs: Vec<usize> = projs.iter().map(|p| p.shape(cfg)[0]).collect();
-    let weights: Vec<Vec<f32>> = projs.iter().map(|&p| weight(model, li, p)).collect();
-    let (qs, reports) = quantize_group(&names, &weights, &outs, &h, opts)?;
-    drop((h, weights));
-    result.1.extend(reports);
-    for (&p, q) in projs.iter().zip(qs) {
-        install(model, li, p, &q);
-        result.0.insert(p, q);
+    opts: &'a QuantizeOptions,
+    result: LayerResult,
+    reports: Vec<LinearReport>,
+}
+
+impl LayerSolve<'_> {
+    /// One true-sequential step: the projections `projs` of `layer`, which all read `input`
+    /// (`[rows, K]`), are quantized against its Hessian and installed, so that later stages
+    /// see the deployed numerics.
+    fn step(
+        &mut self,
+        layer: &mut DecoderLayer,
+        projs: &[Proj],
+        input: &[f32],
+    ) -> Result<(), QuantizeError> {
+        let cfg = self.cfg;
+        let mut h = Hessian::new(projs[0].shape(cfg)[1]);
+        h.add(input, self.rows);
+        let names: Vec<String> = projs
+            .iter()
+            .map(|p| format!("{}{}", layer_prefix(self.li), p.module()))
+            .collect();
+        let outs: Vec<usize> = projs.iter().map(|p| p.shape(cfg)[0]).collect();
+        let weights: Vec<Vec<f32>> = projs
+            .iter()
+            .map(|&p| layer.linear(p).dequantize())
+            .collect();
+        let (qs, reports) = quantize_group(&names, &weights, &outs, &h, self.opts)?;
+        drop((h, weights));
+        self.reports.extend(reports);
+        for (&p, q) in projs.iter().zip(qs) {
+            install(layer, p, &q);
+            self.result.insert(p, q);
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Run one layer on every calibration sample, quantizing its linears in true-sequential order.
 /// `x` holds the residual stream of all samples (`[samples·seq_len, hidden]`) and is advanced in place.
 fn quantize_layer(
-    model: &mut SparkModel,
+    model: &SparkModel,
+    layer: &mut DecoderLayer,
     li: usize,
     x: &mut [f32],
-    samples: usize,
-    seq_len: usize,
+    windows: &calibration::Windows,
     opts: &QuantizeOptions,
     bar: &ProgressBar,
 ) -> Result<(LayerResult, Vec<LinearReport>), QuantizeError> {
-    let cfg = model.config().clone();
+    let cfg = model.config();
+    let ctx = model.ctx_for(layer.kind);
+    let (samples, seq_len) = (windows.samples, windows.seq_len);
     let rows = samples * seq_len;
     let (hidden, q_dim) = (cfg.hidden_size, cfg.q_dim());
-    let mut result = (LayerResult::default(), Vec::new());
+    let mut solve = LayerSolve {
+        cfg,
+        li,
+        rows,
+        opts,
+        result: LayerResult::default(),
+        reports: Vec::new(),
+    };
 
     // x ─ norm → h ─ q, k, v
     bar.set_message(format!("layer {li}: q/k/v"));
     check_finite(x, li, "input_layernorm")?;
-    let h = model.layer(li).0.input_layernorm.forward(x);
-    quantize_projs(
-        model,
-        li,
-        &[Proj::Q, Proj::K, Proj::V],
-        &h,
-        rows,
-        opts,
-        &mut result,
-    )?;
+    let h = layer.input_layernorm.forward(x);
+    let qkv = [Proj::Q, Proj::K, Proj::V];
+    solve.step(layer, &qkv, &h)?;
 
     // gated attention over each sample → a ─ out_proj, x += out(a)
     bar.set_message(format!("layer {li}: out_proj"));
     let mut attn = vec![0f32; rows * q_dim];
-    let (layer, ctx) = model.layer(li);
     for s in 0..samples {
-        let mut cache =
-            crate::model::kv_cache::LayerKvCache::new(&cfg, cfg.layer_types[li], seq_len);
+        let mut cache = crate::model::kv_cache::LayerKvCache::new(cfg, layer.kind, seq_len);
         let a = layer.self_attn.attend(
             &h[s * seq_len * hidden..(s + 1) * seq_len * hidden],
             seq_len,
@@ -327,33 +336,25 @@ fn quantize_layer(
     }
     drop(h);
     check_finite(&attn, li, "out_proj")?;
-    quantize_projs(model, li, &[Proj::Out], &attn, rows, opts, &mut result)?;
-    residual_add(x, &model.layer(li).0.linear(Proj::Out).project(&attn, rows));
+    solve.step(layer, &[Proj::Out], &attn)?;
+    residual_add(x, &layer.self_attn.out_proj.project(&attn, rows));
     drop(attn);
 
     // x ─ norm → h2 ─ gate, up
     bar.set_message(format!("layer {li}: gate/up"));
-    let h2 = model.layer(li).0.post_attention_layernorm.forward(x);
+    let h2 = layer.post_attention_layernorm.forward(x);
     check_finite(&h2, li, "gate_proj/up_proj")?;
-    quantize_projs(
-        model,
-        li,
-        &[Proj::Gate, Proj::Up],
-        &h2,
-        rows,
-        opts,
-        &mut result,
-    )?;
+    let gate_up = [Proj::Gate, Proj::Up];
+    solve.step(layer, &gate_up, &h2)?;
 
     // gelu(gate) ⊙ up → act ─ down, x += down(act)
     bar.set_message(format!("layer {li}: down_proj"));
-    let (layer, ctx) = model.layer(li);
     let act = layer.mlp.act(&h2, rows, &ctx);
     drop(h2);
     check_finite(&act, li, "down_proj")?;
-    quantize_projs(model, li, &[Proj::Down], &act, rows, opts, &mut result)?;
-    residual_add(x, &model.layer(li).0.linear(Proj::Down).project(&act, rows));
-    Ok(result)
+    solve.step(layer, &[Proj::Down], &act)?;
+    residual_add(x, &layer.mlp.down_proj.project(&act, rows));
+    Ok((solve.result, solve.reports))
 }
 
 /// Quantize the (untied) head on the final-normed residual stream.
@@ -428,12 +429,8 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     };
 
     let (mut x, first, mut results, mut reports, resumed_from_layer) = match state {
+        // The finished layers' output is in `x`; they never run again.
         Some(st) => {
-            for (li, r) in st.results.iter().enumerate() {
-                for (proj, q) in r.iter() {
-                    install(&mut model, li, proj, q);
-                }
-            }
             let n = st.results.len();
             (st.x, n, st.results, st.reports, Some(n))
         }
@@ -446,16 +443,9 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
 
     let bar = crate::artifact::progress_bar(opts.progress, layers as u64, "quantize layers");
     bar.set_position(first as u64);
-    for li in first..layers {
-        let (res, rep) = quantize_layer(
-            &mut model,
-            li,
-            &mut x,
-            windows.samples,
-            windows.seq_len,
-            opts,
-            &bar,
-        )?;
+    // Each layer is dropped once solved: memory holds one layer's f32 weights, not all of them.
+    for (li, mut layer) in model.take_layers().into_iter().enumerate().skip(first) {
+        let (res, rep) = quantize_layer(&model, &mut layer, li, &mut x, &windows, opts, &bar)?;
         out.save_layer(li, &res, &rep, &x, &settings)?;
         results.push(res);
         reports.extend(rep);
