@@ -192,6 +192,32 @@ impl SparkConfig {
             ));
         }
 
+        // Every weight's element count (and its f32 size) must fit in usize: a config with
+        // huge dimensions is an error here, not an overflow in the layout check or the loader.
+        let q_dim = num_attention_heads.checked_mul(head_dim);
+        let kv_dim = num_key_value_heads.checked_mul(head_dim);
+        let qkv_rows = q_dim
+            .zip(kv_dim)
+            .and_then(|(q, kv)| kv.checked_mul(2)?.checked_add(q));
+        for (field, rows) in [
+            ("num_attention_heads", q_dim),
+            ("num_key_value_heads", qkv_rows),
+            ("intermediate_size", Some(intermediate_size)),
+            ("vocab_size", Some(vocab_size)),
+        ] {
+            if rows
+                .and_then(|r| r.checked_mul(hidden_size)?.checked_mul(4))
+                .is_none()
+            {
+                return Err(err(
+                    field,
+                    format!(
+                        "too large: the weights it sizes (with hidden_size {hidden_size}, head_dim {head_dim}) overflow the address space"
+                    ),
+                ));
+            }
+        }
+
         let names = raw
             .layer_types
             .ok_or_else(|| err("layer_types", "missing".into()))?;
@@ -324,15 +350,27 @@ impl SparkConfig {
         }
         let eos_token_ids = match raw.eos_token_id {
             None | Some(serde_json::Value::Null) => Vec::new(),
-            Some(serde_json::Value::Number(n)) => vec![n
-                .as_u64()
-                .ok_or_else(|| err("eos_token_id", "expected a non-negative integer".into()))?
-                as u32],
+            Some(serde_json::Value::Number(n)) => {
+                vec![n
+                    .as_u64()
+                    .and_then(|x| u32::try_from(x).ok())
+                    .ok_or_else(|| {
+                        err(
+                            "eos_token_id",
+                            "expected a non-negative 32-bit integer".into(),
+                        )
+                    })?]
+            }
             Some(serde_json::Value::Array(a)) => a
                 .iter()
-                .map(|v| v.as_u64().map(|x| x as u32))
+                .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| err("eos_token_id", "expected integers".into()))?,
+                .ok_or_else(|| {
+                    err(
+                        "eos_token_id",
+                        "expected non-negative 32-bit integers".into(),
+                    )
+                })?,
             Some(_) => return Err(err("eos_token_id", "expected an integer or a list".into())),
         };
         for (field, id) in [
@@ -505,6 +543,31 @@ pub(crate) mod tests {
             .remove("sliding_attention");
         let c = parse(&v).unwrap();
         assert_eq!(c.count_layers(LayerType::Sliding), 0);
+    }
+
+    /// Found by fuzzing (fuzz/fuzz_targets/config_json.rs): heads × head_dim overflowed in
+    /// `q_dim()` once the layout check ran.
+    #[test]
+    fn sizes_that_overflow_are_errors() {
+        let mut v = real_1_7b_json();
+        v["num_attention_heads"] = (1u64 << 62).into();
+        assert!(expect_field_err(v, "num_attention_heads").contains("too large"));
+        let mut v = real_1_7b_json();
+        v["vocab_size"] = (usize::MAX / 2).into();
+        expect_field_err(v, "vocab_size");
+        let mut v = real_1_7b_json();
+        v["head_dim"] = (1u64 << 61).into();
+        expect_field_err(v, "num_attention_heads");
+    }
+
+    #[test]
+    fn eos_ids_past_u32_are_errors_not_truncated() {
+        let mut v = real_1_7b_json();
+        v["eos_token_id"] = ((1u64 << 32) + 1).into();
+        expect_field_err(v, "eos_token_id");
+        let mut v = real_1_7b_json();
+        v["eos_token_id"] = serde_json::json!([1, (1u64 << 32) + 1]);
+        expect_field_err(v, "eos_token_id");
     }
 
     #[test]

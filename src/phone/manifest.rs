@@ -115,7 +115,10 @@ impl Encoding {
 
     pub fn quantize(&self, x: f32) -> i32 {
         let (lo, hi) = self.dtype.range();
-        ((x / self.scale).round_ties_even() as i64 + self.zero_point as i64)
+        // `as i64` saturates (±inf, huge x / tiny scale); the add must saturate too, or
+        // f32::MAX would wrap around to the bottom of the range.
+        ((x / self.scale).round_ties_even() as i64)
+            .saturating_add(self.zero_point as i64)
             .clamp(lo as i64, hi as i64) as i32
     }
 
@@ -215,23 +218,194 @@ impl Manifest {
     pub fn read(dir: &Path) -> Result<Self, String> {
         let p = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-        let m: Manifest =
-            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?;
+        Self::from_json_str(&text, &p.display().to_string())
+    }
+
+    /// Parse and [`check`](Self::check); `origin` names the file in error messages.
+    pub fn from_json_str(text: &str, origin: &str) -> Result<Self, String> {
+        let m: Manifest = serde_json::from_str(text).map_err(|e| format!("{origin}: {e}"))?;
         if m.format != FORMAT || m.version != 1 {
             return Err(format!(
-                "{}: format `{}` v{} is not `{FORMAT}` v1",
-                p.display(),
-                m.format,
-                m.version
+                "{origin}: format `{}` v{} is not `{FORMAT}` v1",
+                m.format, m.version
             ));
         }
+        m.check().map_err(|e| format!("{origin}: {e}"))?;
         Ok(m)
+    }
+
+    /// What the host (`PhoneModel`) relies on: one cache per layer of a listed type with the shapes that type implies, rotary widths that fit the
+    /// head, positions below the context, tensor sizes that fit in memory arithmetic, and
+    /// encodings whose zero point lies in their integer range.
+    pub fn check(&self) -> Result<(), String> {
+        let numel = |what: &str, shape: &[usize]| {
+            shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| format!("{what}: shape {shape:?} is too large"))
+        };
+        if self.context == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+            return Err("context, hidden_size and vocab_size must be > 0".into());
+        }
+        if !self.mask_value.is_finite() {
+            return Err(format!("mask_value {} is not finite", self.mask_value));
+        }
+        let layers = self.layer_types.len();
+        for (t, info) in &self.types {
+            if info.past_len >= self.context {
+                return Err(format!(
+                    "types.{t}.past_len {} must be below the context {}",
+                    info.past_len, self.context
+                ));
+            }
+            if !(info.rope_theta.is_finite() && info.rope_theta > 0.0) {
+                return Err(format!("types.{t}.rope_theta must be > 0"));
+            }
+            if info.rotary_dims == 0 || !info.rotary_dims.is_multiple_of(2) {
+                return Err(format!(
+                    "types.{t}.rotary_dims {} must be even and > 0",
+                    info.rotary_dims
+                ));
+            }
+            for &l in &info.layers {
+                if self.layer_types.get(l) != Some(t) {
+                    return Err(format!(
+                        "types.{t}.layers lists layer {l}, which is not a `{t}` layer"
+                    ));
+                }
+            }
+        }
+        if self.caches.len() != layers {
+            return Err(format!("{} caches for {layers} layers", self.caches.len()));
+        }
+        for (l, (c, t)) in self.caches.iter().zip(&self.layer_types).enumerate() {
+            let what = format!("caches[{l}]");
+            let info = self
+                .types
+                .get(t)
+                .ok_or_else(|| format!("layer_types[{l}] `{t}` has no entry in types"))?;
+            if c.layer != l || &c.layer_type != t {
+                return Err(format!(
+                    "{what} is for layer {} `{}`, expected layer {l} `{t}`",
+                    c.layer, c.layer_type
+                ));
+            }
+            numel(&what, &c.key_shape)?;
+            numel(&what, &c.value_shape)?;
+            let (kvh, hd) = match c.key_shape[..] {
+                [kvh, 1, hd, past] if past == info.past_len => (kvh, hd),
+                _ => {
+                    return Err(format!(
+                        "{what}.key_shape {:?} is not [kv_heads, 1, head_dim, {}]",
+                        c.key_shape, info.past_len
+                    ))
+                }
+            };
+            if c.value_shape != [kvh, 1, info.past_len, hd] {
+                return Err(format!(
+                    "{what}.value_shape {:?} is not [{kvh}, 1, {}, {hd}]",
+                    c.value_shape, info.past_len
+                ));
+            }
+            if info.rotary_dims > hd {
+                return Err(format!(
+                    "types.{t}.rotary_dims {} is wider than head_dim {hd}",
+                    info.rotary_dims
+                ));
+            }
+        }
+        for (pi, part) in self.parts.iter().enumerate() {
+            let what = format!("parts[{pi}]");
+            let [a, b] = part.layers;
+            if a > b || b > layers {
+                return Err(format!(
+                    "{what}.layers [{a}, {b}) is not a range of the {layers} layers"
+                ));
+            }
+            for io in part.inputs.iter().chain(&part.outputs) {
+                numel(&format!("{what} `{}`", io.name), &io.shape)?;
+                if let Some(e) = io.encoding {
+                    let (lo, hi) = e.dtype.range();
+                    if !(e.scale.is_finite() && e.scale > 0.0 && (lo..=hi).contains(&e.zero_point))
+                    {
+                        return Err(format!(
+                            "{what} `{}`: encoding scale {} / zero point {} is not a positive scale with a zero point in {lo}..={hi}",
+                            io.name, e.scale, e.zero_point
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A one-layer (full attention) manifest as the exporter writes it, context 8.
+    fn one_layer() -> serde_json::Value {
+        let enc = serde_json::json!({"dtype": "int16", "scale": 0.001, "zero_point": 0, "min": -1.0, "max": 1.0});
+        serde_json::json!({
+            "format": FORMAT, "version": 1, "spark_tool_version": "0", "runs_in_vllm": false,
+            "precision": "w8a16", "context": 8, "sliding_window": 4, "hidden_size": 8, "vocab_size": 16,
+            "layer_types": ["full"], "bos_token_id": 0, "eos_token_ids": [1], "pad_token_id": null,
+            "embedding": {"file": "embed_tokens.safetensors", "tensor": "embed_tokens", "lookup": "host"},
+            "mask_value": -50.0,
+            "types": {"full": {"layers": [0], "past_len": 7, "mask": "m", "cos": "c", "sin": "s",
+                               "rope_theta": 10000.0, "rotary_dims": 4, "slot_rule": "append"}},
+            "caches": [{"layer": 0, "layer_type": "full", "key_in": "ki", "key_out": "ko",
+                        "value_in": "vi", "value_out": "vo", "key_shape": [1, 1, 4, 7],
+                        "value_shape": [1, 1, 7, 4], "dtype": "int16"}],
+            "parts": [{"file": "decode.onnx", "graph_name": "g", "layers": [0, 1], "head": true,
+                       "inputs": [{"name": "ki", "dtype": "int16", "shape": [1, 1, 4, 7], "encoding": enc}],
+                       "outputs": []}],
+            "kv_cache_bytes": 0, "kv_cache_bytes_if_all_full": 0, "how_to_step": []
+        })
+    }
+
+    fn check(v: &serde_json::Value) -> Result<Manifest, String> {
+        Manifest::from_json_str(&v.to_string(), "m.json")
+    }
+
+    /// What `PhoneModel` indexes, allocates or subtracts is checked at read: each of these
+    /// would otherwise panic (overflow, missing map key) or size a buffer from garbage.
+    #[test]
+    fn inconsistent_manifests_are_errors() {
+        check(&one_layer()).expect("the exporter's shape is accepted");
+        type Edit = fn(&mut serde_json::Value);
+        let bad: [(&str, Edit); 8] = [
+            ("zero point", |v| {
+                v["parts"][0]["inputs"][0]["encoding"]["zero_point"] = i32::MIN.into()
+            }),
+            ("positive scale", |v| {
+                v["parts"][0]["inputs"][0]["encoding"]["scale"] = 0.0.into()
+            }),
+            ("too large", |v| {
+                v["parts"][0]["inputs"][0]["shape"] = serde_json::json!([u64::MAX, 2])
+            }),
+            ("even", |v| v["types"]["full"]["rotary_dims"] = 3.into()),
+            ("wider than head_dim", |v| {
+                v["types"]["full"]["rotary_dims"] = 6.into()
+            }),
+            ("below the context", |v| {
+                v["types"]["full"]["past_len"] = 8.into()
+            }),
+            ("is not a `full` layer", |v| {
+                v["layer_types"][0] = "sliding".into()
+            }),
+            ("key_shape", |v| {
+                v["caches"][0]["key_shape"] = serde_json::json!([1, 1, 4])
+            }),
+        ];
+        for (want, edit) in bad {
+            let mut v = one_layer();
+            edit(&mut v);
+            let e = check(&v).expect_err(want);
+            assert!(e.contains(want), "{want}: {e}");
+        }
+    }
 
     #[test]
     fn encodings_round_trip_within_half_a_step() {
@@ -247,5 +421,22 @@ mod tests {
         assert_eq!(s.quantize(-9.0), -32768, "saturates");
         let u = Encoding::symmetric(QType::Uint8, 1.27);
         assert_eq!((u.quantize(0.0), u.quantize(1.27)), (128, 255));
+    }
+
+    /// Found by fuzzing (fuzz/fuzz_targets/phone_manifest.rs): `x / scale` saturated to
+    /// i64::MAX and adding the zero point overflowed (release: wrapped to the range's bottom).
+    #[test]
+    fn huge_and_infinite_values_saturate_the_right_way() {
+        for e in [
+            Encoding::asymmetric(QType::Uint16, -1e-3, 1e-3),
+            Encoding::symmetric(QType::Int16, 1e-30),
+            Encoding::symmetric(QType::Uint8, 1.0),
+        ] {
+            let (lo, hi) = e.dtype.range();
+            assert_eq!(e.quantize(f32::MAX), hi);
+            assert_eq!(e.quantize(f32::INFINITY), hi);
+            assert_eq!(e.quantize(f32::MIN), lo);
+            assert_eq!(e.quantize(f32::NEG_INFINITY), lo);
+        }
     }
 }

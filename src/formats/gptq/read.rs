@@ -42,7 +42,7 @@ pub fn check_tensors(
             }
         }
     };
-    if !k.is_multiple_of(8) || !n.is_multiple_of(8) || !k.is_multiple_of(g) {
+    if g == 0 || !k.is_multiple_of(8) || !n.is_multiple_of(8) || !k.is_multiple_of(g) {
         problems.push(format!(
             "`{prefix}`: shape [{n}, {k}] cannot hold GPTQ with group size {g}"
         ));
@@ -215,6 +215,19 @@ pub(crate) mod tests {
         }
         let e = read_linear(&store, &info(false), "x", 8..17).err().unwrap();
         assert!(e.to_string().contains("16 output columns"), "{e}");
+    }
+
+    /// Found by fuzzing (fuzz/fuzz_targets/gptq_tensors.rs): group size 0 with k = 0 passed
+    /// `k.is_multiple_of(g)` and divided by zero.
+    #[test]
+    fn group_size_zero_is_a_problem_not_a_division_by_zero() {
+        let d = tempfile::tempdir().unwrap();
+        let store = store_of(&weight(), d.path(), |_| {});
+        for (n, k) in [(0, 0), (16, 32)] {
+            let mut problems = Vec::new();
+            check_tensors(&store, "x", n, k, 0, &mut problems);
+            assert!(problems[0].contains("group size 0"), "{problems:?}");
+        }
     }
 
     #[test]
