@@ -41,6 +41,16 @@ pub enum Setting {
     Tokens,
     /// The prompt text.
     Prompt,
+    /// Tokens `run`/`parity` generate at most.
+    MaxNewTokens,
+    /// Prompt tokens of a benchmark.
+    PromptLen,
+    /// Generated tokens of a benchmark.
+    Gen,
+    /// Initial GPTQ damping.
+    Damp,
+    /// The file quantize writes dequantized weights to.
+    DumpDequantized,
 }
 
 impl Setting {
@@ -63,6 +73,11 @@ impl Setting {
             Setting::Json => "json",
             Setting::Tokens => "tokens",
             Setting::Prompt => "prompt",
+            Setting::MaxNewTokens => "max_new_tokens",
+            Setting::PromptLen => "prompt_len",
+            Setting::Gen => "gen",
+            Setting::Damp => "damp",
+            Setting::DumpDequantized => "dump_dequantized",
         }
     }
 }
