@@ -47,6 +47,8 @@ pub enum Setting {
     PromptLen,
     /// Generated tokens of a benchmark.
     Gen,
+    /// Activation rows of the kernel benchmark.
+    Rows,
     /// Initial GPTQ damping.
     Damp,
     /// The file quantize writes dequantized weights to.
@@ -76,6 +78,7 @@ impl Setting {
             Setting::MaxNewTokens => "max_new_tokens",
             Setting::PromptLen => "prompt_len",
             Setting::Gen => "gen",
+            Setting::Rows => "rows",
             Setting::Damp => "damp",
             Setting::DumpDequantized => "dump_dequantized",
         }

@@ -134,7 +134,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         spark_tool::resources::check_fits(
             &format!("--rows {} of the kernel benchmark", a.rows),
             need,
-            spark_tool::setting::Setting::PromptLen,
+            spark_tool::setting::Setting::Rows,
         )?;
         return run_kernels(&a, &ck);
     }

@@ -71,6 +71,7 @@ pub fn flag(s: Setting) -> &'static str {
         Setting::MaxNewTokens => "--max-new-tokens",
         Setting::PromptLen => "--prompt-len",
         Setting::Gen => "--gen",
+        Setting::Rows => "--rows",
         Setting::Damp => "--damp",
         Setting::DumpDequantized => "--dump-dequantized",
     }
