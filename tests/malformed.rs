@@ -822,8 +822,7 @@ fn gptq_cases() -> Vec<Case> {
         if part != "g_idx" {
             let mut t = Tensors::read(&st);
             t.0.retain(|x| x.0 != name);
-            // Named by its linear: without its qweight the linear is read as dense.
-            tensor_edits.push((format!("{part} missing"), t, base.clone()));
+            tensor_edits.push((format!("{part} missing"), t, name.clone()));
         }
         let mut t = Tensors::read(&st);
         {
