@@ -624,6 +624,73 @@ pub fn check(p: &Policy, o: &Overall) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn tokenizers_compare_by_content_and_name_the_differing_id() {
+        let d = tempfile::tempdir().unwrap();
+        let write = |name: &str, v: &serde_json::Value, pretty: bool| {
+            let p = d.path().join(name);
+            let text = if pretty {
+                serde_json::to_string_pretty(v).unwrap()
+            } else {
+                serde_json::to_string(v).unwrap()
+            };
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let base = serde_json::json!({
+            "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
+            "added_tokens": [{"id": 2, "content": "<eos>"}],
+            "decoder": null,
+        });
+        let r = write("r.json", &base, false);
+        // Formatting is not content.
+        let same = write("same.json", &base, true);
+        assert!(tokenizer_difference(Some(&r), Some(&same))
+            .unwrap()
+            .is_none());
+        let mut swapped = base.clone();
+        swapped["model"]["vocab"] = serde_json::json!({"a": 1, "b": 0});
+        let c = write("c.json", &swapped, false);
+        let why = tokenizer_difference(Some(&r), Some(&c)).unwrap().unwrap();
+        assert!(why.contains("token id 0"), "{why}");
+        let mut added = base.clone();
+        added["added_tokens"][0]["content"] = "<end>".into();
+        let c = write("a.json", &added, false);
+        let why = tokenizer_difference(Some(&r), Some(&c)).unwrap().unwrap();
+        assert!(why.contains("token id 2") && why.contains("<end>"), "{why}");
+        let mut merges = base.clone();
+        merges["model"]["merges"] = serde_json::json!(["a b"]);
+        let c = write("m.json", &merges, false);
+        let why = tokenizer_difference(Some(&r), Some(&c)).unwrap().unwrap();
+        assert!(why.contains("`model`"), "{why}");
+        assert!(tokenizer_difference(Some(&r), None).unwrap().is_some());
+        assert!(tokenizer_difference(None, Some(&r)).unwrap().is_none());
+    }
+
+    #[test]
+    fn policies_are_checked_key_by_key() {
+        let d = tempfile::tempdir().unwrap();
+        for (text, want) in [
+            (r#"{"max_kl_mean": -1}"#, "max_kl_mean"),
+            (r#"{"min_top1": "x"}"#, "min_top1"),
+            (r#"{"min_top5": 2}"#, "min_top5"),
+            (r#"{"nope": 1}"#, "nope"),
+        ] {
+            let p = d.path().join("p.json");
+            std::fs::write(&p, text).unwrap();
+            let e = Policy::from_file(&p).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("p.json"), "{text}: {e}");
+        }
+        let p = d.path().join("ok.json");
+        std::fs::write(
+            &p,
+            r#"{"min_snr_db": -3, "max_kl_mean": 0.05, "min_top1": null}"#,
+        )
+        .unwrap();
+        let ok = Policy::from_file(&p).unwrap();
+        assert_eq!(ok.min_snr_db, Some(-3.0));
+    }
+
     use super::*;
 
     #[test]
