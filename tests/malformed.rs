@@ -1312,6 +1312,14 @@ fn resource_cases() -> Vec<Case> {
             ])
             .names(["--max-new-tokens", "needs", "available"]),
     );
+    let c = Case::new("quantize --samples 1e8 --seq-len 1e5 (memory)");
+    let m = c.input(&shared().tiny, "model");
+    out.push(
+        on_model(c, "quantize", &m)
+            .set("--samples", "100000000")
+            .set("--seq-len", "100000")
+            .names(["--samples", "needs", "available"]),
+    );
     // A small machine (the figure overridden): an ordinary request is refused with both figures.
     let c = Case::new("run on a machine with 1 MB (memory)");
     let m = c.input(&shared().tiny, "model");

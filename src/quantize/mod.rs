@@ -129,6 +129,8 @@ pub enum QuantizeError {
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error(transparent)]
     Artifact(#[from] crate::artifact::ArtifactError),
+    #[error(transparent)]
+    Resources(#[from] crate::resources::ResourceError),
     #[error("{0}")]
     Invalid(String),
     #[error(
@@ -502,6 +504,19 @@ fn run(
     t0: Instant,
     done: &mut Option<usize>,
 ) -> Result<QuantReport, QuantizeError> {
+    // The residual stream of every window stays resident, beside one layer's activations, a
+    // Hessian per input and the model widened to f32: sized before any of it is allocated.
+    let c = &ck.config;
+    let rows = opts.samples as u128 * opts.seq_len as u128;
+    let per_row =
+        (3 * c.hidden_size + 2 * c.q_dim() + 2 * c.kv_dim() + 2 * c.intermediate_size) as u128 * 4;
+    let hessians = (c.hidden_size.max(c.intermediate_size) as u128).pow(2) * 8 * 2;
+    let weights = crate::inspect::parameters(c) as u128 * 4;
+    crate::resources::check_fits(
+        &format!("calibrating on {} × {} tokens", opts.samples, opts.seq_len),
+        rows * per_row + hessians + weights,
+        crate::setting::Setting::Samples,
+    )?;
     let tok_path = ck.tokenizer_path().ok_or_else(|| {
         QuantizeError::Invalid(format!(
             "{} has no tokenizer.json, which calibration text needs",
