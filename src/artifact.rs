@@ -272,6 +272,23 @@ impl Staging {
             })?
             .to_string_lossy()
             .into_owned();
+        // A file where a folder of the path should be: say which, not just "Not a directory".
+        let parent = out
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        if let Some(file) = parent
+            .ancestors()
+            .find(|a| a.exists())
+            .filter(|a| !a.is_dir())
+        {
+            return Err(ArtifactError::Refused(format!(
+                "{} {}: {} is a file, not a folder",
+                Setting::Out,
+                out.display(),
+                file.display()
+            )));
+        }
         match inspect(out, kind)? {
             Destination::Ours if !force => {
                 return Err(ArtifactError::Refused(format!(
@@ -287,7 +304,18 @@ impl Staging {
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
         std::fs::create_dir_all(parent).map_err(io_err(parent))?;
-        let root = if out.is_dir() && is_mount_point(out) {
+        let inside = out.is_dir() && is_mount_point(out);
+        // Refused now rather than when the first file is written, after the compute.
+        let holder = if inside { out } else { parent };
+        if !writable(holder) {
+            return Err(ArtifactError::Refused(format!(
+                "{} {}: {} is not writable",
+                Setting::Out,
+                out.display(),
+                holder.display()
+            )));
+        }
+        let root = if inside {
             out.join(INNER_STAGING)
         } else {
             parent.join(format!(".{name}.partial"))
@@ -408,6 +436,16 @@ fn swap_contents(out: &Path, built: &Path, aside: &Path) -> Result<(), ArtifactE
     Ok(())
 }
 
+/// Whether we may create files in `dir` (a read-only mount answers no even for root).
+pub fn writable(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: a valid NUL-terminated path; access(2) only reads it.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
+}
+
 /// Refuse to write a single output file over anything but a previous output of ours: `is_ours`
 /// recognises one. The file may not be, or lie inside, any of `inputs`.
 pub fn check_output_file(
@@ -436,6 +474,31 @@ pub fn check_output_file(
                 )));
             }
         }
+    }
+    // The file is written at the very end: a folder that cannot receive it is refused now.
+    let parent = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(ArtifactError::Refused(format!(
+            "{flag} {}: the folder {} does not exist",
+            path.display(),
+            parent.display()
+        )));
+    }
+    if !writable(parent) {
+        return Err(ArtifactError::Refused(format!(
+            "{flag} {}: the folder {} is not writable",
+            path.display(),
+            parent.display()
+        )));
+    }
+    if path.is_dir() {
+        return Err(ArtifactError::Refused(format!(
+            "{flag} {} is a folder; give a file path",
+            path.display()
+        )));
     }
     if path.exists() && !is_ours(path) {
         return Err(ArtifactError::Refused(format!(

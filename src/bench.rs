@@ -74,6 +74,36 @@ pub fn prompt_ids(len: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Refuse a benchmark the model or the machine cannot hold, before anything is allocated:
+/// `prompt_len + gen` positions within max_position_embeddings, and the cache, activations and
+/// prompt within the available memory.
+pub fn plan(
+    cfg: &crate::checkpoint::SparkConfig,
+    prompt_len: usize,
+    gen: usize,
+) -> Result<(), crate::generate::BudgetError> {
+    use crate::setting::Setting;
+    let positions = prompt_len.max(1).saturating_add(gen.max(1));
+    if positions > cfg.max_position_embeddings {
+        return Err(crate::generate::BudgetError::PromptTooLong {
+            prompt: prompt_len,
+            limit: format!(
+                "{} + {} = {positions} positions pass the model's max_position_embeddings ({})",
+                Setting::PromptLen,
+                Setting::Gen,
+                cfg.max_position_embeddings
+            ),
+        });
+    }
+    let need = crate::resources::forward_bytes(cfg, prompt_len.max(1), positions, false);
+    crate::resources::check_fits(
+        &format!("a {prompt_len}-token prefill"),
+        need,
+        Setting::PromptLen,
+    )?;
+    Ok(())
+}
+
 pub fn run(
     model: &SparkModel,
     prompt_len: usize,

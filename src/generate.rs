@@ -7,9 +7,11 @@ use serde::Serialize;
 
 use crate::artifact::ArtifactError;
 use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor, WriteError};
+use crate::checkpoint::SparkConfig;
 use crate::engine::Engine;
 use crate::model::{Logits, ModelError};
 use crate::sampling::{Sampler, SamplingParams};
+use crate::setting::Setting;
 
 pub struct GenerateOptions {
     pub max_new_tokens: usize,
@@ -51,6 +53,69 @@ pub struct GenerateOutput {
     pub decode_logits: Vec<f32>,
     pub stopped_at_eos: bool,
     pub stats: GenerateStats,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BudgetError {
+    #[error("the prompt has {prompt} tokens but {limit}")]
+    PromptTooLong { prompt: usize, limit: String },
+    #[error("{setting} {context} exceeds the model's max_position_embeddings ({max}) in config.json", setting = Setting::Context)]
+    ContextPastModel { context: usize, max: usize },
+    #[error(transparent)]
+    Resources(#[from] crate::resources::ResourceError),
+}
+
+/// Bound a generation before anything is allocated. The positions used (prompt + generated) may
+/// not pass the model's `max_position_embeddings` (RoPE was trained up to there; past it the
+/// output is garbage without any error) nor an explicit context: a prompt that does not fit is
+/// refused, and `max_new_tokens` is clamped so generation stops there, with a warning (it is a
+/// maximum, so stopping early is what it promises). The KV cache, activations and captured logits
+/// must fit in the available memory. Returns the warnings.
+pub fn plan(
+    cfg: &SparkConfig,
+    prompt_len: usize,
+    opts: &mut GenerateOptions,
+) -> Result<Vec<String>, BudgetError> {
+    let max = cfg.max_position_embeddings;
+    if let Some(c) = opts.context {
+        if c > max {
+            return Err(BudgetError::ContextPastModel { context: c, max });
+        }
+    }
+    let (limit, why) = match opts.context {
+        Some(c) => (c, format!("{} is {c}", Setting::Context)),
+        None => (max, format!("the model's max_position_embeddings is {max}")),
+    };
+    if prompt_len > limit {
+        return Err(BudgetError::PromptTooLong {
+            prompt: prompt_len,
+            limit: why,
+        });
+    }
+    let mut warnings = Vec::new();
+    let room = limit - prompt_len;
+    if opts.max_new_tokens > room {
+        warnings.push(format!(
+            "{} {} clamped to {room}: {why} and the prompt has {prompt_len} tokens",
+            Setting::MaxNewTokens,
+            opts.max_new_tokens
+        ));
+        opts.max_new_tokens = room;
+    }
+    let context = opts.context.unwrap_or(prompt_len + opts.max_new_tokens);
+    let mut need = crate::resources::forward_bytes(cfg, prompt_len, context, opts.capture_logits);
+    if opts.capture_logits {
+        need += opts.max_new_tokens as u128 * cfg.vocab_size as u128 * 4;
+    }
+    crate::resources::check_fits(
+        &format!(
+            "generating {} tokens after a {prompt_len}-token prompt",
+            opts.max_new_tokens
+        ),
+        need,
+        Setting::MaxNewTokens,
+    )?;
+    Ok(warnings)
 }
 
 /// Generate after `prompt`, calling `on_token` with each new id as soon as it is chosen.
@@ -119,6 +184,12 @@ pub fn generate(
 
 /// `producer` metadata of a `--logits-out` file (how a previous one is recognised).
 const LOGITS_PRODUCER: &str = "spark-tool";
+
+/// Whether `path` is a safetensors file we wrote (its metadata `producer` names us): a previous
+/// `--logits-out` or `--dump-dequantized` output, which may be replaced.
+pub fn is_spark_safetensors(path: &Path) -> bool {
+    is_logits_file(path)
+}
 
 /// Whether `path` is a `--logits-out` file we wrote (safetensors whose metadata names us).
 fn is_logits_file(path: &Path) -> bool {

@@ -2,9 +2,9 @@
 
 mod cli;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Subcommand};
 
-#[derive(Parser)]
+#[derive(clap::Parser)]
 #[command(
     name = "spark-tool",
     version,
@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 )]
 struct Cli {
     /// Worker threads for matmuls and attention (default: all cores).
-    #[arg(long, global = true)]
+    #[arg(long, global = true, value_parser = cli::at_least_1)]
     threads: Option<usize>,
     #[command(subcommand)]
     command: Command,
@@ -36,8 +36,39 @@ enum Command {
     ExportPhone(cli::export::ExportArgs),
 }
 
+/// The command line, with every option that takes a value accepting a leading `-`: a negative
+/// number then reaches the option's own parser, whose message names the flag and the range,
+/// instead of clap's "unexpected argument '-1'".
+fn parse() -> Cli {
+    let values = |a: clap::Arg| {
+        if a.get_action().takes_values() && !a.is_positional() {
+            a.allow_negative_numbers(true)
+        } else {
+            a
+        }
+    };
+    let cmd = Cli::command()
+        .mut_args(values)
+        .mut_subcommands(move |sc| sc.mut_args(values));
+    let matches = cmd.get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// The error and its causes, each cause added only when the message so far does not already end
+/// with it (an error that prints its source as well would otherwise read "x: cause: cause").
+fn chain(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.ends_with(&c) {
+            out = format!("{out}: {c}");
+        }
+    }
+    out
+}
+
 fn main() {
-    let cli = Cli::parse();
+    let cli = parse();
     spark_tool::setting::spell_with(match cli.command {
         Command::ExportPhone(_) => cli::export::flag,
         _ => cli::flag,
@@ -63,7 +94,7 @@ fn main() {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", chain(&e));
             std::process::exit(2);
         }
     }

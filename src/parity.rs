@@ -7,6 +7,7 @@
 //! agreement, top-5 overlap, max |Δlogit| and the logits' signal-to-noise
 //! ratio. Plus perplexity of both on held-out text.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -51,6 +52,8 @@ pub enum ParityError {
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error("{0}")]
     Mismatch(String),
+    #[error(transparent)]
+    Budget(#[from] crate::generate::BudgetError),
 }
 
 pub fn bundled_prompts() -> PathBuf {
@@ -116,14 +119,74 @@ pub struct Policy {
     pub max_ppl_ratio: Option<f64>,
 }
 
+/// Each threshold key, with the range a meaningful value lies in.
+const THRESHOLDS: [(&str, f64, f64); 7] = [
+    ("min_greedy_match", 0.0, 1.0),
+    ("min_top1", 0.0, 1.0),
+    ("min_top5", 0.0, 1.0),
+    ("max_kl_mean", 0.0, f64::INFINITY),
+    ("max_kl_p99", 0.0, f64::INFINITY),
+    // SNR in dB may be negative.
+    ("min_snr_db", f64::NEG_INFINITY, f64::INFINITY),
+    ("max_ppl_ratio", 0.0, f64::INFINITY),
+];
+
 impl Policy {
     pub fn from_file(path: &Path) -> Result<Self, ParityError> {
         let bad = |message: String| ParityError::Input {
             path: path.display().to_string(),
             message,
         };
-        serde_json::from_str(&std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?)
-            .map_err(|e| bad(e.to_string()))
+        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        // Key by key, so a wrong type names its key (serde alone gives a line and column).
+        let serde_json::Value::Object(map) = &v else {
+            return Err(bad(format!(
+                "expected a JSON object of thresholds ({}), found {v}",
+                THRESHOLDS.map(|t| t.0).join(", ")
+            )));
+        };
+        for (k, x) in map {
+            if !THRESHOLDS.iter().any(|t| t.0 == k) {
+                return Err(bad(format!(
+                    "unknown key `{k}`; expected one of {}",
+                    THRESHOLDS.map(|t| t.0).join(", ")
+                )));
+            }
+            if !(x.is_number() || x.is_null()) {
+                return Err(bad(format!("`{k}` must be a number, found {x}")));
+            }
+        }
+        let p: Policy = serde_json::from_value(v).map_err(|e| bad(e.to_string()))?;
+        p.validate().map_err(bad)?;
+        Ok(p)
+    }
+
+    /// Every threshold set lies in its meaningful range (a negative KL bound or a top-1 above 1
+    /// could never pass, a NaN never fail); the error names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let values = [
+            self.min_greedy_match,
+            self.min_top1,
+            self.min_top5,
+            self.max_kl_mean,
+            self.max_kl_p99,
+            self.min_snr_db,
+            self.max_ppl_ratio,
+        ];
+        for ((key, lo, hi), v) in THRESHOLDS.iter().zip(values) {
+            if let Some(v) = v {
+                if !(v.is_finite() && v >= *lo && v <= *hi) {
+                    let range = match (lo.is_finite(), hi.is_finite()) {
+                        (true, true) => format!("in {lo}..={hi}"),
+                        (true, false) => format!(">= {lo}"),
+                        _ => "a finite number".into(),
+                    };
+                    return Err(format!("threshold `{key}` = {v} must be {range}"));
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -299,6 +362,90 @@ pub struct ParityInputs<'a> {
     /// Held-out token windows for perplexity.
     pub eval_windows: Vec<Vec<u32>>,
     pub policy: Policy,
+    /// How the candidate's tokenizer differs from the reference's ([`tokenizer_difference`]);
+    /// any difference fails parity: the same ids would print different text.
+    pub tokenizer_difference: Option<String>,
+}
+
+/// The parts of a tokenizer.json that decide ids ↔ text.
+const TOKENIZER_PARTS: [&str; 6] = [
+    "model",
+    "added_tokens",
+    "normalizer",
+    "pre_tokenizer",
+    "post_processor",
+    "decoder",
+];
+
+fn read_tokenizer_json(path: &Path) -> Result<serde_json::Value, ParityError> {
+    let bad = |message: String| ParityError::Input {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))
+}
+
+/// id → token of a tokenizer.json (its model's vocab, then its added tokens).
+fn id_table(t: &serde_json::Value) -> BTreeMap<u64, String> {
+    let mut m = BTreeMap::new();
+    if let Some(v) = t["model"]["vocab"].as_object() {
+        for (tok, id) in v {
+            if let Some(id) = id.as_u64() {
+                m.insert(id, tok.clone());
+            }
+        }
+    }
+    for a in t["added_tokens"].as_array().into_iter().flatten() {
+        if let (Some(id), Some(c)) = (a["id"].as_u64(), a["content"].as_str()) {
+            m.insert(id, c.to_string());
+        }
+    }
+    m
+}
+
+/// How `candidate`'s tokenizer differs from `reference`'s (`None`: they map ids and text alike).
+/// Compared as parsed JSON, so formatting and key order do not matter; a differing id is named.
+/// A candidate without a tokenizer while the reference has one differs too: `run --prompt`
+/// could not read text with it.
+pub fn tokenizer_difference(
+    reference: Option<&Path>,
+    candidate: Option<&Path>,
+) -> Result<Option<String>, ParityError> {
+    let (r, c) = match (reference, candidate) {
+        (None, _) => return Ok(None),
+        (Some(_), None) => {
+            return Ok(Some(
+                "the candidate has no tokenizer.json but the reference has one".into(),
+            ))
+        }
+        (Some(r), Some(c)) => (read_tokenizer_json(r)?, read_tokenizer_json(c)?),
+    };
+    let (tr, tc) = (id_table(&r), id_table(&c));
+    if let Some(id) = tr
+        .keys()
+        .chain(tc.keys())
+        .find(|id| tr.get(id) != tc.get(id))
+    {
+        let show = |t: &BTreeMap<u64, String>| {
+            t.get(id)
+                .map(|s| format!("{s:?}"))
+                .unwrap_or_else(|| "absent".into())
+        };
+        return Ok(Some(format!(
+            "token id {id} is {} in the reference's tokenizer.json but {} in the candidate's",
+            show(&tr),
+            show(&tc)
+        )));
+    }
+    for part in TOKENIZER_PARTS {
+        if r.get(part) != c.get(part) {
+            return Ok(Some(format!(
+                "the candidate's tokenizer.json differs from the reference's in `{part}`"
+            )));
+        }
+    }
+    Ok(None)
 }
 
 pub fn run(
@@ -321,7 +468,7 @@ pub fn run(
     let mut first_bad: Option<(String, usize)> = None;
     for p in inp.prompts {
         let ids = encode(inp.tokenizer, p)?;
-        let opts = GenerateOptions {
+        let mut opts = GenerateOptions {
             max_new_tokens: inp.max_new_tokens,
             ignore_eos: false,
             stop_ids: r.config().eos_token_ids.clone(),
@@ -329,6 +476,10 @@ pub fn run(
             context: None,
             capture_logits: false,
         };
+        // Both sides get the same bound; a clamp is applied alike, so its warning is not needed.
+        for cfg in [r.config(), c.config()] {
+            crate::generate::plan(cfg, ids.len(), &mut opts)?;
+        }
         let gr = generate(r, &ids, &opts, |_| {})?;
         let gc = generate(c, &ids, &opts, |_| {})?;
         let (cr, cc) = (&gr.tokens[ids.len()..], &gc.tokens[ids.len()..]);
@@ -414,6 +565,9 @@ pub fn run(
         non_finite_candidate: bad_cand,
     };
     let mut failures = Vec::new();
+    if let Some(d) = &inp.tokenizer_difference {
+        failures.push(format!("tokenizer mismatch: {d}"));
+    }
     if let Some((prompt, pos)) = first_bad {
         failures.push(format!(
             "non-finite logits (NaN/Inf) at {bad_cand} candidate and {bad_ref} reference positions, \
@@ -470,6 +624,73 @@ pub fn check(p: &Policy, o: &Overall) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn tokenizers_compare_by_content_and_name_the_differing_id() {
+        let d = tempfile::tempdir().unwrap();
+        let write = |name: &str, v: &serde_json::Value, pretty: bool| {
+            let p = d.path().join(name);
+            let text = if pretty {
+                serde_json::to_string_pretty(v).unwrap()
+            } else {
+                serde_json::to_string(v).unwrap()
+            };
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let base = serde_json::json!({
+            "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
+            "added_tokens": [{"id": 2, "content": "<eos>"}],
+            "decoder": null,
+        });
+        let r = write("r.json", &base, false);
+        // Formatting is not content.
+        let same = write("same.json", &base, true);
+        assert!(tokenizer_difference(Some(&r), Some(&same))
+            .unwrap()
+            .is_none());
+        let mut swapped = base.clone();
+        swapped["model"]["vocab"] = serde_json::json!({"a": 1, "b": 0});
+        let c = write("c.json", &swapped, false);
+        let why = tokenizer_difference(Some(&r), Some(&c)).unwrap().unwrap();
+        assert!(why.contains("token id 0"), "{why}");
+        let mut added = base.clone();
+        added["added_tokens"][0]["content"] = "<end>".into();
+        let c = write("a.json", &added, false);
+        let why = tokenizer_difference(Some(&r), Some(&c)).unwrap().unwrap();
+        assert!(why.contains("token id 2") && why.contains("<end>"), "{why}");
+        let mut merges = base.clone();
+        merges["model"]["merges"] = serde_json::json!(["a b"]);
+        let c = write("m.json", &merges, false);
+        let why = tokenizer_difference(Some(&r), Some(&c)).unwrap().unwrap();
+        assert!(why.contains("`model`"), "{why}");
+        assert!(tokenizer_difference(Some(&r), None).unwrap().is_some());
+        assert!(tokenizer_difference(None, Some(&r)).unwrap().is_none());
+    }
+
+    #[test]
+    fn policies_are_checked_key_by_key() {
+        let d = tempfile::tempdir().unwrap();
+        for (text, want) in [
+            (r#"{"max_kl_mean": -1}"#, "max_kl_mean"),
+            (r#"{"min_top1": "x"}"#, "min_top1"),
+            (r#"{"min_top5": 2}"#, "min_top5"),
+            (r#"{"nope": 1}"#, "nope"),
+        ] {
+            let p = d.path().join("p.json");
+            std::fs::write(&p, text).unwrap();
+            let e = Policy::from_file(&p).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("p.json"), "{text}: {e}");
+        }
+        let p = d.path().join("ok.json");
+        std::fs::write(
+            &p,
+            r#"{"min_snr_db": -3, "max_kl_mean": 0.05, "min_top1": null}"#,
+        )
+        .unwrap();
+        let ok = Policy::from_file(&p).unwrap();
+        assert_eq!(ok.min_snr_db, Some(-3.0));
+    }
+
     use super::*;
 
     #[test]

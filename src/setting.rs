@@ -41,6 +41,18 @@ pub enum Setting {
     Tokens,
     /// The prompt text.
     Prompt,
+    /// Tokens `run`/`parity` generate at most.
+    MaxNewTokens,
+    /// Prompt tokens of a benchmark.
+    PromptLen,
+    /// Generated tokens of a benchmark.
+    Gen,
+    /// Activation rows of the kernel benchmark.
+    Rows,
+    /// Initial GPTQ damping.
+    Damp,
+    /// The file quantize writes dequantized weights to.
+    DumpDequantized,
 }
 
 impl Setting {
@@ -63,6 +75,12 @@ impl Setting {
             Setting::Json => "json",
             Setting::Tokens => "tokens",
             Setting::Prompt => "prompt",
+            Setting::MaxNewTokens => "max_new_tokens",
+            Setting::PromptLen => "prompt_len",
+            Setting::Gen => "gen",
+            Setting::Rows => "rows",
+            Setting::Damp => "damp",
+            Setting::DumpDequantized => "dump_dequantized",
         }
     }
 }

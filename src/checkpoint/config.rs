@@ -92,6 +92,28 @@ struct RawConfig {
     quantization_config: Option<serde_json::Value>,
 }
 
+/// The key whose value has the wrong type (serde's own error gives only a line and column):
+/// each key is tried on its own.
+fn culprit_key(value: &serde_json::Value, origin: &str) -> Option<ConfigError> {
+    let serde_json::Value::Object(map) = value else {
+        return Some(ConfigError::Field {
+            path: origin.to_string(),
+            field: "(top level)".into(),
+            message: "expected a JSON object".into(),
+        });
+    };
+    map.iter().find_map(|(k, v)| {
+        let one = serde_json::Value::Object([(k.clone(), v.clone())].into_iter().collect());
+        serde_json::from_value::<RawConfig>(one)
+            .err()
+            .map(|e| ConfigError::Field {
+                path: origin.to_string(),
+                field: k.clone(),
+                message: format!("{e} (found {v})"),
+            })
+    })
+}
+
 /// A validated Spark2_5 configuration. Every derived size is a method so
 /// nothing downstream recomputes it differently.
 #[derive(Debug, Clone, Serialize)]
@@ -148,9 +170,16 @@ impl SparkConfig {
 
     /// Parse and validate; `origin` names the file in error messages.
     pub fn from_json_str(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig = serde_json::from_str(text).map_err(|source| ConfigError::Json {
-            path: origin.to_string(),
-            source,
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|source| ConfigError::Json {
+                path: origin.to_string(),
+                source,
+            })?;
+        let raw: RawConfig = serde_json::from_value(value.clone()).map_err(|source| {
+            culprit_key(&value, origin).unwrap_or(ConfigError::Json {
+                path: origin.to_string(),
+                source,
+            })
         })?;
         let err = |field: &str, message: String| ConfigError::Field {
             path: origin.to_string(),
@@ -398,7 +427,10 @@ impl SparkConfig {
             num_key_value_heads,
             head_dim,
             vocab_size,
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(usize::MAX),
+            max_position_embeddings: match raw.max_position_embeddings {
+                Some(0) => return Err(err("max_position_embeddings", "must be > 0".into())),
+                v => v.unwrap_or(usize::MAX),
+            },
             sliding_window,
             layer_types,
             rope,

@@ -336,7 +336,26 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
                 continue;
             }
         }
+        // The rest of a GPTQ linear without its qweight: say that, not "missing .weight".
+        let partial_gptq = t.name.strip_suffix(".weight").and_then(|prefix| {
+            let have: Vec<&str> = crate::formats::gptq::GPTQ_PARTS
+                .iter()
+                .copied()
+                .filter(|p| store.get(&format!("{prefix}.{p}")).is_some())
+                .collect();
+            (!have.is_empty()).then_some((prefix, have))
+        });
         match store.get(&t.name) {
+            None if partial_gptq.is_some() => {
+                let (prefix, have) = partial_gptq.expect("checked");
+                problems.push(format!(
+                    "linear `{prefix}` has GPTQ tensors ({}) but no `{prefix}.qweight`; expected a complete \
+                     GPTQ set (qweight, qzeros, scales) or a dense `{}` of shape {:?}",
+                    have.join(", "),
+                    t.name,
+                    t.shape
+                ));
+            }
             None => problems.push(format!(
                 "missing tensor `{}` (expected shape {:?})",
                 t.name, t.shape

@@ -29,6 +29,13 @@ pub enum CheckpointError {
     Safetensors { path: String, message: String },
     #[error("{path}: {message}")]
     Index { path: String, message: String },
+    #[error("{path}: tensor `{tensor}` holds a non-finite value ({value}) at element {index}; the checkpoint is corrupt")]
+    NonFinite {
+        path: String,
+        tensor: String,
+        index: usize,
+        value: String,
+    },
     #[error("checkpoint does not match its config ({} problem{}):\n  - {}", problems.len(), if problems.len() == 1 { "" } else { "s" }, problems.join("\n  - "))]
     Tensors { problems: Vec<String> },
 }
@@ -69,6 +76,39 @@ impl Checkpoint {
 
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
         self.store.to_f32(self.entry(name)?)
+    }
+
+    /// The first NaN or infinity in any floating-point weight, named by tensor: read straight off
+    /// the map (bit tests, no conversion), about as fast as the disk; a broken weight found later
+    /// would only surface as "non-finite activations" or missing ranges, far from its cause.
+    pub fn check_finite(&self) -> Result<(), CheckpointError> {
+        use safetensors::Dtype;
+        for e in self.store.entries() {
+            let b = self.store.bytes(e);
+            let (width, bad): (usize, fn(&[u8]) -> bool) = match e.dtype {
+                Dtype::BF16 => (2, |c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80),
+                Dtype::F16 => (2, |c| u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00),
+                Dtype::F32 => (4, |c| {
+                    !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()
+                }),
+                _ => continue,
+            };
+            if let Some(index) = b.chunks_exact(width).position(bad) {
+                let c = &b[index * width..(index + 1) * width];
+                let v = match e.dtype {
+                    Dtype::BF16 => half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32(),
+                    Dtype::F16 => half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32(),
+                    _ => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                };
+                return Err(CheckpointError::NonFinite {
+                    path: self.store.file_of(e).display().to_string(),
+                    tensor: e.name.clone(),
+                    index,
+                    value: v.to_string(),
+                });
+            }
+        }
+        Ok(())
     }
 
     pub fn tokenizer_path(&self) -> Option<PathBuf> {

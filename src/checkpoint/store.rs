@@ -154,11 +154,15 @@ impl TensorStore {
             // SAFETY: the map is read-only; as with every mmap-based loader, another
             // process truncating the file while we run is outside what we can defend.
             let mmap = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
-            let parsed =
-                SafeTensors::deserialize(&mmap).map_err(|e| CheckpointError::Safetensors {
-                    path: path.display().to_string(),
-                    message: describe_safetensors_error(&e, mmap.len()),
-                })?;
+            let bad = |message| CheckpointError::Safetensors {
+                path: path.display().to_string(),
+                message,
+            };
+            // Our own pass first: the crate reports a bad data_offsets entry at whichever
+            // tensor its sorted walk notices the gap, often an innocent neighbour.
+            check_offsets(&mmap).map_err(bad)?;
+            let parsed = SafeTensors::deserialize(&mmap)
+                .map_err(|e| bad(describe_safetensors_error(&e, mmap.len())))?;
             let base = mmap.as_ptr() as usize;
             for (name, view) in parsed.iter() {
                 let start = view.data().as_ptr() as usize - base;
@@ -271,6 +275,101 @@ impl TensorStore {
         };
         self.to_f32(&sub)
     }
+}
+
+/// Each tensor's `data_offsets` against its own dtype and shape, then the set against the data
+/// section (no overlap, no gap, nothing past the end): errors name the tensor at fault. A header
+/// that does not parse is left to the crate's own message.
+fn check_offsets(bytes: &[u8]) -> Result<(), String> {
+    let Some(n) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    else {
+        return Ok(());
+    };
+    let Some(header) = usize::try_from(n)
+        .ok()
+        .and_then(|n| bytes.get(8..8usize.checked_add(n)?))
+    else {
+        return Ok(());
+    };
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice::<serde_json::Value>(header)
+    else {
+        return Ok(());
+    };
+    let data_len = (bytes.len() - 8 - header.len()) as u128;
+    let mut spans = Vec::new();
+    for (name, v) in &map {
+        if name == "__metadata__" {
+            continue;
+        }
+        let what = |m: String| format!("tensor `{name}`: {m}");
+        let offs = v.get("data_offsets").and_then(|o| o.as_array());
+        let Some([a, b]) = offs.map(|o| o.as_slice()) else {
+            return Err(what("data_offsets must be [start, end]".into()));
+        };
+        let (Some(a), Some(b)) = (a.as_u64(), b.as_u64()) else {
+            return Err(what(format!(
+                "data_offsets must be two byte offsets >= 0, found [{a}, {b}]"
+            )));
+        };
+        if a > b {
+            return Err(what(format!(
+                "data_offsets [{a}, {b}] end before they start"
+            )));
+        }
+        if b as u128 > data_len {
+            return Err(what(format!(
+                "data_offsets [{a}, {b}] run past the end of the data, which is {data_len} bytes \
+                 (expected an end <= {data_len}; truncated file?)"
+            )));
+        }
+        let width = match v.get("dtype").and_then(|d| d.as_str()) {
+            Some("BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2") => Some(1u128),
+            Some("BF16" | "F16" | "I16" | "U16") => Some(2),
+            Some("F32" | "I32" | "U32") => Some(4),
+            Some("F64" | "I64" | "U64") => Some(8),
+            _ => None,
+        };
+        let numel = v.get("shape").and_then(|s| s.as_array()).and_then(|s| {
+            s.iter()
+                .try_fold(1u128, |acc, d| acc.checked_mul(d.as_u64()? as u128))
+        });
+        if let (Some(w), Some(numel)) = (width, numel) {
+            let want = numel.saturating_mul(w);
+            if want != (b - a) as u128 {
+                return Err(what(format!(
+                    "data_offsets [{a}, {b}] span {} bytes but its dtype and shape need {want}",
+                    b - a
+                )));
+            }
+        }
+        spans.push((a, b, name.as_str()));
+    }
+    spans.sort();
+    let mut prev: Option<(u64, &str)> = None;
+    for &(start, end, name) in &spans {
+        match prev {
+            Some((e, p)) if start < e => {
+                return Err(format!(
+                    "tensors `{p}` and `{name}` overlap (data_offsets)"
+                ))
+            }
+            Some((e, p)) if start > e => {
+                return Err(format!(
+                    "tensor `{name}` starts at byte {start} of the data but `{p}` ends at {e}: data_offsets leave a gap"
+                ))
+            }
+            None if start > 0 => {
+                return Err(format!(
+                    "tensor `{name}` starts at byte {start} of the data; the first tensor must start at 0"
+                ))
+            }
+            _ => {}
+        }
+        prev = Some((end, name));
+    }
+    Ok(())
 }
 
 fn describe_safetensors_error(e: &safetensors::SafeTensorError, len: usize) -> String {

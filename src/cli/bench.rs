@@ -13,11 +13,11 @@ use super::run::ExecArgs;
 pub struct BenchArgs {
     /// Checkpoint folder (default: the bundled fixture).
     artifact: Option<PathBuf>,
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = super::at_least_1)]
     prompt_len: usize,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = super::at_least_1)]
     gen: usize,
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = super::at_least_1)]
     repeat: usize,
     #[arg(long)]
     json: bool,
@@ -30,17 +30,24 @@ pub struct BenchArgs {
     #[arg(long)]
     kernels: bool,
     /// With --kernels: activation rows per call.
-    #[arg(long, default_value_t = 1, requires = "kernels")]
+    #[arg(long, default_value_t = 1, requires = "kernels", value_parser = super::at_least_1)]
     rows: usize,
     /// With --kernels: only rows whose "linear kernel" label contains this, e.g. `lm_head` or `w4a8`.
     #[arg(long, requires = "kernels")]
     only: Option<String>,
     /// With --kernels: weight bytes cycled per kernel (default 256 MB, more than any cache);
     /// a value that fits in cache (e.g. 1) measures compute speed instead of memory speed.
-    #[arg(long, requires = "kernels")]
+    #[arg(long, requires = "kernels", value_parser = working_set)]
     working_set_mb: Option<f64>,
     #[command(flatten)]
     exec: ExecArgs,
+}
+
+fn working_set(s: &str) -> Result<f64, String> {
+    match super::finite(s) {
+        Ok(v) if v > 0.0 => Ok(v),
+        _ => Err(format!("expected a number of MB > 0, got '{s}'")),
+    }
 }
 
 fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
@@ -116,8 +123,22 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let t = Instant::now();
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     if a.kernels {
+        let c = &ck.config;
+        let widest = c
+            .vocab_size
+            .max(c.intermediate_size)
+            .max(c.q_dim() + 2 * c.kv_dim());
+        // Activation rows in and out of the widest kernel, plus the cycled weights.
+        let need = a.rows as u128 * 2 * widest as u128 * 4
+            + a.working_set_mb.map_or(256e6, |mb| mb.max(0.0) * 1e6) as u128;
+        spark_tool::resources::check_fits(
+            &format!("--rows {} of the kernel benchmark", a.rows),
+            need,
+            spark_tool::setting::Setting::Rows,
+        )?;
         return run_kernels(&a, &ck);
     }
+    spark_tool::bench::plan(&ck.config, a.prompt_len, a.gen)?;
     let model = SparkModel::load(&ck, a.exec.options(&ck, false))?;
     let load_ms = t.elapsed().as_secs_f64() * 1e3;
     let r = spark_tool::bench::run(&model, a.prompt_len, a.gen, a.repeat)?;

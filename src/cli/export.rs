@@ -31,6 +31,13 @@ pub fn flag(s: Setting) -> &'static str {
     }
 }
 
+fn range_margin(s: &str) -> Result<f32, String> {
+    match super::finite(s) {
+        Ok(v) if v >= 1.0 => Ok(v as f32),
+        _ => Err(format!("expected a finite number >= 1, got '{s}'")),
+    }
+}
+
 #[derive(Args)]
 pub struct ExportArgs {
     /// The original checkpoint folder (bf16/f16/f32 safetensors).
@@ -39,7 +46,7 @@ pub struct ExportArgs {
     #[arg(long)]
     out: PathBuf,
     /// Positions the full-attention caches hold (sliding layers always keep sliding_window − 1).
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = super::at_least_1)]
     context: usize,
     #[arg(long, value_enum, default_value = "w8a16")]
     precision: PrecisionArg,
@@ -47,19 +54,19 @@ pub struct ExportArgs {
     #[arg(long, value_enum, default_value = "int16")]
     kv_dtype: KvArg,
     /// Split into N parts at residual boundaries (balanced by parameters; the head counts as a unit).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::at_least_1)]
     parts: usize,
     /// Calibration text for w8a16 activation ranges (default: calibration/spark-calib.jsonl).
     #[arg(long)]
     calibration: Vec<PathBuf>,
     /// Calibration sequences, each decoded token by token through the float graph.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = super::at_least_1)]
     calib_samples: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = super::at_least_1)]
     calib_seq_len: usize,
     /// Widen calibrated activation/KV ranges by this factor: 16-bit codes have resolution to
     /// spare, clipping unseen outliers costs more (measured in docs/PHONE_EXPORT.md).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 2.0, value_parser = range_margin)]
     range_margin: f32,
     /// Replace OUT if it is a previous export of spark-tool (never anything else; docs/OUTPUTS.md).
     #[arg(long)]

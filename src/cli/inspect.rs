@@ -13,7 +13,7 @@ pub struct InspectArgs {
     #[arg(long)]
     json: bool,
     /// Context length for the KV-cache figures.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = super::at_least_1)]
     context: usize,
 }
 

@@ -10,6 +10,45 @@ use std::path::Path;
 use spark_tool::engine::{self, Opened};
 use spark_tool::setting::Setting;
 
+/// A count that must be at least 1 (clap's message names the flag and this text).
+pub fn at_least_1(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("expected a whole number >= 1, got '{s}'")),
+    }
+}
+
+/// A count that may be 0.
+pub fn count(s: &str) -> Result<usize, String> {
+    s.trim()
+        .parse::<usize>()
+        .map_err(|_| format!("expected a whole number >= 0, got '{s}'"))
+}
+
+/// A finite number (no NaN, no infinity).
+pub fn finite(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        _ => Err(format!("expected a finite number, got '{s}'")),
+    }
+}
+
+/// A finite number >= 0.
+pub fn non_negative(s: &str) -> Result<f64, String> {
+    match finite(s) {
+        Ok(v) if v >= 0.0 => Ok(v),
+        _ => Err(format!("expected a finite number >= 0, got '{s}'")),
+    }
+}
+
+/// A fraction in [0, 1].
+pub fn fraction(s: &str) -> Result<f64, String> {
+    match finite(s) {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("expected a number in 0..=1, got '{s}'")),
+    }
+}
+
 /// How the command line spells the library's settings in messages (installed by `main`).
 pub fn flag(s: Setting) -> &'static str {
     match s {
@@ -29,6 +68,12 @@ pub fn flag(s: Setting) -> &'static str {
         Setting::Json => "--json",
         Setting::Tokens => "--tokens",
         Setting::Prompt => "--prompt",
+        Setting::MaxNewTokens => "--max-new-tokens",
+        Setting::PromptLen => "--prompt-len",
+        Setting::Gen => "--gen",
+        Setting::Rows => "--rows",
+        Setting::Damp => "--damp",
+        Setting::DumpDequantized => "--dump-dequantized",
     }
 }
 

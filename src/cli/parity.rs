@@ -16,32 +16,32 @@ pub struct ParityArgs {
     /// Prompt set (default: the bundled held-out set calibration/parity_prompts.json).
     #[arg(long)]
     prompts: Option<PathBuf>,
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = super::count)]
     max_new_tokens: usize,
     /// Held-out text for perplexity (default calibration/heldout.jsonl; never used for calibration).
     #[arg(long)]
     eval_text: Option<PathBuf>,
     /// Tokens of held-out text for perplexity, in windows of --eval-seq-len.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = super::count)]
     eval_tokens: usize,
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = super::at_least_1)]
     eval_seq_len: usize,
     /// Thresholds as JSON ({"max_kl_mean": 0.05, ...}); flags below override it.
     #[arg(long)]
     policy: Option<PathBuf>,
-    #[arg(long)]
+    #[arg(long, value_parser = super::fraction)]
     min_greedy_match: Option<f64>,
-    #[arg(long)]
+    #[arg(long, value_parser = super::fraction)]
     min_top1: Option<f64>,
-    #[arg(long)]
+    #[arg(long, value_parser = super::fraction)]
     min_top5: Option<f64>,
-    #[arg(long)]
+    #[arg(long, value_parser = super::non_negative)]
     max_kl_mean: Option<f64>,
-    #[arg(long)]
+    #[arg(long, value_parser = super::non_negative)]
     max_kl_p99: Option<f64>,
-    #[arg(long)]
+    #[arg(long, value_parser = super::finite)]
     min_snr_db: Option<f64>,
-    #[arg(long)]
+    #[arg(long, value_parser = super::non_negative)]
     max_ppl_ratio: Option<f64>,
     /// Write the full report as JSON to this file.
     #[arg(long)]
@@ -70,6 +70,9 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         max_ppl_ratio
     );
 
+    policy
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{e} (from --policy or its flag)"))?;
     if let Some(path) = &a.json {
         let mut inputs = vec![a.reference.as_path(), a.candidate.as_path()];
         inputs.extend(a.prompts.as_deref());
@@ -107,6 +110,10 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         max_new_tokens: a.max_new_tokens,
         eval_windows,
         policy,
+        tokenizer_difference: parity::tokenizer_difference(
+            reference.tokenizer.as_deref(),
+            candidate.tokenizer.as_deref(),
+        )?,
     };
     println!(
         "{:<24} {:>6} {:>7} {:>6} {:>6} {:>9} {:>9} {:>8} {:>7}",

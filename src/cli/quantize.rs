@@ -104,6 +104,15 @@ pub fn probe(a: ProbeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn damp(s: &str) -> Result<f64, String> {
+    match super::finite(s) {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!(
+            "expected a number in (0, 1] (fraction of the mean Hessian diagonal), got '{s}'"
+        )),
+    }
+}
+
 #[derive(Args)]
 pub struct QuantizeArgs {
     /// Checkpoint folder (default: the bundled trained fixture).
@@ -115,7 +124,7 @@ pub struct QuantizeArgs {
     #[arg(long, value_enum, default_value = "auto")]
     format: FormatArg,
     /// Default: 128 for W4A8, 64 for W4A16.
-    #[arg(long)]
+    #[arg(long, value_parser = super::at_least_1)]
     group_size: Option<usize>,
     /// The quantizer that writes the weights (rtn and gptq are baselines for comparisons).
     #[arg(long, value_enum, default_value = "gptq-search")]
@@ -127,9 +136,9 @@ pub struct QuantizeArgs {
     /// Calibration text: .jsonl with {"text": ...} per line, or plain text (default: calibration/spark-calib.jsonl).
     #[arg(long, num_args = 1..)]
     calibration: Vec<PathBuf>,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = super::at_least_1)]
     samples: usize,
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = super::at_least_1)]
     seq_len: usize,
     /// fused = one q_k_v_proj (what vLLM's Spark model loads); split = q_proj/k_proj/v_proj.
     #[arg(long, value_enum, default_value = "fused")]
@@ -138,7 +147,7 @@ pub struct QuantizeArgs {
     #[arg(long)]
     quantize_head: bool,
     /// Initial GPTQ damping (fraction of mean diag H); raised automatically if Cholesky fails.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, value_parser = damp)]
     damp: f64,
     /// Continue an interrupted run from its last completed layer.
     #[arg(long)]

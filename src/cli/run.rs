@@ -61,6 +61,29 @@ impl ExecArgs {
     }
 }
 
+fn seed(s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse()
+        .map_err(|_| format!("expected a whole number in 0..=18446744073709551615, got '{s}'"))
+}
+
+fn token_id(s: &str) -> Result<u32, String> {
+    s.trim()
+        .parse()
+        .map_err(|_| format!("expected comma-separated token ids (whole numbers >= 0), got '{s}'"))
+}
+
+fn temperature(s: &str) -> Result<f32, String> {
+    super::non_negative(s).map(|v| v as f32)
+}
+
+fn top_p(s: &str) -> Result<f32, String> {
+    match super::finite(s) {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v as f32),
+        _ => Err(format!("expected a number in (0, 1], got '{s}'")),
+    }
+}
+
 #[derive(Args)]
 pub struct RunArgs {
     /// Checkpoint folder (default: the bundled trained fixture).
@@ -69,7 +92,7 @@ pub struct RunArgs {
     #[arg(long, conflicts_with = "tokens")]
     prompt: Option<String>,
     /// Prompt as comma-separated token ids, e.g. `0,4084,53`.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = token_id)]
     tokens: Option<Vec<u32>>,
     /// Wrap the prompt in the chat frame (system line, user turn, assistant prompt).
     #[arg(long, requires = "prompt")]
@@ -80,24 +103,25 @@ pub struct RunArgs {
     /// With --chat: open the answer with `</think>` (thinking off) instead of `<think>`.
     #[arg(long, requires = "chat")]
     no_think: bool,
-    #[arg(long, default_value_t = 64)]
+    /// At most this many tokens; generation also stops at the model's max_position_embeddings.
+    #[arg(long, default_value_t = 64, value_parser = super::count)]
     max_new_tokens: usize,
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
     /// Sampling temperature; 0 (default) = greedy, ties to the lowest id.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = temperature)]
     temperature: f32,
     /// Keep only the k most likely tokens when sampling (0 = off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = super::count)]
     top_k: usize,
     /// Nucleus sampling threshold (1.0 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = top_p)]
     top_p: f32,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = seed)]
     seed: u64,
     /// KV-cache context (default: prompt length + max-new-tokens).
-    #[arg(long)]
+    #[arg(long, value_parser = super::at_least_1)]
     context: Option<usize>,
     /// Write prompt_logits, decode_logits (f32) and tokens (i64) to this .safetensors file.
     #[arg(long)]
@@ -160,7 +184,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
 
     let cfg = model.config();
-    let opts = GenerateOptions {
+    let mut opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
         ignore_eos: a.ignore_eos,
         stop_ids: cfg.eos_token_ids.clone(),
@@ -173,6 +197,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         context: a.context,
         capture_logits: a.logits_out.is_some(),
     };
+    for w in spark_tool::generate::plan(cfg, prompt.len(), &mut opts)? {
+        eprintln!("warning: {w}");
+    }
     let mut stdout = std::io::stdout().lock();
     let mut stream = StreamDecoder::default();
     let mut stream_err = None;

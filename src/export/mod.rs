@@ -60,6 +60,8 @@ pub enum ExportError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Artifact(#[from] ArtifactError),
+    #[error(transparent)]
+    Resources(#[from] crate::resources::ResourceError),
     #[error("{0}")]
     Invalid(String),
     #[error("calibration: {0}")]
@@ -169,7 +171,7 @@ pub fn export_phone(
     let cfg = &ck.config;
     if !ck.layout.gptq.is_empty() {
         return Err(ExportError::Invalid(format!(
-            "{} is a GPTQ checkpoint; export-phone quantizes the original (bf16/f16/f32) checkpoint itself",
+            "{} is a GPTQ checkpoint, but export-phone needs the original (bf16/f16/f32) checkpoint: it quantizes it itself",
             model_dir.display()
         )));
     }
@@ -197,6 +199,30 @@ pub fn export_phone(
             cfg.num_hidden_layers + 1
         )));
     }
+    if opts.precision == Precision::W8A16 {
+        for (s, v) in [
+            (crate::setting::Setting::Samples, opts.calib_samples),
+            (crate::setting::Setting::SeqLen, opts.calib_seq_len),
+        ] {
+            if v == 0 {
+                return Err(ExportError::Invalid(format!(
+                    "{s} must be at least 1, got 0"
+                )));
+            }
+        }
+    }
+    // Calibration drives the graph with host KV caches, masks and cos/sin of the full context,
+    // and ONNX Runtime holds its own copies: size that before allocating any of it.
+    let rot = cfg.rope.values().map(|r| r.rotary_dims).max().unwrap_or(0) as u128;
+    let need = 3 * crate::resources::kv_cache_bytes(cfg, opts.context)
+        + opts.context as u128 * (2 * rot + 4) * 4 * 2;
+    crate::resources::check_fits(
+        &format!("a {}-position export", opts.context),
+        need,
+        crate::setting::Setting::Context,
+    )?;
+    // A NaN weight would only surface as "no calibrated range" for hundreds of tensors.
+    ck.check_finite()?;
     let mut inputs: Vec<&Path> = vec![model_dir];
     inputs.extend(opts.calibration.iter().map(PathBuf::as_path));
     let staging = Staging::plan(out, ARTIFACT_KIND, &inputs, opts.force)?;

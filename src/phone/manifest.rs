@@ -223,7 +223,15 @@ impl Manifest {
 
     /// Parse and [`check`](Self::check); `origin` names the file in error messages.
     pub fn from_json_str(text: &str, origin: &str) -> Result<Self, String> {
-        let m: Manifest = serde_json::from_str(text).map_err(|e| format!("{origin}: {e}"))?;
+        let m: Manifest = serde_json::from_str(text).map_err(|e| {
+            let key = serde_json::from_str::<serde_json::Value>(text)
+                .ok()
+                .and_then(|v| culprit_key(&v));
+            match key {
+                Some(k) => format!("{origin}: key `{k}`: {e}"),
+                None => format!("{origin}: {e}"),
+            }
+        })?;
         if m.format != FORMAT || m.version != 1 {
             return Err(format!(
                 "{origin}: format `{}` v{} is not `{FORMAT}` v1",
@@ -338,6 +346,37 @@ impl Manifest {
         }
         Ok(())
     }
+}
+
+/// The key whose value does not parse (serde's error gives a line and column only): the one
+/// whose removal leaves nothing wrong but, at most, its own absence.
+/// Nested objects are searched the same way, so the key is given as a path (`config.pad_token_id`).
+fn culprit_key(v: &serde_json::Value) -> Option<String> {
+    let mut path: Vec<String> = Vec::new();
+    loop {
+        let here = path.iter().try_fold(v, |x, k| x.get(k))?;
+        let Some(map) = here.as_object() else { break };
+        let found = map.keys().find(|k| {
+            let mut probe = v.clone();
+            let mut at = &mut probe;
+            for p in &path {
+                at = &mut at[p.as_str()];
+            }
+            if let Some(o) = at.as_object_mut() {
+                o.remove(*k);
+            }
+            // Without the culprit the rest parses (an optional key) or only it is missing.
+            match serde_json::from_value::<Manifest>(probe) {
+                Ok(_) => true,
+                Err(e) => e.to_string().starts_with(&format!("missing field `{k}`")),
+            }
+        });
+        match found {
+            Some(k) => path.push(k.clone()),
+            None => break,
+        }
+    }
+    (!path.is_empty()).then(|| path.join("."))
 }
 
 #[cfg(test)]

@@ -131,6 +131,8 @@ pub enum QuantizeError {
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error(transparent)]
     Artifact(#[from] crate::artifact::ArtifactError),
+    #[error(transparent)]
+    Resources(#[from] crate::resources::ResourceError),
     #[error("{0}")]
     Invalid(String),
     #[error(
@@ -145,6 +147,19 @@ pub enum QuantizeError {
         path: std::path::PathBuf,
         #[source]
         source: serde_json::Error,
+    },
+    #[error(
+        "the {layers} completed layer(s) are kept in {dir} ({size}): rerun with {resume} to continue \
+         from them, or delete that folder to free the space",
+        size = crate::resources::human(*bytes as u128),
+        resume = crate::setting::Setting::Resume
+    )]
+    KeptForResume {
+        dir: PathBuf,
+        layers: usize,
+        bytes: u64,
+        #[source]
+        source: Box<QuantizeError>,
     },
     #[error("layer {layer}: non-finite activations entering {what} (NaN/Inf); the checkpoint or an earlier quantized layer is broken")]
     NonFiniteActivations { layer: usize, what: &'static str },
@@ -378,9 +393,35 @@ fn quantize_head(
     Ok((q.remove(0), r.remove(0)))
 }
 
+/// Settings no run can succeed with, refused before anything is read.
+fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
+    use crate::setting::Setting;
+    // The damping is raised ×10 per failed Cholesky: from 0, NaN or a negative value it never
+    // becomes usable, only retried.
+    if !(opts.damp.is_finite() && opts.damp > 0.0 && opts.damp <= 1.0) {
+        return Err(QuantizeError::Invalid(format!(
+            "{} {} must be a number in (0, 1] (a fraction of the mean Hessian diagonal)",
+            Setting::Damp,
+            opts.damp
+        )));
+    }
+    for (s, v) in [
+        (Setting::Samples, opts.samples),
+        (Setting::SeqLen, opts.seq_len),
+    ] {
+        if v == 0 {
+            return Err(QuantizeError::Invalid(format!(
+                "{s} must be at least 1, got 0"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The whole command. Progress goes to stderr; the report is returned.
 pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     let t0 = Instant::now();
+    check_options(opts)?;
     if ![32, 64, 128].contains(&opts.group_size) {
         return Err(QuantizeError::Invalid(format!(
             "{} {}: vLLM's GPTQ loader accepts 32, 64 or 128",
@@ -408,7 +449,90 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
             )));
         }
     }
+    ck.check_finite()?;
     let out = output::Output::prepare(opts, &ck)?;
+    // `None` until this run owns the staging folder (a previous run's state is never removed
+    // because of an error before that, e.g. a bad calibration file on a --resume).
+    let mut done = None;
+    let r = run(opts, &ck, &out, t0, &mut done);
+    match (r, done) {
+        (Ok(report), _) => Ok(report),
+        (Err(e), None) => Err(e),
+        // Stopped on request: the state is there to resume, and the message says so.
+        (Err(e @ QuantizeError::Interrupted(_)), _) => Err(e),
+        // An I/O failure (disk full, a failed rename) after completed layers: their state is
+        // worth keeping (hours on a real model), so say where it is and what it costs.
+        (Err(e), Some(done)) if done > 0 && e.is_io() => Err(QuantizeError::KeptForResume {
+            bytes: dir_bytes(out.staging_root()),
+            dir: out.staging_root().to_path_buf(),
+            layers: done,
+            source: Box::new(e),
+        }),
+        // Anything else would fail again the same way: leave nothing behind.
+        (Err(e), Some(_)) => {
+            out.discard();
+            Err(e)
+        }
+    }
+}
+
+/// Bytes of the files below `dir`.
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.filter_map(|e| e.ok())
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            _ => e.metadata().map(|m| m.len()).unwrap_or(0),
+        })
+        .sum()
+}
+
+impl QuantizeError {
+    /// A failure of the disk rather than of the input (retrying may succeed).
+    fn is_io(&self) -> bool {
+        matches!(
+            self,
+            QuantizeError::Artifact(crate::artifact::ArtifactError::Io { .. })
+                | QuantizeError::Write(_)
+        )
+    }
+}
+
+/// Everything after the output is planned; `done` counts the layers whose state is saved.
+fn run(
+    opts: &QuantizeOptions,
+    ck: &Checkpoint,
+    out: &output::Output,
+    t0: Instant,
+    done: &mut Option<usize>,
+) -> Result<QuantReport, QuantizeError> {
+    // The residual stream of every window stays resident, beside one layer's activations, a
+    // Hessian per input, what the loader widens to f32 (all but bf16, which stays mapped in
+    // place) and the solved layer's f32 copies (its weights, their quantized replacement):
+    // sized before any of it is allocated.
+    let c = &ck.config;
+    let rows = opts.samples as u128 * opts.seq_len as u128;
+    let per_row =
+        (3 * c.hidden_size + 2 * c.q_dim() + 2 * c.kv_dim() + 2 * c.intermediate_size) as u128 * 4;
+    let hessians = (c.hidden_size.max(c.intermediate_size) as u128).pow(2) * 8 * 2;
+    let widened: u128 = ck
+        .store
+        .entries()
+        .filter(|e| e.dtype != safetensors::Dtype::BF16)
+        .map(|e| e.numel() as u128 * 4)
+        .sum();
+    let layer = Proj::ALL
+        .iter()
+        .map(|p| p.shape(c).iter().product::<usize>() as u128)
+        .sum::<u128>();
+    let weights = widened + 2 * layer * 4;
+    crate::resources::check_fits(
+        &format!("calibrating on {} × {} tokens", opts.samples, opts.seq_len),
+        rows * per_row + hessians + weights,
+        crate::setting::Setting::Samples,
+    )?;
     let tok_path = ck.tokenizer_path().ok_or_else(|| {
         QuantizeError::Invalid(format!(
             "{} has no tokenizer.json, which calibration text needs",
@@ -418,10 +542,10 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     let tok = SparkTokenizer::from_file(&tok_path)?;
     let windows = calibration::build(&opts.calibration, &tok, opts.samples, opts.seq_len)?;
 
-    let mut model = SparkModel::from_checkpoint(&ck, opts.progress)?;
+    let mut model = SparkModel::from_checkpoint(ck, opts.progress)?;
     let layers = model.num_layers();
     let rows = windows.samples * windows.seq_len;
-    let settings = output::settings_fingerprint(opts, &windows.sha256);
+    let settings = output::settings_fingerprint(opts, ck, &windows.sha256)?;
     let state = if opts.resume {
         out.load_state(&settings, layers)?
     } else {
@@ -432,10 +556,12 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         // The finished layers' output is in `x`; they never run again.
         Some(st) => {
             let n = st.results.len();
+            *done = Some(n);
             (st.x, n, st.results, st.reports, Some(n))
         }
         None => {
             out.reset_state()?;
+            *done = Some(0);
             let x = model.embed(&windows.tokens)?;
             (x, 0, Vec::new(), Vec::new(), None)
         }
@@ -447,6 +573,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     for (li, mut layer) in model.take_layers().into_iter().enumerate().skip(first) {
         let (res, rep) = quantize_layer(&model, &mut layer, li, &mut x, &windows, opts, &bar)?;
         out.save_layer(li, &res, &rep, &x, &settings)?;
+        *done = Some(li + 1);
         results.push(res);
         reports.extend(rep);
         bar.inc(1);
@@ -509,7 +636,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     if let Some(path) = &opts.dump_dequantized {
         output::dump_dequantized(path, &results, head.as_ref(), opts.qkv_layout)?;
     }
-    let (bytes, params) = out.write(&ck, &results, head.as_ref(), &mut report)?;
+    let (bytes, params) = out.write(ck, &results, head.as_ref(), &mut report)?;
     report.output_bytes = bytes;
     report.bits_per_weight = bytes as f64 * 8.0 / params as f64;
     report.wall_seconds = t0.elapsed().as_secs_f64();

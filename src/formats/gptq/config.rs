@@ -28,14 +28,33 @@ impl GptqInfo {
             field: format!("quantization_config.{field}"),
             message,
         };
+        let found = |k: &str| v.get(k).unwrap_or(&serde_json::Value::Null).to_string();
         match v.get("quant_method").and_then(|m| m.as_str()) {
             Some("gptq") => {}
-            other => {
+            _ => {
                 return Err(err(
                     "quant_method",
-                    format!("only \"gptq\" checkpoints are supported, found {other:?}"),
+                    format!(
+                        "only \"gptq\" checkpoints are supported, found {}",
+                        found("quant_method")
+                    ),
                 ))
             }
+        }
+        // A flag of the wrong type is an error, not silently false.
+        let flag = |k: &str| -> Result<bool, _> {
+            match v.get(k) {
+                None | Some(serde_json::Value::Null) => Ok(false),
+                Some(serde_json::Value::Bool(b)) => Ok(*b),
+                Some(other) => Err(err(k, format!("expected true or false, found {other}"))),
+            }
+        };
+        let (desc_act, lm_head) = (flag("desc_act")?, flag("lm_head")?);
+        if v.get("sym").is_some_and(|s| !s.is_boolean()) {
+            return Err(err(
+                "sym",
+                format!("expected true or false, found {}", found("sym")),
+            ));
         }
         if v.get("bits").and_then(|b| b.as_u64()) != Some(4) {
             return Err(err(
@@ -54,10 +73,10 @@ impl GptqInfo {
         }
         let group_size = match v.get("group_size").and_then(|g| g.as_i64()) {
             Some(g) if [32, 64, 128].contains(&g) => g as usize,
-            other => {
+            _ => {
                 return Err(err(
                     "group_size",
-                    format!("expected 32, 64 or 128, found {other:?}"),
+                    format!("expected 32, 64 or 128, found {}", found("group_size")),
                 ))
             }
         };
@@ -73,8 +92,8 @@ impl GptqInfo {
         };
         Ok(GptqInfo {
             group_size,
-            desc_act: v.get("desc_act").and_then(|b| b.as_bool()).unwrap_or(false),
-            lm_head: v.get("lm_head").and_then(|b| b.as_bool()).unwrap_or(false),
+            desc_act,
+            lm_head,
             v2,
             spark_tool_format: v
                 .pointer("/meta/spark_tool/format")

@@ -1,0 +1,103 @@
+//! Sizing what user input asks for before allocating it: a request the machine cannot hold is
+//! refused with both figures instead of ending in an allocation abort (SIGABRT, no message).
+
+use crate::checkpoint::{LayerType, SparkConfig};
+use crate::setting::Setting;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResourceError {
+    #[error(
+        "{what} needs {need} of memory; this machine has {have} available — lower {setting}",
+        need = human(*need), have = human(*have)
+    )]
+    Memory {
+        what: String,
+        need: u128,
+        have: u128,
+        setting: Setting,
+    },
+}
+
+/// Bytes as a short figure ("512 GB", "3.2 MB").
+pub fn human(b: u128) -> String {
+    let b = b as f64;
+    match b {
+        _ if b >= 1e11 => format!("{:.0} GB", b / 1e9),
+        _ if b >= 1e9 => format!("{:.1} GB", b / 1e9),
+        _ if b >= 1e6 => format!("{:.1} MB", b / 1e6),
+        _ => format!("{b:.0} B"),
+    }
+}
+
+/// What the kernel says can be allocated without swapping (`MemAvailable`), or `None` where
+/// there is no /proc/meminfo (then nothing is refused).
+pub fn available_memory() -> Option<u128> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Refuse `need` bytes for `what` when they exceed the available memory. `SPARK_MEM_AVAILABLE`
+/// (bytes) overrides the figure, so tests can exercise the refusal on any machine.
+pub fn check_fits(what: &str, need: u128, setting: Setting) -> Result<(), ResourceError> {
+    let have = std::env::var("SPARK_MEM_AVAILABLE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .or_else(available_memory);
+    match have {
+        Some(have) if need > have => Err(ResourceError::Memory {
+            what: what.into(),
+            need,
+            have,
+            setting,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// f32 K and V the engine keeps for `context` positions (sliding layers hold at most a window).
+pub fn kv_cache_bytes(cfg: &SparkConfig, context: usize) -> u128 {
+    let per_pos = 2 * cfg.kv_dim() as u128 * 4;
+    let sliding = cfg.sliding_window.min(context) as u128;
+    cfg.layer_types
+        .iter()
+        .map(|t| match t {
+            LayerType::Sliding => sliding * per_pos,
+            LayerType::Full => context as u128 * per_pos,
+        })
+        .sum()
+}
+
+/// Peak bytes of one forward over `tokens` positions with `context` cached: the KV cache, the
+/// f32 activations a layer holds at once (residual, normed input, q/k/v/gate, attention output,
+/// the MLP's gate/up/act) and the logits (`all_logits`: every position, else the last).
+pub fn forward_bytes(cfg: &SparkConfig, tokens: usize, context: usize, all_logits: bool) -> u128 {
+    let row = (3 * cfg.hidden_size
+        + 3 * cfg.q_dim()
+        + 2 * cfg.kv_dim()
+        + cfg.num_attention_heads
+        + 3 * cfg.intermediate_size) as u128
+        * 4;
+    let logit_rows = if all_logits { tokens } else { 1 } as u128;
+    kv_cache_bytes(cfg, context)
+        + tokens as u128 * (row + 4)
+        + logit_rows * cfg.vocab_size as u128 * 4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_with_both_figures_and_the_setting() {
+        let e = check_fits("x", u128::MAX, Setting::Context).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.contains("needs") && s.contains("available") && s.contains("context"),
+            "{s}"
+        );
+        assert!(check_fits("x", 1, Setting::Context).is_ok());
+        assert_eq!(human(512_000_000_000), "512 GB");
+    }
+}
