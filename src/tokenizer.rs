@@ -7,10 +7,10 @@ use std::path::Path;
 pub enum TokenizerError {
     #[error("cannot load tokenizer {path}: {message}")]
     Load { path: String, message: String },
-    #[error("tokenizing failed: {0}")]
-    Encode(String),
-    #[error("decoding failed: {0}")]
-    Decode(String),
+    #[error("tokenizing failed")]
+    Encode(#[source] tokenizers::Error),
+    #[error("decoding failed")]
+    Decode(#[source] tokenizers::Error),
 }
 
 pub const BOS: &str = "<｜start▁of▁sentence｜>";
@@ -36,14 +36,14 @@ impl SparkTokenizer {
         self.inner
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizerError::Encode(e.to_string()))
+            .map_err(TokenizerError::Encode)
     }
 
     /// Decode keeping role/tool markers (they are ordinary added tokens in Spark).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         self.inner
             .decode(ids, false)
-            .map_err(|e| TokenizerError::Decode(e.to_string()))
+            .map_err(TokenizerError::Decode)
     }
 
     pub fn token_id(&self, text: &str) -> Option<u32> {

@@ -251,11 +251,11 @@ impl Output {
             }
             results.push(r);
         }
-        let xs = TensorStore::open_file(&self.partial.join("x.safetensors"))?;
-        let x = xs.to_f32(
-            xs.get("x")
-                .ok_or_else(|| QuantizeError::Invalid("x.safetensors has no `x`".into()))?,
-        )?;
+        let x_path = self.x_path(results.len());
+        let xs = TensorStore::open_file(&x_path)?;
+        let x = xs.to_f32(xs.get("x").ok_or_else(|| {
+            QuantizeError::Invalid(format!("{}: no tensor `x`", x_path.display()))
+        })?)?;
         eprintln!("resuming after layer {} of {layers}", results.len());
         Ok(Some(ResumeState {
             results,
@@ -293,8 +293,11 @@ impl Output {
             &t,
             None,
         )?;
+        // The residual stream after layer `li`, under its own name: state.json, written last, is
+        // the one commit point, so a kill between the files never pairs a count with another
+        // layer's stream.
         write_safetensors_atomic(
-            &self.partial.join("x.safetensors"),
+            &self.x_path(li + 1),
             &[OwnedTensor::f32("x", vec![x.len()], x)],
             None,
         )?;
@@ -307,7 +310,18 @@ impl Output {
             .unwrap_or_default();
         all.extend_from_slice(reports);
         let st = json!({"settings": settings, "completed_layers": li + 1, "reports": all});
-        Ok(artifact::write_json(&state_path, &st)?)
+        artifact::write_json(&state_path, &st)?;
+        let older = self.x_path(li);
+        if older.exists() {
+            std::fs::remove_file(&older).map_err(io_err(&older))?;
+        }
+        Ok(())
+    }
+
+    /// The residual stream after `layers` finished layers.
+    fn x_path(&self, layers: usize) -> PathBuf {
+        self.partial
+            .join(format!("x_after_{layers:03}.safetensors"))
     }
 
     fn staged(&self) -> PathBuf {
