@@ -26,24 +26,6 @@ fn copy_fixture(to: &Path) -> PathBuf {
     dst
 }
 
-/// Every file below `dir` with its bytes, to prove nothing changed.
-fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.push((p.clone(), std::fs::read(&p).unwrap()));
-            }
-        }
-    }
-    out.sort();
-    out
-}
-
 fn qopts(model: &Path, out: &Path) -> QuantizeOptions {
     let mut o = common::quantize_options(model, out, WeightFormat::W4A8, 128);
     (o.samples, o.seq_len, o.compare, o.force) = (4, 64, false, true);
@@ -70,7 +52,7 @@ fn eopts() -> ExportOptions {
 fn force_never_deletes_the_input_or_a_folder_holding_it() {
     let d = tempfile::tempdir().unwrap();
     let model = copy_fixture(d.path());
-    let before = snapshot(d.path());
+    let before = common::snapshot(d.path());
     for out in [model.clone(), d.path().to_path_buf(), model.join("..")] {
         let e = quantize(&qopts(&model, &out)).unwrap_err().to_string();
         assert!(e.contains("input"), "quantize --out {}: {e}", out.display());
@@ -87,7 +69,7 @@ fn force_never_deletes_the_input_or_a_folder_holding_it() {
     assert!(quantize(&o).is_err());
     assert!(calib.is_file());
     std::fs::remove_file(&calib).unwrap();
-    assert_eq!(snapshot(d.path()), before, "nothing was touched");
+    assert_eq!(common::snapshot(d.path()), before, "nothing was touched");
 }
 
 #[test]
@@ -104,7 +86,7 @@ fn logits_out_never_overwrites_the_model_or_a_foreign_file() {
             .output()
             .unwrap()
     };
-    let before = snapshot(&model);
+    let before = common::snapshot(&model);
     let o = run(&model.join("model.safetensors"));
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
@@ -112,7 +94,7 @@ fn logits_out_never_overwrites_the_model_or_a_foreign_file() {
         err.contains("--logits-out") && err.contains("input"),
         "{err}"
     );
-    assert_eq!(snapshot(&model), before);
+    assert_eq!(common::snapshot(&model), before);
 
     let foreign = d.path().join("notes.safetensors");
     std::fs::write(&foreign, "not ours").unwrap();

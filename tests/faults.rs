@@ -23,23 +23,6 @@ fn copy_fixture(to: &Path) -> PathBuf {
     dst
 }
 
-fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.push((p.clone(), std::fs::read(&p).unwrap()));
-            }
-        }
-    }
-    out.sort();
-    out
-}
-
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .map(|rd| {
@@ -155,7 +138,7 @@ fn kill_after(args: &[&std::ffi::OsStr], after: Duration) -> bool {
 fn sigkill_at_any_point_leaves_the_destination_alone_and_resume_finishes_identically() {
     let d = tempfile::tempdir().unwrap();
     let model = copy_fixture(d.path());
-    let before = snapshot(&model);
+    let before = common::snapshot(&model);
     let reference = d.path().join("reference");
     let o = spark(&quantize_args(&model, &reference));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -229,7 +212,11 @@ fn sigkill_at_any_point_leaves_the_destination_alone_and_resume_finishes_identic
         std::fs::remove_dir_all(&exp).unwrap();
         assert_eq!(names(d.path()), ["model", "reference"], "no staging left");
     }
-    assert_eq!(snapshot(&model), before, "the model was never touched");
+    assert_eq!(
+        common::snapshot(&model),
+        before,
+        "the model was never touched"
+    );
 }
 
 /// A tmpfs mounted on a temporary folder, unmounted on drop.

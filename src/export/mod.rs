@@ -415,3 +415,38 @@ fn export_staged(
         seconds: t0.elapsed().as_secs_f64(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_export_carries_the_config_and_the_side_files_the_checkpoint_has_and_nothing_else() {
+        let ck = Checkpoint::open(&crate::bundled_fixture()).unwrap();
+        let d = tempfile::tempdir().unwrap();
+        copy_side_files(&ck, d.path()).unwrap();
+        let mut got: Vec<String> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        got.sort();
+        // The fixture has no special_tokens_map.json or chat_template.jinja; its TRAINING.md and
+        // weights are not side files.
+        assert_eq!(
+            got,
+            [
+                "config.json",
+                "generation_config.json",
+                "tokenizer.json",
+                "tokenizer_config.json"
+            ]
+        );
+        for f in &got {
+            assert_eq!(
+                std::fs::read(d.path().join(f)).unwrap(),
+                std::fs::read(ck.dir.join(f)).unwrap(),
+                "{f} copied as is"
+            );
+        }
+    }
+}
