@@ -1172,20 +1172,13 @@ fn output_cases() -> Vec<Case> {
             vec!["--dump-dequantized", "folder"],
         ),
     ] {
-        let c = Case::new(format!("--dump-dequantized {label} (quantize)"));
-        let model = c.input(&shared().tiny, "model");
-        let p = c.path(rel);
-        if let Some(text) = pre {
-            std::fs::write(&p, text).unwrap();
-        }
-        if rel == "dir" {
-            std::fs::create_dir_all(&p).unwrap();
-        }
-        out.push(
-            on_model(c, "quantize", &model)
-                .args([OsString::from("--dump-dequantized"), os(&p)])
-                .names(culprits),
-        );
+        out.push(output_file_case(
+            ("quantize", "--dump-dequantized", "model"),
+            label,
+            rel,
+            pre,
+            culprits,
+        ));
     }
     // --logits-out and parity --json.
     for (label, rel, pre, culprits) in [
@@ -1209,20 +1202,13 @@ fn output_cases() -> Vec<Case> {
         ),
         ("a folder", "dir", None, vec!["--logits-out", "folder"]),
     ] {
-        let c = Case::new(format!("--logits-out {label} (run)"));
-        let model = c.input(&shared().tiny, "model");
-        let p = c.path(rel);
-        if let Some(text) = pre {
-            std::fs::write(&p, text).unwrap();
-        }
-        if rel == "dir" {
-            std::fs::create_dir_all(&p).unwrap();
-        }
-        out.push(
-            on_model(c, "run", &model)
-                .args([OsString::from("--logits-out"), os(&p)])
-                .names(culprits),
-        );
+        out.push(output_file_case(
+            ("run", "--logits-out", "model"),
+            label,
+            rel,
+            pre,
+            culprits,
+        ));
     }
     for (label, rel, pre, culprits) in [
         (
@@ -1244,19 +1230,38 @@ fn output_cases() -> Vec<Case> {
             vec!["--json", "input"],
         ),
     ] {
-        let c = Case::new(format!("--json {label} (parity)"));
-        let model = c.input(&shared().tiny, "candidate");
-        let p = c.path(rel);
-        if let Some(text) = pre {
-            std::fs::write(&p, text).unwrap();
-        }
-        out.push(
-            on_model(c, "parity", &model)
-                .args([OsString::from("--json"), os(&p)])
-                .names(culprits),
-        );
+        out.push(output_file_case(
+            ("parity", "--json", "candidate"),
+            label,
+            rel,
+            pre,
+            culprits,
+        ));
     }
     out
+}
+
+/// The single-file output flag `flag` of `cmd` pointed at `rel` inside the case folder, that file
+/// pre-filled with `pre` (`rel` = "dir" is made a folder); the model is copied in as `input`.
+fn output_file_case(
+    (cmd, flag, input): (&str, &str, &str),
+    label: &str,
+    rel: &str,
+    pre: Option<&str>,
+    culprits: Vec<&str>,
+) -> Case {
+    let c = Case::new(format!("{flag} {label} ({cmd})"));
+    let model = c.input(&shared().tiny, input);
+    let p = c.path(rel);
+    if let Some(text) = pre {
+        std::fs::write(&p, text).unwrap();
+    }
+    if rel == "dir" {
+        std::fs::create_dir_all(&p).unwrap();
+    }
+    on_model(c, cmd, &model)
+        .args([OsString::from(flag), os(&p)])
+        .names(culprits)
 }
 
 // ---- resource limits and positions
