@@ -74,6 +74,14 @@ cargo run --release -q -- export-phone "$fresh/r17" --out "$fresh/r17-phone" --c
   --calib-samples 2 --calib-seq-len 64 --quiet
 rm -rf "$fresh/r17"
 "$qnn_venv/bin/python" tools/qnn_check.py "$fresh/r17-phone" --run --out "$fresh/qnn-r17" --json "$fresh/qnn-r17.json" | tail -1
+# Every parser of untrusted input under libFuzzer + AddressSanitizer from the committed seeds
+# (docs/RELIABILITY.md); FUZZ_SECS=0 skips it for a quick local run, never in CI.
+fuzz_secs=${FUZZ_SECS:-60}
+if [ -n "${CI:-}" ] && [ "$fuzz_secs" -lt 60 ]; then fuzz_secs=60; fi
+if [ "$fuzz_secs" -gt 0 ]; then
+  stage "fuzz: $fuzz_secs s per target"
+  tools/fuzz.sh "$fuzz_secs"
+fi
 stage ""
 total=0
 for i in "${!stage_names[@]}"; do
