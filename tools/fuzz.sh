@@ -21,14 +21,19 @@ CARGO_FUZZ_VERSION=${CARGO_FUZZ_VERSION:-0.13.2}
 FUZZ_TOOLCHAIN=${FUZZ_TOOLCHAIN:-1.95.0}
 FUZZ_SANITIZER=${FUZZ_SANITIZER:-address}
 
-if ! rustup run "$FUZZ_TOOLCHAIN" rustc --version >/dev/null 2>&1; then
-  rustup toolchain install "$FUZZ_TOOLCHAIN" --profile minimal
+# The default toolchain serves when it is that release; otherwise rustup installs the pin.
+if [[ "$(rustc --version)" == "rustc $FUZZ_TOOLCHAIN "* ]]; then
+  fuzz=(cargo fuzz)
+else
+  if ! rustup run "$FUZZ_TOOLCHAIN" rustc --version >/dev/null 2>&1; then
+    rustup toolchain install "$FUZZ_TOOLCHAIN" --profile minimal
+  fi
+  fuzz=(cargo "+$FUZZ_TOOLCHAIN" fuzz)
 fi
 if [ "$(cargo fuzz --version 2>/dev/null || true)" != "cargo-fuzz $CARGO_FUZZ_VERSION" ]; then
   cargo install cargo-fuzz --version "$CARGO_FUZZ_VERSION" --locked
 fi
 if [ "$FUZZ_SANITIZER" != none ]; then export RUSTC_BOOTSTRAP=1; fi
-fuzz=(cargo "+$FUZZ_TOOLCHAIN" fuzz)
 
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then mapfile -t targets < <("${fuzz[@]}" list); fi
