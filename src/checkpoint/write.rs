@@ -74,13 +74,69 @@ fn dtype_name(d: Dtype) -> String {
     format!("{d:?}")
 }
 
+/// Name, dtype and shape of a tensor whose bytes are produced only when it is written.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    pub fn bytes(&self) -> usize {
+        self.shape.iter().product::<usize>() * elem_bytes(self.dtype)
+    }
+}
+
+impl OwnedTensor {
+    pub fn spec(&self) -> TensorSpec {
+        TensorSpec {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+        }
+    }
+}
+
 /// Serialize to a temporary sibling, fsync, then rename over `path`.
 pub fn write_safetensors_atomic(
     path: &Path,
     tensors: &[OwnedTensor],
     metadata: Option<BTreeMap<String, String>>,
 ) -> Result<(), WriteError> {
-    let mut order: Vec<&OwnedTensor> = tensors.iter().collect();
+    for t in tensors {
+        if t.data.len() != t.spec().bytes() {
+            return Err(WriteError::Inconsistent {
+                name: t.name.clone(),
+                bytes: t.data.len(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+            });
+        }
+    }
+    let specs: Vec<TensorSpec> = tensors.iter().map(OwnedTensor::spec).collect();
+    let by_name: std::collections::HashMap<&str, &OwnedTensor> =
+        tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    write_safetensors_streamed(path, specs, metadata, |spec, w| {
+        w.write_all(&by_name[spec.name.as_str()].data)
+            .map_err(|source| WriteError::Io {
+                path: path.display().to_string(),
+                source,
+            })
+    })
+}
+
+/// [`write_safetensors_atomic`] with each tensor's bytes produced only when its turn comes,
+/// so a file larger than memory is written holding one tensor at a time. `produce` writes the
+/// bytes of the spec it is given into the writer; the calls come in file order (largest
+/// element size first, then by name), which is fixed by the specs alone.
+pub fn write_safetensors_streamed<E: From<WriteError>>(
+    path: &Path,
+    specs: Vec<TensorSpec>,
+    metadata: Option<BTreeMap<String, String>>,
+    mut produce: impl FnMut(&TensorSpec, &mut dyn Write) -> Result<(), E>,
+) -> Result<(), E> {
+    let mut order = specs;
     order.sort_by(|a, b| {
         elem_bytes(b.dtype)
             .cmp(&elem_bytes(a.dtype))
@@ -95,24 +151,15 @@ pub fn write_safetensors_atomic(
     }
     let mut offset = 0usize;
     for t in &order {
-        let expected = t.shape.iter().product::<usize>() * elem_bytes(t.dtype);
-        if expected != t.data.len() {
-            return Err(WriteError::Inconsistent {
-                name: t.name.clone(),
-                bytes: t.data.len(),
-                dtype: t.dtype,
-                shape: t.shape.clone(),
-            });
-        }
         let entry = serde_json::json!({
             "dtype": dtype_name(t.dtype),
             "shape": t.shape,
-            "data_offsets": [offset, offset + t.data.len()],
+            "data_offsets": [offset, offset + t.bytes()],
         });
         if header.insert(t.name.clone(), entry).is_some() {
-            return Err(WriteError::Duplicate(t.name.clone()));
+            return Err(WriteError::Duplicate(t.name.clone()).into());
         }
-        offset += t.data.len();
+        offset += t.bytes();
     }
     let mut head = serde_json::to_vec(&header).expect("json");
     head.resize(head.len().div_ceil(8) * 8, b' ');
@@ -120,22 +167,64 @@ pub fn write_safetensors_atomic(
     if path.file_name().is_none() {
         return Err(WriteError::NotAFile {
             path: path.display().to_string(),
-        });
+        }
+        .into());
     }
-    crate::artifact::write_file(path, |w| {
+    // The producer's own error is kept aside; the writer only sees that it stopped.
+    let mut failed = None;
+    let written = crate::artifact::write_file(path, |w| {
         w.write_all(&(head.len() as u64).to_le_bytes())?;
         w.write_all(&head)?;
         for t in &order {
-            w.write_all(&t.data)?;
+            let mut counted = Counted { inner: w, bytes: 0 };
+            match produce(t, &mut counted) {
+                Ok(()) if counted.bytes == t.bytes() => {}
+                Ok(()) => {
+                    failed = Some(E::from(WriteError::Inconsistent {
+                        name: t.name.clone(),
+                        bytes: counted.bytes,
+                        dtype: t.dtype,
+                        shape: t.shape.clone(),
+                    }));
+                    return Err(std::io::Error::other("inconsistent tensor"));
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    return Err(std::io::Error::other("tensor producer failed"));
+                }
+            }
         }
         Ok(())
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    written.map_err(|e| {
+        match e {
+            ArtifactError::Io { path, source } => WriteError::Io { path, source },
+            ArtifactError::Refused(_) => WriteError::NotAFile {
+                path: path.display().to_string(),
+            },
+        }
+        .into()
     })
-    .map_err(|e| match e {
-        ArtifactError::Io { path, source } => WriteError::Io { path, source },
-        ArtifactError::Refused(_) => WriteError::NotAFile {
-            path: path.display().to_string(),
-        },
-    })
+}
+
+/// A writer that counts what passes through, to check each tensor's size.
+struct Counted<'a, W: Write> {
+    inner: &'a mut W,
+    bytes: usize,
+}
+
+impl<W: Write> Write for Counted<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.bytes += n;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 pub mod gptq;
 pub mod grid;
 pub mod hessian;
+pub mod timing;
 
 pub use gptq::{
     gptq, relative_output_error, rtn, GptqConfig, GptqError, GptqResult, GptqSolver,

@@ -174,6 +174,12 @@ impl LayerResult {
         &self.0[&p]
     }
 
+    pub fn take(&mut self, p: Proj) -> QuantizedWeight {
+        self.0
+            .remove(&p)
+            .expect("every quantized projection is in a layer's result")
+    }
+
     pub fn insert(&mut self, p: Proj, q: QuantizedWeight) {
         self.0.insert(p, q);
     }
@@ -552,29 +558,30 @@ fn run(
         None
     };
 
-    let (mut x, first, mut results, mut reports, resumed_from_layer) = match state {
+    let (mut x, first, mut reports, resumed_from_layer) = match state {
         // The finished layers' output is in `x`; they never run again.
         Some(st) => {
-            let n = st.results.len();
-            *done = Some(n);
-            (st.x, n, st.results, st.reports, Some(n))
+            *done = Some(st.completed);
+            (st.x, st.completed, st.reports, Some(st.completed))
         }
         None => {
             out.reset_state()?;
             *done = Some(0);
             let x = model.embed(&windows.tokens)?;
-            (x, 0, Vec::new(), Vec::new(), None)
+            (x, 0, Vec::new(), None)
         }
     };
 
     let bar = crate::artifact::progress_bar(opts.progress, layers as u64, "quantize layers");
     bar.set_position(first as u64);
-    // Each layer is dropped once solved: memory holds one layer's f32 weights, not all of them.
+    // Each layer is dropped once solved and its result once staged: memory holds one layer's
+    // f32 weights and codes, not all of them.
     for (li, mut layer) in model.take_layers().into_iter().enumerate().skip(first) {
         let (res, rep) = quantize_layer(&model, &mut layer, li, &mut x, &windows, opts, &bar)?;
+        drop(layer);
         out.save_layer(li, &res, &rep, &x, &settings)?;
+        drop(res);
         *done = Some(li + 1);
-        results.push(res);
         reports.extend(rep);
         bar.inc(1);
         if opts.stop_after_layers == Some(li + 1) && li + 1 < layers {
@@ -634,9 +641,9 @@ fn run(
         resumed_from_layer,
     };
     if let Some(path) = &opts.dump_dequantized {
-        output::dump_dequantized(path, &results, head.as_ref(), opts.qkv_layout)?;
+        out.dump_dequantized(path, &ck.config, layers, head.as_ref())?;
     }
-    let (bytes, params) = out.write(ck, &results, head.as_ref(), &mut report)?;
+    let (bytes, params) = out.write(ck, layers, opts.group_size, head.as_ref(), &mut report)?;
     report.output_bytes = bytes;
     report.bits_per_weight = bytes as f64 * 8.0 / params as f64;
     report.wall_seconds = t0.elapsed().as_secs_f64();

@@ -4,8 +4,7 @@
 //! end. Nothing under `--out` is ever half-written, and a replace only ever
 //! removes a previous quantized checkpoint.
 
-use std::borrow::Cow;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use half::bf16;
@@ -16,9 +15,11 @@ use sha2::{Digest, Sha256};
 use super::{LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
 use crate::artifact::{self, io_err, Staging};
 use crate::checkpoint::layout::{layer_prefix, stored_linears};
-use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
-use crate::checkpoint::{Checkpoint, Proj, QkvLayout, TensorStore};
-use crate::formats::gptq::{self, concat_outputs, tensors_for};
+use crate::checkpoint::write::{
+    write_safetensors_atomic, write_safetensors_streamed, OwnedTensor, TensorSpec,
+};
+use crate::checkpoint::{Checkpoint, Proj, QkvLayout, SparkConfig, TensorStore};
+use crate::formats::gptq::{self, concat_outputs, GPTQ_PARTS};
 use crate::quant::QuantizedWeight;
 
 pub struct Output {
@@ -30,8 +31,10 @@ pub struct Output {
 /// What `crate::artifact` records a quantized checkpoint folder as.
 pub const ARTIFACT_KIND: &str = "gptq checkpoint";
 
+/// Where an interrupted run stopped: its finished layers stay in the staging folder, read
+/// back only when the checkpoint is written.
 pub struct ResumeState {
-    pub results: Vec<LayerResult>,
+    pub completed: usize,
     pub reports: Vec<LinearReport>,
     pub x: Vec<f32>,
 }
@@ -100,55 +103,84 @@ fn read_q(store: &TensorStore, prefix: &str) -> Option<QuantizedWeight> {
     })
 }
 
-/// Every quantized linear's dequantized weight `[N, K]` f32 under its checkpoint name.
-pub fn dump_dequantized(
-    path: &Path,
-    results: &[LayerResult],
-    head: Option<&QuantizedWeight>,
-    layout: QkvLayout,
-) -> Result<(), QuantizeError> {
-    let mut t = Vec::new();
-    let mut push = |name: String, q: &QuantizedWeight| {
-        t.push(OwnedTensor::f32(
-            &format!("{name}.weight"),
-            vec![q.out_features, q.in_features],
-            &q.dequantize(),
-        ));
-    };
-    for (li, r) in results.iter().enumerate() {
-        for (name, q) in stored(li, r, layout) {
-            push(name, &q);
-        }
-    }
-    if let Some(q) = head {
-        push("lm_head".into(), q);
-    }
-    // The producer marks the file as ours, so a later run may replace it.
-    let meta = BTreeMap::from([(
-        "producer".to_string(),
-        format!("spark-tool {}", env!("CARGO_PKG_VERSION")),
-    )]);
-    write_safetensors_atomic(path, &t, Some(meta)).map_err(QuantizeError::from)
-}
-
-/// Each stored linear of layer `li` (tensor prefix) with its weight: q, k and v are concatenated
+/// Each stored linear of one finished layer with its weight, owned: q, k and v concatenated
 /// along N into one `q_k_v_proj` when fused.
-fn stored(
+fn stored_owned(
     li: usize,
-    r: &LayerResult,
+    mut r: LayerResult,
     layout: QkvLayout,
-) -> Vec<(String, Cow<'_, QuantizedWeight>)> {
+) -> Vec<(String, QuantizedWeight)> {
     stored_linears(li, layout, &Proj::QUANTIZED)
         .into_iter()
         .map(|(name, projs)| {
-            let parts: Vec<&QuantizedWeight> = projs.iter().map(|&p| r.get(p)).collect();
-            let q = match parts.as_slice() {
-                [one] => Cow::Borrowed(*one),
-                many => Cow::Owned(concat_outputs(many)),
+            let q = match projs.as_slice() {
+                [one] => r.take(*one),
+                many => {
+                    let parts: Vec<&QuantizedWeight> = many.iter().map(|&p| r.get(p)).collect();
+                    concat_outputs(&parts)
+                }
             };
             (name, q)
         })
         .collect()
+}
+
+/// The stored linears of the layer last asked for: the checkpoint is written in name order,
+/// which visits each layer's tensors together, so one layer is in memory at a time.
+struct LayerCache<'a> {
+    out: &'a Output,
+    layer: Option<usize>,
+    linears: Vec<(String, QuantizedWeight)>,
+}
+
+impl<'a> LayerCache<'a> {
+    fn new(out: &'a Output) -> Self {
+        LayerCache {
+            out,
+            layer: None,
+            linears: Vec::new(),
+        }
+    }
+
+    fn get(&mut self, li: usize, prefix: &str) -> Result<&QuantizedWeight, QuantizeError> {
+        if self.layer != Some(li) {
+            self.linears.clear();
+            self.linears = stored_owned(li, self.out.load_layer(li)?, self.out.qkv_layout);
+            self.layer = Some(li);
+        }
+        Ok(self
+            .linears
+            .iter()
+            .find(|(n, _)| n == prefix)
+            .map(|(_, q)| q)
+            .expect("every stored linear of a layer is in its result"))
+    }
+}
+
+/// Where one tensor of the written checkpoint comes from.
+enum Source {
+    /// Copied from the input checkpoint as bf16.
+    Copy(String),
+    /// A GPTQ part of a stored linear of layer `li` (`None`: the head).
+    Gptq {
+        layer: Option<usize>,
+        prefix: String,
+        part: &'static str,
+    },
+}
+
+/// A checkpoint tensor as bf16 bytes: bf16 as stored, anything else rounded from f32.
+fn bf16_copy(ck: &Checkpoint, name: &str) -> Result<Vec<u8>, QuantizeError> {
+    let e = ck.entry(name)?;
+    Ok(if e.dtype == Dtype::BF16 {
+        ck.store.bytes(e).to_vec()
+    } else {
+        ck.store
+            .to_f32(e)?
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect()
+    })
 }
 
 impl Output {
@@ -235,33 +267,94 @@ impl Output {
                     source,
                 }
             })?;
-        let mut results = Vec::new();
-        for li in 0..done.min(layers) {
-            let p = self
-                .partial
-                .join(format!("layers/layer_{li:03}.safetensors"));
-            let store = TensorStore::open_file(&p)?;
-            let mut r = LayerResult::default();
-            for proj in Proj::QUANTIZED {
-                let part = proj.key();
-                let q = read_q(&store, part).ok_or_else(|| {
-                    QuantizeError::Invalid(format!("{}: missing {part}", p.display()))
-                })?;
-                r.insert(proj, q);
-            }
-            results.push(r);
+        let completed = done.min(layers);
+        // Every finished layer must still be readable; its weights are read when written out.
+        for li in 0..completed {
+            self.load_layer(li)?;
         }
-        let x_path = self.x_path(results.len());
+        let x_path = self.x_path(completed);
         let xs = TensorStore::open_file(&x_path)?;
         let x = xs.to_f32(xs.get("x").ok_or_else(|| {
             QuantizeError::Invalid(format!("{}: no tensor `x`", x_path.display()))
         })?)?;
-        eprintln!("resuming after layer {} of {layers}", results.len());
+        eprintln!("resuming after layer {completed} of {layers}");
         Ok(Some(ResumeState {
-            results,
+            completed,
             reports,
             x,
         }))
+    }
+
+    fn layer_path(&self, li: usize) -> PathBuf {
+        self.partial
+            .join(format!("layers/layer_{li:03}.safetensors"))
+    }
+
+    /// A finished layer's quantized linears, read back from the staging folder.
+    fn load_layer(&self, li: usize) -> Result<LayerResult, QuantizeError> {
+        let p = self.layer_path(li);
+        let store = TensorStore::open_file(&p)?;
+        let mut r = LayerResult::default();
+        for proj in Proj::QUANTIZED {
+            let part = proj.key();
+            let q = read_q(&store, part).ok_or_else(|| {
+                QuantizeError::Invalid(format!("{}: missing {part}", p.display()))
+            })?;
+            r.insert(proj, q);
+        }
+        Ok(r)
+    }
+
+    /// Every quantized linear's dequantized weight `[N, K]` f32 under its checkpoint name,
+    /// written one linear at a time.
+    pub fn dump_dequantized(
+        &self,
+        path: &Path,
+        cfg: &SparkConfig,
+        layers: usize,
+        head: Option<&QuantizedWeight>,
+    ) -> Result<(), QuantizeError> {
+        let mut specs = Vec::new();
+        let mut sources = HashMap::new();
+        for li in 0..layers {
+            for (name, projs) in stored_linears(li, self.qkv_layout, &Proj::QUANTIZED) {
+                let n = projs.iter().map(|p| p.shape(cfg)[0]).sum();
+                let k = projs[0].shape(cfg)[1];
+                let t = format!("{name}.weight");
+                specs.push(TensorSpec {
+                    name: t.clone(),
+                    dtype: Dtype::F32,
+                    shape: vec![n, k],
+                });
+                sources.insert(t, (Some(li), name));
+            }
+        }
+        if head.is_some() {
+            specs.push(TensorSpec {
+                name: "lm_head.weight".into(),
+                dtype: Dtype::F32,
+                shape: vec![cfg.vocab_size, cfg.hidden_size],
+            });
+            sources.insert("lm_head.weight".into(), (None, "lm_head".into()));
+        }
+        // The producer marks the file as ours, so a later run may replace it.
+        let meta = BTreeMap::from([(
+            "producer".to_string(),
+            format!("spark-tool {}", env!("CARGO_PKG_VERSION")),
+        )]);
+        let mut cache = LayerCache::new(self);
+        write_safetensors_streamed(path, specs, Some(meta), |spec, w| {
+            let q = match &sources[&spec.name] {
+                (Some(li), prefix) => cache.get(*li, prefix)?,
+                (None, _) => head.expect("a head spec only with a head"),
+            };
+            let bytes: Vec<u8> = q
+                .dequantize()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            Ok(w.write_all(&bytes).map_err(io_err(path))?)
+        })
     }
 
     pub fn save_layer(
@@ -286,13 +379,7 @@ impl Output {
                 &q.scales,
             ));
         }
-        write_safetensors_atomic(
-            &self
-                .partial
-                .join(format!("layers/layer_{li:03}.safetensors")),
-            &t,
-            None,
-        )?;
+        write_safetensors_atomic(&self.layer_path(li), &t, None)?;
         // The residual stream after layer `li`, under its own name: state.json, written last, is
         // the one commit point, so a kill between the files never pairs a count with another
         // layer's stream.
@@ -328,11 +415,14 @@ impl Output {
         self.partial.join("staged")
     }
 
-    /// Write the finished checkpoint into the staging folder. Returns (bytes of tensors, original parameter count).
+    /// Write the finished checkpoint into the staging folder, one tensor at a time: the
+    /// `layers` finished layers are read back from their staged results. Returns (bytes of
+    /// tensors, original parameter count).
     pub fn write(
         &self,
         ck: &Checkpoint,
-        results: &[LayerResult],
+        layers: usize,
+        group_size: usize,
         head: Option<&QuantizedWeight>,
         report: &mut QuantReport,
     ) -> Result<(u64, u64), QuantizeError> {
@@ -341,28 +431,22 @@ impl Output {
             std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
         }
         std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-        let mut tensors = Vec::new();
-        let bf16_copy = |name: &str| -> Result<OwnedTensor, QuantizeError> {
-            let e = ck.entry(name)?;
-            let data = if e.dtype == Dtype::BF16 {
-                ck.store.bytes(e).to_vec()
-            } else {
-                ck.store
-                    .to_f32(e)?
-                    .iter()
-                    .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
-                    .collect()
-            };
-            Ok(OwnedTensor {
-                name: name.into(),
+        let cfg = &ck.config;
+        let mut specs = Vec::new();
+        let mut sources = HashMap::new();
+        let mut copy = |name: String| -> Result<(), QuantizeError> {
+            let e = ck.entry(&name)?;
+            specs.push(TensorSpec {
+                name: name.clone(),
                 dtype: Dtype::BF16,
                 shape: e.shape.clone(),
-                data,
-            })
+            });
+            sources.insert(name.clone(), Source::Copy(name));
+            Ok(())
         };
-        tensors.push(bf16_copy("model.embedding.weight")?);
-        tensors.push(bf16_copy("model.norm.weight")?);
-        for (li, r) in results.iter().enumerate() {
+        copy("model.embedding.weight".into())?;
+        copy("model.norm.weight".into())?;
+        for li in 0..layers {
             let p = layer_prefix(li);
             let g_proj = format!("{}.weight", Proj::G.module());
             for n in [
@@ -370,18 +454,37 @@ impl Output {
                 "post_attention_layernorm.weight",
                 g_proj.as_str(),
             ] {
-                tensors.push(bf16_copy(&format!("{p}{n}"))?);
-            }
-            for (name, q) in stored(li, r, self.qkv_layout) {
-                tensors.extend(tensors_for(&name, &q)?);
+                copy(format!("{p}{n}"))?;
             }
         }
-        match head {
-            Some(q) => tensors.extend(tensors_for("lm_head", q)?),
-            None if !ck.layout.tied => tensors.push(bf16_copy("lm_head.weight")?),
-            None => {}
+        if head.is_none() && !ck.layout.tied {
+            copy("lm_head.weight".into())?;
         }
-        let bytes: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
+        let mut linear = |layer: Option<usize>, prefix: String, k: usize, n: usize| {
+            for (s, part) in gptq::linear_specs(&prefix, k, n, group_size)?
+                .into_iter()
+                .zip(GPTQ_PARTS)
+            {
+                let source = Source::Gptq {
+                    layer,
+                    prefix: prefix.clone(),
+                    part,
+                };
+                sources.insert(s.name.clone(), source);
+                specs.push(s);
+            }
+            Ok::<(), QuantizeError>(())
+        };
+        for li in 0..layers {
+            for (name, projs) in stored_linears(li, self.qkv_layout, &Proj::QUANTIZED) {
+                let n = projs.iter().map(|p| p.shape(cfg)[0]).sum();
+                linear(Some(li), name, projs[0].shape(cfg)[1], n)?;
+            }
+        }
+        if head.is_some() {
+            linear(None, "lm_head".into(), cfg.hidden_size, cfg.vocab_size)?;
+        }
+        let bytes: u64 = specs.iter().map(|t| t.bytes() as u64).sum();
         let mut params: u64 = ck
             .layout
             .expected
@@ -399,8 +502,26 @@ impl Output {
             "producer".to_string(),
             format!("spark-tool {}", env!("CARGO_PKG_VERSION")),
         );
-        write_safetensors_atomic(&dir.join("model.safetensors"), &tensors, Some(meta))?;
-        drop(tensors);
+        let path = dir.join("model.safetensors");
+        let mut cache = LayerCache::new(self);
+        write_safetensors_streamed(&path, specs, Some(meta), |spec, w| {
+            let bytes = match &sources[&spec.name] {
+                Source::Copy(name) => bf16_copy(ck, name)?,
+                Source::Gptq {
+                    layer,
+                    prefix,
+                    part,
+                } => {
+                    let q = match layer {
+                        Some(li) => cache.get(*li, prefix)?,
+                        None => head.expect("a head spec only with a head"),
+                    };
+                    gptq::part_bytes(part, q)
+                }
+            };
+            Ok::<(), QuantizeError>(w.write_all(&bytes).map_err(io_err(&path))?)
+        })?;
+        drop(cache);
 
         let qc = self.quantization_config(report, head.is_some());
         let cfg_path = ck.dir.join("config.json");

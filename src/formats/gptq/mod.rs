@@ -16,7 +16,7 @@ pub use read::{check_tensors, read_linear, GptqLinearData};
 use half::f16;
 use safetensors::Dtype;
 
-use crate::checkpoint::write::OwnedTensor;
+use crate::checkpoint::write::{OwnedTensor, TensorSpec};
 use crate::quant::QuantizedWeight;
 
 /// The tensors of one GPTQ linear, as `<prefix>.<part>`.
@@ -75,54 +75,72 @@ pub fn unpack_qzeros_v1(qzeros: &[i32], groups: usize, n: usize) -> Vec<u8> {
     z
 }
 
-fn i32_tensor(name: String, shape: Vec<usize>, v: &[i32]) -> OwnedTensor {
-    OwnedTensor {
-        name,
-        dtype: Dtype::I32,
-        shape,
-        data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
+fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// The four GPTQ tensors of one linear under `prefix` (e.g. `model.layers.0.mlp.up_proj`).
-pub fn tensors_for(prefix: &str, q: &QuantizedWeight) -> Result<Vec<OwnedTensor>, GptqFormatError> {
-    let (k, n, g) = (q.in_features, q.out_features, q.group_size);
-    if k % 8 != 0 || n % 8 != 0 || k % g != 0 {
+/// Name, dtype and shape of the four GPTQ tensors of one linear with W `[n, k]` under `prefix`
+/// (e.g. `model.layers.0.mlp.up_proj`), in [`GPTQ_PARTS`] order.
+pub fn linear_specs(
+    prefix: &str,
+    k: usize,
+    n: usize,
+    g: usize,
+) -> Result<Vec<TensorSpec>, GptqFormatError> {
+    if !k.is_multiple_of(8) || !n.is_multiple_of(8) || g == 0 || !k.is_multiple_of(g) {
         return Err(GptqFormatError::Bad {
             name: prefix.into(),
             message: format!("shape [{n}, {k}] with group {g}: GPTQ needs K and N multiples of 8 and K a multiple of G"),
         });
     }
     let groups = k / g;
-    let scales: Vec<u8> = q
-        .scales
-        .iter()
-        .flat_map(|s| {
-            let h = f16::from_f32(*s);
-            debug_assert_eq!(h.to_f32(), *s, "scales must be fp16-exact");
-            h.to_bits().to_le_bytes()
-        })
-        .collect();
-    let g_idx: Vec<i32> = (0..k).map(|kk| (kk / g) as i32).collect();
+    let spec = |part: &str, dtype, shape| TensorSpec {
+        name: format!("{prefix}.{part}"),
+        dtype,
+        shape,
+    };
     Ok(vec![
-        i32_tensor(
-            format!("{prefix}.qweight"),
-            vec![k / 8, n],
-            &pack_qweight(&q.codes, k, n),
-        ),
-        i32_tensor(
-            format!("{prefix}.qzeros"),
-            vec![groups, n / 8],
-            &vec![QZEROS_V1_SYM; groups * n / 8],
-        ),
-        OwnedTensor {
-            name: format!("{prefix}.scales"),
-            dtype: Dtype::F16,
-            shape: vec![groups, n],
-            data: scales,
-        },
-        i32_tensor(format!("{prefix}.g_idx"), vec![k], &g_idx),
+        spec("qweight", Dtype::I32, vec![k / 8, n]),
+        spec("qzeros", Dtype::I32, vec![groups, n / 8]),
+        spec("scales", Dtype::F16, vec![groups, n]),
+        spec("g_idx", Dtype::I32, vec![k]),
     ])
+}
+
+/// The bytes of one GPTQ tensor (`part` of [`GPTQ_PARTS`]) of `q`; its shape is
+/// [`linear_specs`]'s.
+pub fn part_bytes(part: &str, q: &QuantizedWeight) -> Vec<u8> {
+    let (k, n, g) = (q.in_features, q.out_features, q.group_size);
+    match part {
+        "qweight" => i32_bytes(&pack_qweight(&q.codes, k, n)),
+        "qzeros" => i32_bytes(&vec![QZEROS_V1_SYM; k / g * n / 8]),
+        "scales" => q
+            .scales
+            .iter()
+            .flat_map(|s| {
+                let h = f16::from_f32(*s);
+                debug_assert_eq!(h.to_f32(), *s, "scales must be fp16-exact");
+                h.to_bits().to_le_bytes()
+            })
+            .collect(),
+        "g_idx" => i32_bytes(&(0..k).map(|kk| (kk / g) as i32).collect::<Vec<_>>()),
+        other => unreachable!("not a GPTQ part: {other}"),
+    }
+}
+
+/// The four GPTQ tensors of one linear under `prefix` (e.g. `model.layers.0.mlp.up_proj`).
+pub fn tensors_for(prefix: &str, q: &QuantizedWeight) -> Result<Vec<OwnedTensor>, GptqFormatError> {
+    let specs = linear_specs(prefix, q.in_features, q.out_features, q.group_size)?;
+    Ok(specs
+        .into_iter()
+        .zip(GPTQ_PARTS)
+        .map(|(s, part)| OwnedTensor {
+            data: part_bytes(part, q),
+            name: s.name,
+            dtype: s.dtype,
+            shape: s.shape,
+        })
+        .collect())
 }
 
 /// Concatenate linears that share an input along N (q | k | v → `q_k_v_proj`).
