@@ -56,6 +56,64 @@ pub fn check_fits(what: &str, need: u128, setting: Setting) -> Result<(), Resour
     }
 }
 
+/// This process's private (anonymous) resident memory now: `RssAnon` of /proc/self/status.
+/// Unlike the whole RSS it leaves out the checkpoint pages mapped from disk, which the kernel
+/// can drop and reread at any time.
+pub fn private_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("RssAnon:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// The peak of [`private_bytes`] while it runs, sampled every 20 ms by a thread (the kernel
+/// keeps a high-water mark only for the whole RSS, `VmHWM`).
+pub struct PrivatePeak {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    peak: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PrivatePeak {
+    pub fn start() -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicU64::new(private_bytes().unwrap_or(0)));
+        let (s, p) = (stop.clone(), peak.clone());
+        let thread = std::thread::Builder::new()
+            .name("private-peak".into())
+            .spawn(move || {
+                while !s.load(Ordering::Relaxed) {
+                    if let Some(b) = private_bytes() {
+                        p.fetch_max(b, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            })
+            .ok();
+        PrivatePeak { stop, peak, thread }
+    }
+
+    /// The highest private memory seen so far (`None` without /proc).
+    pub fn peak(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering;
+        if let Some(b) = private_bytes() {
+            self.peak.fetch_max(b, Ordering::Relaxed);
+        }
+        Some(self.peak.load(Ordering::Relaxed)).filter(|&b| b > 0)
+    }
+}
+
+impl Drop for PrivatePeak {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// f32 K and V the engine keeps for `context` positions (sliding layers hold at most a window).
 pub fn kv_cache_bytes(cfg: &SparkConfig, context: usize) -> u128 {
     let per_pos = 2 * cfg.kv_dim() as u128 * 4;
@@ -88,6 +146,26 @@ pub fn forward_bytes(cfg: &SparkConfig, tokens: usize, context: usize, all_logit
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn private_peak_sees_an_allocation_that_is_gone() {
+        let p = PrivatePeak::start();
+        let during = {
+            // 256 MB touched page by page, held past a few samples, then freed (a block this
+            // large is its own mapping, returned to the kernel on free).
+            let mut v = vec![0u8; 256 << 20];
+            for i in (0..v.len()).step_by(4096) {
+                v[i] = 1;
+            }
+            let during = private_bytes().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            std::hint::black_box(&v);
+            during
+        };
+        // The sampler saw the freed block (16 MB of slack for other tests of this process).
+        let peak = p.peak().unwrap();
+        assert!(peak + (16 << 20) >= during, "peak {peak} during {during}");
+    }
 
     #[test]
     fn refuses_with_both_figures_and_the_setting() {

@@ -3,7 +3,7 @@
 # (quantize W4A8/W4A16, fused and split QKV, 4-bit head; export-phone f32 and w8a16; run
 # --logits-out of the original, both quantized formats and the w8a16 phone graph) and compares every file byte for
 # byte. quant_report.json is compared as JSON without the fields that differ from run to run
-# (the output path, wall times, peak RSS); the artifact marker is new since 2026-12 and skipped.
+# (the output path, wall and CPU times, the phase split, peak memory); the artifact marker is new since 2026-12 and skipped.
 #
 #   tools/same_outputs.sh OLD_BINARY NEW_BINARY WORKDIR     (WORKDIR is emptied first)
 set -euo pipefail
@@ -30,9 +30,11 @@ while IFS= read -r f; do
   if [ "$(basename "$f")" = quant_report.json ]; then
     python3 - "old/$f" "new/$f" <<'PY' || { echo "DIFFERS: $f"; bad=1; }
 import json, sys
+# What differs from run to run (and, for the phase split, exists only since 2026-12-01).
+RUN_DEPENDENT = ("out", "peak_rss_bytes", "peak_private_bytes", "threads", "cpu_utilisation", "phases")
 def norm(v):
     if isinstance(v, dict):
-        return {k: norm(x) for k, x in v.items() if k not in ("out", "peak_rss_bytes") and "seconds" not in k}
+        return {k: norm(x) for k, x in v.items() if k not in RUN_DEPENDENT and "seconds" not in k}
     return [norm(x) for x in v] if isinstance(v, list) else v
 a, b = (norm(json.load(open(p))) for p in sys.argv[1:])
 sys.exit(a != b)

@@ -161,6 +161,9 @@ pub struct QuantizeArgs {
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
+    /// Also print where the time went: wall and CPU time per phase (also in quant_report.json).
+    #[arg(long)]
+    stats: bool,
     /// Skip the RTN and plain-GPTQ comparison columns of the report (about half the time on large models).
     #[arg(long)]
     no_compare: bool,
@@ -256,15 +259,41 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         serde_json::to_value(report.method)?.as_str().unwrap_or("?"),
         report.mean_error
     );
+    let gb = |b: Option<u64>| {
+        b.map(|b| format!("{:.2} GB", b as f64 / 1e9))
+            .unwrap_or("?".into())
+    };
     println!(
-        "{:.3} bits per weight over all tensors ({:.2} MB), wall {:.1} s, peak RSS {}",
+        "{:.3} bits per weight over all tensors ({:.2} MB), wall {:.1} s, CPU {:.0} % of {} threads, peak RSS {} (private {})",
         report.bits_per_weight,
         report.output_bytes as f64 / 1e6,
         report.wall_seconds,
-        report
-            .peak_rss_bytes
-            .map(|b| format!("{:.2} GB", b as f64 / 1e9))
-            .unwrap_or("?".into())
+        report.cpu_utilisation * 100.0,
+        report.threads,
+        gb(report.peak_rss_bytes),
+        gb(report.peak_private_bytes),
     );
+    if a.stats {
+        println!(
+            "{:<14} {:>10} {:>7} {:>10}",
+            "phase", "wall s", "% wall", "CPU use"
+        );
+        for p in &report.phases {
+            println!(
+                "{:<14} {:>10.2} {:>6.1}% {:>9.0}%",
+                serde_json::to_value(p.phase)?.as_str().unwrap_or("?"),
+                p.seconds,
+                100.0 * p.seconds / report.wall_seconds.max(1e-9),
+                100.0 * p.utilisation
+            );
+        }
+        let timed: f64 = report.phases.iter().map(|p| p.seconds).sum();
+        println!(
+            "{:<14} {:>10.2} {:>6.1}%",
+            "(other)",
+            report.wall_seconds - timed,
+            100.0 * (report.wall_seconds - timed) / report.wall_seconds.max(1e-9)
+        );
+    }
     Ok(())
 }

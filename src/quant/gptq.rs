@@ -5,11 +5,12 @@
 //! codes are already in the [K, N] order GPTQ's `qweight` packs.
 
 use faer::linalg::triangular_inverse::invert_lower_triangular;
-use faer::{Mat, Par, Side};
+use faer::{Mat, Par};
 use rayon::prelude::*;
 
 use super::grid::{code, dequant, group_scale, ScaleRule};
 use super::hessian::Hessian;
+use super::timing::{Clock, SolveTimes, Spent};
 
 #[derive(Debug, Clone, Copy)]
 pub struct GptqConfig {
@@ -49,12 +50,11 @@ impl QuantizedWeight {
     pub fn dequantize(&self) -> Vec<f32> {
         let (k, n, g) = (self.in_features, self.out_features, self.group_size);
         let mut w = vec![0f32; n * k];
-        for kk in 0..k {
-            let srow = &self.scales[(kk / g) * n..(kk / g + 1) * n];
-            for nn in 0..n {
-                w[nn * k + kk] = dequant(self.codes[kk * n + nn], srow[nn]);
+        w.par_chunks_mut(k).enumerate().for_each(|(nn, row)| {
+            for (kk, v) in row.iter_mut().enumerate() {
+                *v = dequant(self.codes[kk * n + nn], self.scales[(kk / g) * n + nn]);
             }
-        }
+        });
         w
     }
 }
@@ -69,11 +69,11 @@ pub struct GptqResult {
 
 fn transpose(w: &[f32], n: usize, k: usize) -> Vec<f32> {
     let mut t = vec![0f32; n * k];
-    for r in 0..n {
-        for c in 0..k {
-            t[c * n + r] = w[r * k + c];
+    t.par_chunks_mut(n).enumerate().for_each(|(c, row)| {
+        for (r, v) in row.iter_mut().enumerate() {
+            *v = w[r * k + c];
         }
-    }
+    });
     t
 }
 
@@ -115,24 +115,53 @@ pub fn rtn(
     }
 }
 
-/// Upper factor U with H⁻¹ = UᵀU via one Cholesky and one triangular inverse
+/// Upper factor U with (H + λI)⁻¹ = UᵀU via one Cholesky and one triangular inverse
 /// of the index-reversed matrix (docs/GPTQ_FORMAT.md §12): chol(J H J) = L̃, U = J L̃⁻¹ J.
+/// `h(a, b)` gives H for a ≤ b, already damped on the diagonal.
 ///
 /// In f32, as the reference implementations factor (torch float32): twice the
 /// SIMD width and half the memory traffic of f64, and a failure only means
-/// more damping (which the caller adds and logs).
-fn inverse_upper_factor(h: &[f64], k: usize) -> Option<Vec<f32>> {
-    let flipped = Mat::<f32>::from_fn(k, k, |i, j| h[(k - 1 - i) * k + (k - 1 - j)] as f32);
-    let llt = flipped.llt(Side::Lower).ok()?;
-    let mut inv = Mat::<f32>::zeros(k, k);
-    invert_lower_triangular(inv.as_mut(), llt.L(), Par::rayon(0));
-    let mut u = vec![0f32; k * k];
-    for i in 0..k {
-        for j in i..k {
-            u[i * k + j] = inv[(k - 1 - i, k - 1 - j)];
+/// more damping (which the caller adds and logs). The factor is computed in place in one
+/// `k × k` buffer and inverted into a second; no f64 copy of H is made (at K = 10240 each
+/// f32 matrix is 419 MB).
+fn inverse_upper_factor(h: impl Fn(usize, usize) -> f64 + Sync, k: usize) -> Option<Vec<f32>> {
+    use faer::dyn_stack::{MemBuffer, MemStack};
+    use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
+    // Column-major J H J, lower triangle only: column j, rows i ≥ j, is H[k-1-i, k-1-j].
+    let mut flipped = vec![0f32; k * k];
+    flipped.par_chunks_mut(k).enumerate().for_each(|(j, col)| {
+        for (i, v) in col.iter_mut().enumerate().skip(j) {
+            *v = h(k - 1 - i, k - 1 - j) as f32;
         }
-    }
-    u.iter().all(|x| x.is_finite()).then_some(u)
+    });
+    let a = faer::MatMut::from_column_major_slice_mut(&mut flipped, k, k);
+    let par = faer::get_global_parallelism();
+    let mut mem = MemBuffer::new(cholesky_in_place_scratch::<f32>(k, par, Default::default()));
+    cholesky_in_place(
+        a,
+        Default::default(),
+        par,
+        MemStack::new(&mut mem),
+        Default::default(),
+    )
+    .ok()?;
+    drop(mem);
+    // Only the lower factor is read below; clear what the factorization left above it.
+    flipped
+        .par_chunks_mut(k)
+        .enumerate()
+        .for_each(|(j, col)| col[..j].fill(0.0));
+    let l = faer::MatRef::from_column_major_slice(&flipped, k, k);
+    let mut inv = Mat::<f32>::zeros(k, k);
+    invert_lower_triangular(inv.as_mut(), l, Par::rayon(0));
+    drop(flipped);
+    let mut u = vec![0f32; k * k];
+    u.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
+        for (j, v) in row.iter_mut().enumerate().skip(i) {
+            *v = inv[(k - 1 - i, k - 1 - j)];
+        }
+    });
+    u.par_iter().all(|x| x.is_finite()).then_some(u)
 }
 
 /// Everything GPTQ needs from one Hessian, computed once and shared by every
@@ -156,22 +185,28 @@ impl GptqSolver {
             return Err(GptqError::NonFiniteHessian(name.into()));
         }
         let k = h.dim();
-        let mut hm = h.matrix();
-        let mut dead = vec![false; k];
-        for i in 0..k {
-            if hm[i * k + i] == 0.0 {
-                hm[i * k + i] = 1.0;
-                dead[i] = true;
+        let inv_n = 1.0 / h.tokens().max(1) as f64;
+        // Inputs never active on the calibration set get H[i,i] = 1 so the factor exists.
+        let dead: Vec<bool> = h.diag().iter().map(|&d| d == 0.0).collect();
+        let diag = |i: usize| {
+            if dead[i] {
+                1.0
+            } else {
+                h.upper(i, i) * inv_n
             }
-        }
-        let mean_diag = (0..k).map(|i| hm[i * k + i]).sum::<f64>() / k as f64;
+        };
+        let mean_diag = (0..k).map(diag).sum::<f64>() / k as f64;
         let mut damp = damp;
         let u = loop {
-            let mut hd = hm.clone();
-            for i in 0..k {
-                hd[i * k + i] += damp * mean_diag;
-            }
-            if let Some(u) = inverse_upper_factor(&hd, k) {
+            let add = damp * mean_diag;
+            let damped = |a: usize, b: usize| {
+                if a == b {
+                    diag(a) + add
+                } else {
+                    h.upper(a, b) * inv_n
+                }
+            };
+            if let Some(u) = inverse_upper_factor(damped, k) {
                 break u;
             }
             if damp >= 1.0 {
@@ -211,6 +246,17 @@ impl GptqSolver {
         n: usize,
         cfg: &GptqConfig,
     ) -> Result<QuantizedWeight, GptqError> {
+        self.quantize_timed(w, n, cfg).map(|(q, _)| q)
+    }
+
+    /// [`GptqSolver::quantize`], also saying where the time went.
+    pub fn quantize_timed(
+        &self,
+        w: &[f32],
+        n: usize,
+        cfg: &GptqConfig,
+    ) -> Result<(QuantizedWeight, SolveTimes), GptqError> {
+        let mut times = SolveTimes::default();
         let (k, gs, bs) = (self.k, cfg.group_size, cfg.block_size);
         if k % gs != 0 || bs % gs != 0 || w.len() != n * k {
             return Err(GptqError::Shape(self.name.clone(), k, gs));
@@ -229,9 +275,12 @@ impl GptqSolver {
         let mut err_block = vec![0f32; bs * n];
         for i1 in (0..k).step_by(bs) {
             let i2 = (i1 + bs).min(k);
+            let block = Clock::start();
+            let mut searched = Spent::default();
             for i in i1..i2 {
                 let g = i / gs;
                 if i % gs == 0 {
+                    let search = Clock::start();
                     // From the up-to-date weights: in-block updates go to `wt` directly,
                     // so a group starting mid-block (g64) never sees stale values.
                     let (wt_ref, imp) = (&wt, &self.imp[i..i + gs]);
@@ -248,6 +297,7 @@ impl GptqSolver {
                                 *s = group_scale(buf, imp, cfg.rule);
                             },
                         );
+                    searched += search.elapsed();
                 }
                 let d = u[i * k + i];
                 let (head, tail) = wt.split_at_mut((i + 1) * n);
@@ -269,7 +319,13 @@ impl GptqSolver {
                         r.iter_mut().zip(err).for_each(|(x, e)| *x -= uij * e);
                     });
             }
+            let mut in_block = block.elapsed();
+            in_block.seconds -= searched.seconds;
+            in_block.cpu_seconds -= searched.cpu_seconds;
+            times.search += searched;
+            times.columns += in_block;
             // Lazy batch flush: wt[i2.., :] -= U[i1..i2, i2..]ᵀ · Err.
+            let flush = Clock::start();
             if i2 < k {
                 let (rest, b) = (k - i2, i2 - i1);
                 let mut ut = vec![0f32; rest * b];
@@ -280,16 +336,22 @@ impl GptqSolver {
                 }
                 let mut upd = vec![0f32; rest * n];
                 matmul_nn(&ut, rest, b, &err_block[..b * n], n, &mut upd);
-                wt[i2 * n..].iter_mut().zip(&upd).for_each(|(x, d)| *x -= d);
+                wt[i2 * n..]
+                    .par_iter_mut()
+                    .zip(&upd)
+                    .with_min_len(1 << 14)
+                    .for_each(|(x, d)| *x -= d);
             }
+            times.flush += flush.elapsed();
         }
-        Ok(QuantizedWeight {
+        let q = QuantizedWeight {
             in_features: k,
             out_features: n,
             group_size: gs,
             codes,
             scales,
-        })
+        };
+        Ok((q, times))
     }
 }
 
@@ -356,11 +418,16 @@ fn warn(msg: &str) {
 
 /// Relative output error ‖(W − Q)X‖² / ‖WX‖² = tr(Δ H Δᵀ) / tr(W H Wᵀ), from the Hessian alone.
 pub fn relative_output_error(w: &[f32], q: &[f32], n: usize, k: usize, h: &Hessian) -> f64 {
-    let hm: Vec<f32> = h.matrix().iter().map(|&v| v as f32).collect();
-    let delta: Vec<f32> = w.iter().zip(q).map(|(a, b)| a - b).collect();
-    let den = quadratic_form(w, n, k, &hm);
+    relative_output_error_with(w, q, n, k, &h.matrix_f32())
+}
+
+/// [`relative_output_error`] with H given as [`Hessian::matrix_f32`], for several linears or
+/// variants measured against one Hessian.
+pub fn relative_output_error_with(w: &[f32], q: &[f32], n: usize, k: usize, hm: &[f32]) -> f64 {
+    let delta: Vec<f32> = w.par_iter().zip(q).map(|(a, b)| a - b).collect();
+    let den = quadratic_form(w, n, k, hm);
     if den > 0.0 {
-        quadratic_form(&delta, n, k, &hm) / den
+        quadratic_form(&delta, n, k, hm) / den
     } else {
         0.0
     }

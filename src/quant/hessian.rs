@@ -121,6 +121,25 @@ impl Hessian {
         h
     }
 
+    /// Σ x_a x_b so far (unscaled) for `a ≤ b`.
+    pub fn upper(&self, a: usize, b: usize) -> f64 {
+        debug_assert!(a <= b);
+        self.sum[a * self.k + b]
+    }
+
+    /// [`Hessian::matrix`] rounded to f32, without the f64 copy (half the memory at large K).
+    pub fn matrix_f32(&self) -> Vec<f32> {
+        let (k, inv) = (self.k, 1.0 / self.tokens.max(1) as f64);
+        let mut h = vec![0f32; k * k];
+        h.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
+            for (j, v) in row.iter_mut().enumerate() {
+                let (a, b) = if j >= i { (i, j) } else { (j, i) };
+                *v = (self.sum[a * k + b] * inv) as f32;
+            }
+        });
+        h
+    }
+
     pub fn diag(&self) -> Vec<f64> {
         let inv = 1.0 / self.tokens.max(1) as f64;
         (0..self.k)

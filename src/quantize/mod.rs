@@ -12,10 +12,10 @@
 
 pub mod calibration;
 pub mod output;
+pub mod phases;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use indicatif::ProgressBar;
 use serde::Serialize;
@@ -26,10 +26,12 @@ use crate::checkpoint::{Checkpoint, QkvLayout};
 use crate::device::{WeightFormat, WeightPath};
 use crate::model::block::residual_add;
 use crate::model::{DecoderLayer, DenseLinear, Proj, SparkModel};
+use crate::quant::timing::Clock;
 use crate::quant::{
-    relative_output_error, rtn, GptqConfig, GptqSolver, Hessian, QuantizedWeight, ScaleRule,
+    relative_output_error_with, rtn, GptqConfig, GptqSolver, Hessian, QuantizedWeight, ScaleRule,
 };
 use crate::tokenizer::SparkTokenizer;
+use phases::{Phase, PhaseReport, Phases};
 
 /// Which quantizer writes the weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -111,7 +113,18 @@ pub struct QuantReport {
     pub bits_per_weight: f64,
     pub output_bytes: u64,
     pub wall_seconds: f64,
+    /// CPU seconds of all threads (user + system) over the run.
+    pub cpu_seconds: f64,
+    /// Worker threads (rayon) the run had.
+    pub threads: usize,
+    /// `cpu_seconds` ÷ `wall_seconds` ÷ `threads`.
+    pub cpu_utilisation: f64,
+    /// Wall and CPU time per phase (docs/SCALE.md).
+    pub phases: Vec<PhaseReport>,
+    /// Peak of the whole resident set (includes checkpoint pages mapped from disk).
     pub peak_rss_bytes: Option<u64>,
+    /// Peak private (anonymous) memory, sampled every 20 ms.
+    pub peak_private_bytes: Option<u64>,
     pub resumed_from_layer: Option<usize>,
 }
 
@@ -205,13 +218,16 @@ fn quantize_group(
     outs: &[usize],
     h: &Hessian,
     opts: &QuantizeOptions,
+    phases: &mut Phases,
 ) -> Result<(Vec<QuantizedWeight>, Vec<LinearReport>), QuantizeError> {
     let (group_size, damp, method, compare) =
         (opts.group_size, opts.damp, opts.method, opts.compare);
     let k = h.dim();
-    let t0 = Instant::now();
+    let mut clock = Clock::start();
     let solver = GptqSolver::new(&names.join("+"), h, damp)?;
-    let setup = t0.elapsed().as_secs_f64() / names.len() as f64;
+    let factor = clock.lap();
+    phases.add(Phase::Factor, factor);
+    let setup = factor.seconds / names.len() as f64;
     let cfg = |rule| GptqConfig {
         group_size,
         block_size: 128,
@@ -223,24 +239,38 @@ fn quantize_group(
     } else {
         vec![method]
     };
+    // One f32 copy of H serves every error measured against it.
+    let hm = phases.time(Phase::Compare, || h.matrix_f32());
     let mut kept = Vec::new();
     let mut reports = Vec::new();
     for ((name, w), &n) in names.iter().zip(weights).zip(outs) {
-        let err = |q: &QuantizedWeight| relative_output_error(w, &q.dequantize(), n, k, h);
+        let err = |q: &QuantizedWeight| relative_output_error_with(w, &q.dequantize(), n, k, &hm);
         let mut errors = [None; 3];
         let mut chosen = None;
         let mut seconds = setup;
         for &v in &variants {
-            let t = Instant::now();
-            let q = match v {
-                Method::Rtn => rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5),
-                Method::Gptq => solver.quantize(w, n, &cfg(ScaleRule::MaxOver7_5))?,
-                Method::GptqSearch => solver.quantize(w, n, &cfg(ScaleRule::Search))?,
+            let mut clock = Clock::start();
+            let (q, times) = match v {
+                Method::Rtn => (
+                    rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5),
+                    Default::default(),
+                ),
+                Method::Gptq => solver.quantize_timed(w, n, &cfg(ScaleRule::MaxOver7_5))?,
+                Method::GptqSearch => solver.quantize_timed(w, n, &cfg(ScaleRule::Search))?,
             };
+            let solved = clock.lap();
             errors[v as usize] = Some(err(&q));
+            phases.add(Phase::Compare, clock.lap());
             if v == method {
-                seconds += t.elapsed().as_secs_f64();
+                seconds += solved.seconds;
+                if v == Method::Rtn {
+                    phases.add(Phase::ScaleSearch, solved);
+                } else {
+                    phases.add_solve(&times);
+                }
                 chosen = Some(q);
+            } else {
+                phases.add(Phase::Compare, solved);
             }
         }
         let chosen = chosen.expect("the chosen method is always among the variants");
@@ -274,6 +304,7 @@ struct LayerSolve<'a> {
     opts: &'a QuantizeOptions,
     result: LayerResult,
     reports: Vec<LinearReport>,
+    phases: &'a mut Phases,
 }
 
 impl LayerSolve<'_> {
@@ -288,29 +319,38 @@ impl LayerSolve<'_> {
     ) -> Result<(), QuantizeError> {
         let cfg = self.cfg;
         let mut h = Hessian::new(projs[0].shape(cfg)[1]);
-        h.add(input, self.rows);
+        self.phases.time(Phase::Hessian, || h.add(input, self.rows));
         let names: Vec<String> = projs
             .iter()
             .map(|p| format!("{}{}", layer_prefix(self.li), p.module()))
             .collect();
         let outs: Vec<usize> = projs.iter().map(|p| p.shape(cfg)[0]).collect();
-        let weights: Vec<Vec<f32>> = projs
-            .iter()
-            .map(|&p| layer.linear(p).dequantize())
-            .collect();
-        let (qs, reports) = quantize_group(&names, &weights, &outs, &h, self.opts)?;
+        let weights: Vec<Vec<f32>> = self.phases.time(Phase::Install, || {
+            projs
+                .iter()
+                .map(|&p| layer.linear(p).dequantize())
+                .collect()
+        });
+        let (qs, reports) = quantize_group(&names, &weights, &outs, &h, self.opts, self.phases)?;
         drop((h, weights));
         self.reports.extend(reports);
+        let clock = Clock::start();
         for (&p, q) in projs.iter().zip(qs) {
             install(layer, p, &q);
             self.result.insert(p, q);
         }
+        self.phases.add(Phase::Install, clock.elapsed());
         Ok(())
     }
 }
 
+/// Rows of calibration tokens per MLP activation call: the gate and up outputs of this many
+/// rows exist at once beside the activations of all rows (4B at 4096 rows: 336 MB).
+const MLP_ROWS: usize = 4096;
+
 /// Run one layer on every calibration sample, quantizing its linears in true-sequential order.
 /// `x` holds the residual stream of all samples (`[samples·seq_len, hidden]`) and is advanced in place.
+#[allow(clippy::too_many_arguments)]
 fn quantize_layer(
     model: &SparkModel,
     layer: &mut DecoderLayer,
@@ -319,12 +359,13 @@ fn quantize_layer(
     windows: &calibration::Windows,
     opts: &QuantizeOptions,
     bar: &ProgressBar,
+    phases: &mut Phases,
 ) -> Result<(LayerResult, Vec<LinearReport>), QuantizeError> {
     let cfg = model.config();
     let ctx = model.ctx_for(layer.kind);
     let (samples, seq_len) = (windows.samples, windows.seq_len);
     let rows = samples * seq_len;
-    let (hidden, q_dim) = (cfg.hidden_size, cfg.q_dim());
+    let (hidden, q_dim, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.intermediate_size);
     let mut solve = LayerSolve {
         cfg,
         li,
@@ -332,49 +373,70 @@ fn quantize_layer(
         opts,
         result: LayerResult::default(),
         reports: Vec::new(),
+        phases,
     };
 
     // x ─ norm → h ─ q, k, v
     bar.set_message(format!("layer {li}: q/k/v"));
     check_finite(x, li, "input_layernorm")?;
-    let h = layer.input_layernorm.forward(x);
+    let h = solve
+        .phases
+        .time(Phase::Forward, || layer.input_layernorm.forward(x));
     let qkv = [Proj::Q, Proj::K, Proj::V];
     solve.step(layer, &qkv, &h)?;
 
     // gated attention over each sample → a ─ out_proj, x += out(a)
     bar.set_message(format!("layer {li}: out_proj"));
-    let mut attn = vec![0f32; rows * q_dim];
-    for s in 0..samples {
-        let mut cache = crate::model::kv_cache::LayerKvCache::new(cfg, layer.kind, seq_len);
-        let a = layer.self_attn.attend(
-            &h[s * seq_len * hidden..(s + 1) * seq_len * hidden],
-            seq_len,
-            0,
-            &mut cache,
-            &ctx,
-        );
-        attn[s * seq_len * q_dim..(s + 1) * seq_len * q_dim].copy_from_slice(&a);
-    }
+    let attn = solve.phases.time(Phase::Forward, || {
+        let mut attn = vec![0f32; rows * q_dim];
+        for s in 0..samples {
+            let mut cache = crate::model::kv_cache::LayerKvCache::new(cfg, layer.kind, seq_len);
+            let a = layer.self_attn.attend(
+                &h[s * seq_len * hidden..(s + 1) * seq_len * hidden],
+                seq_len,
+                0,
+                &mut cache,
+                &ctx,
+            );
+            attn[s * seq_len * q_dim..(s + 1) * seq_len * q_dim].copy_from_slice(&a);
+        }
+        attn
+    });
     drop(h);
     check_finite(&attn, li, "out_proj")?;
     solve.step(layer, &[Proj::Out], &attn)?;
-    residual_add(x, &layer.self_attn.out_proj.project(&attn, rows));
+    solve.phases.time(Phase::Forward, || {
+        residual_add(x, &layer.self_attn.out_proj.project(&attn, rows))
+    });
     drop(attn);
 
     // x ─ norm → h2 ─ gate, up
     bar.set_message(format!("layer {li}: gate/up"));
-    let h2 = layer.post_attention_layernorm.forward(x);
+    let h2 = solve
+        .phases
+        .time(Phase::Forward, || layer.post_attention_layernorm.forward(x));
     check_finite(&h2, li, "gate_proj/up_proj")?;
     let gate_up = [Proj::Gate, Proj::Up];
     solve.step(layer, &gate_up, &h2)?;
 
     // gelu(gate) ⊙ up → act ─ down, x += down(act)
     bar.set_message(format!("layer {li}: down_proj"));
-    let act = layer.mlp.act(&h2, rows, &ctx);
+    let act = solve.phases.time(Phase::Forward, || {
+        let mut act = vec![0f32; rows * inter];
+        for (a, h) in act
+            .chunks_mut(MLP_ROWS * inter)
+            .zip(h2.chunks(MLP_ROWS * hidden))
+        {
+            a.copy_from_slice(&layer.mlp.act(h, h.len() / hidden, &ctx));
+        }
+        act
+    });
     drop(h2);
     check_finite(&act, li, "down_proj")?;
     solve.step(layer, &[Proj::Down], &act)?;
-    residual_add(x, &layer.mlp.down_proj.project(&act, rows));
+    solve.phases.time(Phase::Forward, || {
+        residual_add(x, &layer.mlp.down_proj.project(&act, rows))
+    });
     Ok((solve.result, solve.reports))
 }
 
@@ -384,17 +446,19 @@ fn quantize_head(
     x: &[f32],
     rows: usize,
     opts: &QuantizeOptions,
+    phases: &mut Phases,
 ) -> Result<(QuantizedWeight, LinearReport), QuantizeError> {
-    let y = model.final_norm(x);
+    let y = phases.time(Phase::Forward, || model.final_norm(x));
     let mut h = Hessian::new(model.config().hidden_size);
-    h.add(&y, rows);
-    let w = model.lm_head().dequantize();
+    phases.time(Phase::Hessian, || h.add(&y, rows));
+    let w = phases.time(Phase::Install, || model.lm_head().dequantize());
     let (mut q, mut r) = quantize_group(
         &["lm_head".to_string()],
         &[w],
         &[model.config().vocab_size],
         &h,
         opts,
+        phases,
     )?;
     Ok((q.remove(0), r.remove(0)))
 }
@@ -426,7 +490,8 @@ fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
 
 /// The whole command. Progress goes to stderr; the report is returned.
 pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
-    let t0 = Instant::now();
+    let t0 = Clock::start();
+    let private = crate::resources::PrivatePeak::start();
     check_options(opts)?;
     if ![32, 64, 128].contains(&opts.group_size) {
         return Err(QuantizeError::Invalid(format!(
@@ -460,7 +525,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     // `None` until this run owns the staging folder (a previous run's state is never removed
     // because of an error before that, e.g. a bad calibration file on a --resume).
     let mut done = None;
-    let r = run(opts, &ck, &out, t0, &mut done);
+    let r = run(opts, &ck, &out, t0, &private, &mut done);
     match (r, done) {
         (Ok(report), _) => Ok(report),
         (Err(e), None) => Err(e),
@@ -511,9 +576,11 @@ fn run(
     opts: &QuantizeOptions,
     ck: &Checkpoint,
     out: &output::Output,
-    t0: Instant,
+    t0: Clock,
+    private: &crate::resources::PrivatePeak,
     done: &mut Option<usize>,
 ) -> Result<QuantReport, QuantizeError> {
+    let mut phases = Phases::default();
     // The residual stream of every window stays resident, beside one layer's activations, a
     // Hessian per input, what the loader widens to f32 (all but bf16, which stays mapped in
     // place) and the solved layer's f32 copies (its weights, their quantized replacement):
@@ -574,12 +641,24 @@ fn run(
 
     let bar = crate::artifact::progress_bar(opts.progress, layers as u64, "quantize layers");
     bar.set_position(first as u64);
+    phases.add(Phase::Load, t0.elapsed());
     // Each layer is dropped once solved and its result once staged: memory holds one layer's
     // f32 weights and codes, not all of them.
     for (li, mut layer) in model.take_layers().into_iter().enumerate().skip(first) {
-        let (res, rep) = quantize_layer(&model, &mut layer, li, &mut x, &windows, opts, &bar)?;
+        let (res, rep) = quantize_layer(
+            &model,
+            &mut layer,
+            li,
+            &mut x,
+            &windows,
+            opts,
+            &bar,
+            &mut phases,
+        )?;
         drop(layer);
-        out.save_layer(li, &res, &rep, &x, &settings)?;
+        phases.time(Phase::Save, || {
+            out.save_layer(li, &res, &rep, &x, &settings)
+        })?;
         drop(res);
         *done = Some(li + 1);
         reports.extend(rep);
@@ -591,7 +670,7 @@ fn run(
     }
     let head = if opts.quantize_head {
         bar.set_message("lm_head");
-        let (q, r) = quantize_head(&model, &x, rows, opts)?;
+        let (q, r) = quantize_head(&model, &x, rows, opts, &mut phases)?;
         reports.push(r);
         Some(q)
     } else {
@@ -637,17 +716,30 @@ fn run(
         bits_per_weight: 0.0,
         output_bytes: 0,
         wall_seconds: 0.0,
+        cpu_seconds: 0.0,
+        threads: 0,
+        cpu_utilisation: 0.0,
+        phases: Vec::new(),
         peak_rss_bytes: None,
+        peak_private_bytes: None,
         resumed_from_layer,
     };
+    let write = Clock::start();
     if let Some(path) = &opts.dump_dequantized {
         out.dump_dequantized(path, &ck.config, layers, head.as_ref())?;
     }
     let (bytes, params) = out.write(ck, layers, opts.group_size, head.as_ref(), &mut report)?;
+    phases.add(Phase::Write, write.elapsed());
     report.output_bytes = bytes;
     report.bits_per_weight = bytes as f64 * 8.0 / params as f64;
-    report.wall_seconds = t0.elapsed().as_secs_f64();
+    let total = t0.elapsed();
+    report.wall_seconds = total.seconds;
+    report.cpu_seconds = total.cpu_seconds;
+    report.threads = rayon::current_num_threads();
+    report.cpu_utilisation = total.utilisation(report.threads);
+    report.phases = phases.report(report.threads);
     report.peak_rss_bytes = crate::bench::peak_rss();
+    report.peak_private_bytes = private.peak();
     out.finish(&report)?;
     Ok(report)
 }
@@ -712,6 +804,7 @@ mod tests {
             &[48, 16],
             &h,
             &options(Method::GptqSearch, true),
+            &mut Phases::default(),
         )
         .unwrap();
         assert_eq!(qs.len(), 2);
@@ -739,6 +832,7 @@ mod tests {
             &[48],
             &h,
             &options(Method::Rtn, false),
+            &mut Phases::default(),
         )
         .unwrap();
         let r = &reports[0];
