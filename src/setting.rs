@@ -23,6 +23,8 @@ pub enum Setting {
     Parts,
     /// Replace a previous artifact of ours.
     Force,
+    /// Run although the memory plan exceeds the available memory.
+    ForceMemory,
     /// Continue an interrupted quantize.
     Resume,
     /// The numerics a GPTQ checkpoint is executed with.
@@ -66,6 +68,7 @@ impl Setting {
             Setting::RangeMargin => "range_margin",
             Setting::Parts => "parts",
             Setting::Force => "force",
+            Setting::ForceMemory => "force_memory",
             Setting::Resume => "resume",
             Setting::W4Numerics => "w4_numerics",
             Setting::Format => "format",

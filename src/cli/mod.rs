@@ -59,6 +59,7 @@ pub fn flag(s: Setting) -> &'static str {
         Setting::RangeMargin => "--range-margin",
         Setting::Parts => "--parts",
         Setting::Force => "--force",
+        Setting::ForceMemory => "--force-memory",
         Setting::Resume => "--resume",
         Setting::W4Numerics => "--w4-numerics",
         Setting::Format => "--format",

@@ -155,6 +155,9 @@ pub struct QuantizeArgs {
     /// Replace a previous quantized checkpoint at --out, once the new one is complete (docs/OUTPUTS.md).
     #[arg(long)]
     force: bool,
+    /// Run even when the memory plan (printed at the start) exceeds the available memory.
+    #[arg(long)]
+    force_memory: bool,
     /// Print the report as JSON on stdout.
     #[arg(long)]
     json: bool,
@@ -215,6 +218,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         damp: a.damp,
         resume: a.resume,
         force: a.force,
+        force_memory: a.force_memory,
         progress: !a.quiet && !a.json,
         compare: !a.no_compare,
         dump_dequantized: a.dump_dequantized.clone(),

@@ -235,6 +235,11 @@ impl GptqSolver {
         })
     }
 
+    /// Input features of the linears this solver serves.
+    pub fn dim(&self) -> usize {
+        self.k
+    }
+
     pub fn dead_columns(&self) -> usize {
         self.dead.iter().filter(|d| **d).count()
     }
@@ -424,13 +429,21 @@ pub fn relative_output_error(w: &[f32], q: &[f32], n: usize, k: usize, h: &Hessi
 /// [`relative_output_error`] with H given as [`Hessian::matrix_f32`], for several linears or
 /// variants measured against one Hessian.
 pub fn relative_output_error_with(w: &[f32], q: &[f32], n: usize, k: usize, hm: &[f32]) -> f64 {
-    let delta: Vec<f32> = w.par_iter().zip(q).map(|(a, b)| a - b).collect();
-    let den = quadratic_form(w, n, k, hm);
+    let (num, den) = output_error_parts(w, q, n, k, hm);
     if den > 0.0 {
-        quadratic_form(&delta, n, k, hm) / den
+        num / den
     } else {
         0.0
     }
+}
+
+/// (‖(W − Q)X‖², ‖WX‖²) from the Hessian: sums over output rows, so blocks of rows add up.
+pub fn output_error_parts(w: &[f32], q: &[f32], n: usize, k: usize, hm: &[f32]) -> (f64, f64) {
+    let delta: Vec<f32> = w.par_iter().zip(q).map(|(a, b)| a - b).collect();
+    (
+        quadratic_form(&delta, n, k, hm),
+        quadratic_form(w, n, k, hm),
+    )
 }
 
 /// Side of the blocks of H in [`quadratic_form`].
@@ -553,6 +566,50 @@ mod tests {
         let (er, ep, es) = (e(&r), e(&plain.weight), e(&search.weight));
         assert!(ep < er, "gptq {ep} vs rtn {er}");
         assert!(es <= ep, "search {es} vs plain {ep}");
+    }
+
+    #[test]
+    fn blocks_of_output_rows_solve_to_the_same_codes_as_the_whole() {
+        // What lets the head be quantized a block of rows at a time.
+        let (n, k) = (48, 256);
+        let (w, h) = case(n, k, 512);
+        let cfg = GptqConfig {
+            group_size: 64,
+            block_size: 128,
+            damp: 0.01,
+            rule: ScaleRule::Search,
+        };
+        let solver = GptqSolver::new("t", &h, 0.01).unwrap();
+        let whole = solver.quantize(&w, n, &cfg).unwrap();
+        let split = 20;
+        let a = solver.quantize(&w[..split * k], split, &cfg).unwrap();
+        let b = solver.quantize(&w[split * k..], n - split, &cfg).unwrap();
+        for kk in 0..k {
+            let row = &whole.codes[kk * n..(kk + 1) * n];
+            assert_eq!(&row[..split], &a.codes[kk * split..(kk + 1) * split]);
+            assert_eq!(
+                &row[split..],
+                &b.codes[kk * (n - split)..(kk + 1) * (n - split)]
+            );
+        }
+        for g in 0..k / 64 {
+            assert_eq!(
+                &whole.scales[g * n..g * n + split],
+                &a.scales[g * split..(g + 1) * split]
+            );
+        }
+        let hm = h.matrix_f32();
+        let parts =
+            |q: &QuantizedWeight, w: &[f32], n| output_error_parts(w, &q.dequantize(), n, k, &hm);
+        let (pa, pb, pw) = (
+            parts(&a, &w[..split * k], split),
+            parts(&b, &w[split * k..], n - split),
+            parts(&whole, &w, n),
+        );
+        assert!(
+            ((pa.0 + pb.0) - pw.0).abs() <= 1e-9 * pw.0
+                && ((pa.1 + pb.1) - pw.1).abs() <= 1e-9 * pw.1
+        );
     }
 
     #[test]

@@ -7,8 +7,8 @@ pub mod hessian;
 pub mod timing;
 
 pub use gptq::{
-    gptq, relative_output_error, relative_output_error_with, rtn, GptqConfig, GptqError,
-    GptqResult, GptqSolver, QuantizedWeight,
+    gptq, output_error_parts, relative_output_error, relative_output_error_with, rtn, GptqConfig,
+    GptqError, GptqResult, GptqSolver, QuantizedWeight,
 };
 pub use grid::ScaleRule;
 pub use hessian::Hessian;

@@ -13,6 +13,7 @@
 pub mod calibration;
 pub mod output;
 pub mod phases;
+pub mod plan;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -25,10 +26,10 @@ use crate::checkpoint::SparkConfig;
 use crate::checkpoint::{Checkpoint, QkvLayout};
 use crate::device::{WeightFormat, WeightPath};
 use crate::model::block::residual_add;
-use crate::model::{DecoderLayer, DenseLinear, Proj, SparkModel};
+use crate::model::{DecoderLayer, DenseLinear, Linear, Proj, SparkModel};
 use crate::quant::timing::Clock;
 use crate::quant::{
-    relative_output_error_with, rtn, GptqConfig, GptqSolver, Hessian, QuantizedWeight, ScaleRule,
+    output_error_parts, rtn, GptqConfig, GptqSolver, Hessian, QuantizedWeight, ScaleRule,
 };
 use crate::tokenizer::SparkTokenizer;
 use phases::{Phase, PhaseReport, Phases};
@@ -62,6 +63,8 @@ pub struct QuantizeOptions {
     pub damp: f64,
     pub resume: bool,
     pub force: bool,
+    /// Run even when the memory plan exceeds the available memory.
+    pub force_memory: bool,
     pub progress: bool,
     /// Also measure RTN and plain GPTQ on every linear (the report's comparison columns).
     pub compare: bool,
@@ -125,6 +128,8 @@ pub struct QuantReport {
     pub peak_rss_bytes: Option<u64>,
     /// Peak private (anonymous) memory, sampled every 20 ms.
     pub peak_private_bytes: Option<u64>,
+    /// What the run planned to hold at its peak, before it started.
+    pub memory_plan: plan::MemoryPlan,
     pub resumed_from_layer: Option<usize>,
 }
 
@@ -174,6 +179,15 @@ pub enum QuantizeError {
         #[source]
         source: Box<QuantizeError>,
     },
+    #[error(
+        "the memory plan needs {plan}, but {have} is available — lower {samples} or {seq_len} \
+         (the calibration activations), or pass {force} to run anyway",
+        have = crate::resources::human(*have as u128),
+        samples = crate::setting::Setting::Samples,
+        seq_len = crate::setting::Setting::SeqLen,
+        force = crate::setting::Setting::ForceMemory
+    )]
+    Memory { plan: plan::MemoryPlan, have: u64 },
     #[error("layer {layer}: non-finite activations entering {what} (NaN/Inf); the checkpoint or an earlier quantized layer is broken")]
     NonFiniteActivations { layer: usize, what: &'static str },
 }
@@ -210,6 +224,103 @@ fn check_finite(x: &[f32], layer: usize, what: &'static str) -> Result<(), Quant
     }
 }
 
+/// One linear (or a block of its output rows) solved with `opts.method`, and with `compare` by
+/// every method: the written weights, each measured method's output error as
+/// (‖ΔX‖², ‖WX‖²), and the seconds of the written method.
+struct Solved {
+    q: QuantizedWeight,
+    parts: [Option<(f64, f64)>; 3],
+    seconds: f64,
+}
+
+fn solve_linear(
+    solver: &GptqSolver,
+    hm: &[f32],
+    h: &Hessian,
+    w: &[f32],
+    n: usize,
+    opts: &QuantizeOptions,
+    phases: &mut Phases,
+) -> Result<Solved, QuantizeError> {
+    let (k, group_size, method) = (h.dim(), opts.group_size, opts.method);
+    let cfg = |rule| GptqConfig {
+        group_size,
+        block_size: 128,
+        damp: opts.damp,
+        rule,
+    };
+    let variants: Vec<Method> = if opts.compare {
+        vec![Method::Rtn, Method::Gptq, Method::GptqSearch]
+    } else {
+        vec![method]
+    };
+    let mut parts = [None; 3];
+    let mut chosen = None;
+    let mut seconds = 0.0;
+    for &v in &variants {
+        let mut clock = Clock::start();
+        let (q, times) = match v {
+            Method::Rtn => (
+                rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5),
+                Default::default(),
+            ),
+            Method::Gptq => solver.quantize_timed(w, n, &cfg(ScaleRule::MaxOver7_5))?,
+            Method::GptqSearch => solver.quantize_timed(w, n, &cfg(ScaleRule::Search))?,
+        };
+        let solved = clock.lap();
+        parts[v as usize] = Some(output_error_parts(w, &q.dequantize(), n, k, hm));
+        phases.add(Phase::Compare, clock.lap());
+        if v == method {
+            seconds = solved.seconds;
+            if v == Method::Rtn {
+                phases.add(Phase::ScaleSearch, solved);
+            } else {
+                phases.add_solve(&times);
+            }
+            chosen = Some(q);
+        } else {
+            phases.add(Phase::Compare, solved);
+        }
+    }
+    Ok(Solved {
+        q: chosen.expect("the chosen method is always among the variants"),
+        parts,
+        seconds,
+    })
+}
+
+/// The report row of a linear from its solved blocks' error parts.
+fn linear_report(
+    name: &str,
+    n: usize,
+    solver: &GptqSolver,
+    parts: &[[Option<(f64, f64)>; 3]],
+    seconds: f64,
+    method: Method,
+) -> LinearReport {
+    let error = |v: Method| -> Option<f64> {
+        let (mut num, mut den) = (0.0, 0.0);
+        for p in parts {
+            let (a, b) = p[v as usize]?;
+            num += a;
+            den += b;
+        }
+        Some(if den > 0.0 { num / den } else { 0.0 })
+    };
+    LinearReport {
+        name: name.to_string(),
+        out_features: n,
+        in_features: solver.dim(),
+        error: error(method).expect("measured"),
+        rtn_error: error(Method::Rtn),
+        gptq_error: error(Method::Gptq),
+        gptq_search_error: error(Method::GptqSearch),
+        damp: solver.damp_used,
+        dead_columns: solver.dead_columns(),
+        seconds,
+    }
+}
+
 /// Quantize every linear that reads `h` with `opts.method`; with `opts.compare`,
 /// RTN, plain GPTQ and GPTQ + scale search are all measured for the report.
 fn quantize_group(
@@ -220,73 +331,26 @@ fn quantize_group(
     opts: &QuantizeOptions,
     phases: &mut Phases,
 ) -> Result<(Vec<QuantizedWeight>, Vec<LinearReport>), QuantizeError> {
-    let (group_size, damp, method, compare) =
-        (opts.group_size, opts.damp, opts.method, opts.compare);
-    let k = h.dim();
     let mut clock = Clock::start();
-    let solver = GptqSolver::new(&names.join("+"), h, damp)?;
+    let solver = GptqSolver::new(&names.join("+"), h, opts.damp)?;
     let factor = clock.lap();
     phases.add(Phase::Factor, factor);
     let setup = factor.seconds / names.len() as f64;
-    let cfg = |rule| GptqConfig {
-        group_size,
-        block_size: 128,
-        damp,
-        rule,
-    };
-    let variants: Vec<Method> = if compare {
-        vec![Method::Rtn, Method::Gptq, Method::GptqSearch]
-    } else {
-        vec![method]
-    };
     // One f32 copy of H serves every error measured against it.
     let hm = phases.time(Phase::Compare, || h.matrix_f32());
     let mut kept = Vec::new();
     let mut reports = Vec::new();
     for ((name, w), &n) in names.iter().zip(weights).zip(outs) {
-        let err = |q: &QuantizedWeight| relative_output_error_with(w, &q.dequantize(), n, k, &hm);
-        let mut errors = [None; 3];
-        let mut chosen = None;
-        let mut seconds = setup;
-        for &v in &variants {
-            let mut clock = Clock::start();
-            let (q, times) = match v {
-                Method::Rtn => (
-                    rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5),
-                    Default::default(),
-                ),
-                Method::Gptq => solver.quantize_timed(w, n, &cfg(ScaleRule::MaxOver7_5))?,
-                Method::GptqSearch => solver.quantize_timed(w, n, &cfg(ScaleRule::Search))?,
-            };
-            let solved = clock.lap();
-            errors[v as usize] = Some(err(&q));
-            phases.add(Phase::Compare, clock.lap());
-            if v == method {
-                seconds += solved.seconds;
-                if v == Method::Rtn {
-                    phases.add(Phase::ScaleSearch, solved);
-                } else {
-                    phases.add_solve(&times);
-                }
-                chosen = Some(q);
-            } else {
-                phases.add(Phase::Compare, solved);
-            }
-        }
-        let chosen = chosen.expect("the chosen method is always among the variants");
-        reports.push(LinearReport {
-            name: name.clone(),
-            out_features: n,
-            in_features: k,
-            error: errors[method as usize].expect("measured"),
-            rtn_error: errors[Method::Rtn as usize],
-            gptq_error: errors[Method::Gptq as usize],
-            gptq_search_error: errors[Method::GptqSearch as usize],
-            damp: solver.damp_used,
-            dead_columns: solver.dead_columns(),
-            seconds,
-        });
-        kept.push(chosen);
+        let s = solve_linear(&solver, &hm, h, w, n, opts, phases)?;
+        reports.push(linear_report(
+            name,
+            n,
+            &solver,
+            &[s.parts],
+            setup + s.seconds,
+            opts.method,
+        ));
+        kept.push(s.q);
     }
     Ok((kept, reports))
 }
@@ -343,10 +407,6 @@ impl LayerSolve<'_> {
         Ok(())
     }
 }
-
-/// Rows of calibration tokens per MLP activation call: the gate and up outputs of this many
-/// rows exist at once beside the activations of all rows (4B at 4096 rows: 336 MB).
-const MLP_ROWS: usize = 4096;
 
 /// Run one layer on every calibration sample, quantizing its linears in true-sequential order.
 /// `x` holds the residual stream of all samples (`[samples·seq_len, hidden]`) and is advanced in place.
@@ -424,8 +484,8 @@ fn quantize_layer(
     let act = solve.phases.time(Phase::Forward, || {
         let mut act = vec![0f32; rows * inter];
         for (a, h) in act
-            .chunks_mut(MLP_ROWS * inter)
-            .zip(h2.chunks(MLP_ROWS * hidden))
+            .chunks_mut(plan::MLP_ROWS * inter)
+            .zip(h2.chunks(plan::MLP_ROWS * hidden))
         {
             a.copy_from_slice(&layer.mlp.act(h, h.len() / hidden, &ctx));
         }
@@ -440,27 +500,51 @@ fn quantize_layer(
     Ok((solve.result, solve.reports))
 }
 
-/// Quantize the (untied) head on the final-normed residual stream.
+/// Quantize the (untied) head on the final-normed residual stream, [`plan::HEAD_ROWS`] output
+/// rows at a time: each row is its own GPTQ problem against the one Hessian, so the blocks give
+/// the codes of the whole, without an f32 copy of the whole head (1.3 GB for the 4B).
 fn quantize_head(
     model: &SparkModel,
+    ck: &Checkpoint,
     x: &[f32],
     rows: usize,
     opts: &QuantizeOptions,
     phases: &mut Phases,
 ) -> Result<(QuantizedWeight, LinearReport), QuantizeError> {
+    let cfg = model.config();
+    let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
     let y = phases.time(Phase::Forward, || model.final_norm(x));
-    let mut h = Hessian::new(model.config().hidden_size);
+    let mut h = Hessian::new(hidden);
     phases.time(Phase::Hessian, || h.add(&y, rows));
-    let w = phases.time(Phase::Install, || model.lm_head().dequantize());
-    let (mut q, mut r) = quantize_group(
-        &["lm_head".to_string()],
-        &[w],
-        &[model.config().vocab_size],
-        &h,
-        opts,
-        phases,
-    )?;
-    Ok((q.remove(0), r.remove(0)))
+    drop(y);
+    let mut clock = Clock::start();
+    let solver = GptqSolver::new("lm_head", &h, opts.damp)?;
+    let factor = clock.lap();
+    phases.add(Phase::Factor, factor);
+    let hm = phases.time(Phase::Compare, || h.matrix_f32());
+    let tensor = if ck.layout.tied {
+        "model.embedding.weight"
+    } else {
+        "lm_head.weight"
+    };
+    let (mut blocks, mut parts, mut seconds) = (Vec::new(), Vec::new(), factor.seconds);
+    for r0 in (0..vocab).step_by(plan::HEAD_ROWS) {
+        let r1 = (r0 + plan::HEAD_ROWS).min(vocab);
+        let w = phases.time(Phase::Install, || -> Result<Vec<f32>, QuantizeError> {
+            let w = crate::model::DenseWeight::load(ck, tensor, Some(r0..r1))?;
+            Ok(DenseLinear::from_weight(w, r1 - r0, hidden).dequantize())
+        })?;
+        let s = solve_linear(&solver, &hm, &h, &w, r1 - r0, opts, phases)?;
+        parts.push(s.parts);
+        seconds += s.seconds;
+        blocks.push(s.q);
+    }
+    let q = match blocks.as_slice() {
+        [one] => one.clone(),
+        many => crate::formats::gptq::concat_outputs(&many.iter().collect::<Vec<_>>()),
+    };
+    let report = linear_report("lm_head", vocab, &solver, &parts, seconds, opts.method);
+    Ok((q, report))
 }
 
 /// Settings no run can succeed with, refused before anything is read.
@@ -581,31 +665,37 @@ fn run(
     done: &mut Option<usize>,
 ) -> Result<QuantReport, QuantizeError> {
     let mut phases = Phases::default();
-    // The residual stream of every window stays resident, beside one layer's activations, a
-    // Hessian per input, what the loader widens to f32 (all but bf16, which stays mapped in
-    // place) and the solved layer's f32 copies (its weights, their quantized replacement):
-    // sized before any of it is allocated.
-    let c = &ck.config;
-    let rows = opts.samples as u128 * opts.seq_len as u128;
-    let per_row =
-        (3 * c.hidden_size + 2 * c.q_dim() + 2 * c.kv_dim() + 2 * c.intermediate_size) as u128 * 4;
-    let hessians = (c.hidden_size.max(c.intermediate_size) as u128).pow(2) * 8 * 2;
-    let widened: u128 = ck
+    let widened: u64 = ck
         .store
         .entries()
         .filter(|e| e.dtype != safetensors::Dtype::BF16)
-        .map(|e| e.numel() as u128 * 4)
+        .map(|e| e.numel() as u64 * 4)
         .sum();
-    let layer = Proj::ALL
-        .iter()
-        .map(|p| p.shape(c).iter().product::<usize>() as u128)
-        .sum::<u128>();
-    let weights = widened + 2 * layer * 4;
-    crate::resources::check_fits(
-        &format!("calibrating on {} × {} tokens", opts.samples, opts.seq_len),
-        rows * per_row + hessians + weights,
-        crate::setting::Setting::Samples,
-    )?;
+    let memory_plan = plan::MemoryPlan::new(
+        &ck.config,
+        opts.samples.saturating_mul(opts.seq_len),
+        widened,
+        opts.quantize_head,
+    );
+    let have = std::env::var("SPARK_MEM_AVAILABLE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .or_else(crate::resources::available_memory)
+        .map(|b| b.min(u64::MAX as u128) as u64);
+    if opts.progress {
+        let avail = have
+            .map(|h| format!("; {} available", crate::resources::human(h as u128)))
+            .unwrap_or_default();
+        eprintln!("memory plan: {memory_plan}{avail}");
+    }
+    if let Some(have) = have {
+        if memory_plan.total() > have && !opts.force_memory {
+            return Err(QuantizeError::Memory {
+                plan: memory_plan,
+                have,
+            });
+        }
+    }
     let tok_path = ck.tokenizer_path().ok_or_else(|| {
         QuantizeError::Invalid(format!(
             "{} has no tokenizer.json, which calibration text needs",
@@ -670,7 +760,7 @@ fn run(
     }
     let head = if opts.quantize_head {
         bar.set_message("lm_head");
-        let (q, r) = quantize_head(&model, &x, rows, opts, &mut phases)?;
+        let (q, r) = quantize_head(&model, ck, &x, rows, opts, &mut phases)?;
         reports.push(r);
         Some(q)
     } else {
@@ -722,6 +812,7 @@ fn run(
         phases: Vec::new(),
         peak_rss_bytes: None,
         peak_private_bytes: None,
+        memory_plan,
         resumed_from_layer,
     };
     let write = Clock::start();
@@ -766,6 +857,7 @@ mod tests {
             damp: 0.01,
             resume: false,
             force: false,
+            force_memory: false,
             progress: false,
             compare,
             dump_dequantized: None,

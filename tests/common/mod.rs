@@ -133,6 +133,7 @@ pub fn quantize_options(
         damp: 0.01,
         resume: false,
         force: false,
+        force_memory: false,
         progress: false,
         compare: true,
         dump_dequantized: None,

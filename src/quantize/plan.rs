@@ -1,0 +1,153 @@
+//! The private memory a quantize run holds at its peak, planned from the shapes and the
+//! calibration size before anything is allocated (docs/SCALE.md compares it with measured
+//! peaks). Checkpoint weights in bf16 are read in place from the memory map and are not
+//! private; the plan counts what the run itself allocates.
+
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::checkpoint::{Proj, SparkConfig};
+use crate::resources::human;
+
+/// Rows of calibration tokens per MLP activation call (their gate and up outputs exist at once).
+pub const MLP_ROWS: usize = 4096;
+
+/// Output rows of the head quantized at a time (each row is its own GPTQ problem).
+pub const HEAD_ROWS: usize = 8192;
+
+/// Bytes held at the peak, by what holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MemoryPlan {
+    /// The residual stream of every calibration token and one layer's activations.
+    pub activations: u64,
+    /// One Hessian (f64 sum) with its f32 factor and inverse, at the widest linear input.
+    pub hessian: u64,
+    /// The layer being solved in f32 (the weights, their transposed working copy, codes and
+    /// the dequantized replacements), and weights the loader widened from non-bf16 dtypes.
+    pub weights: u64,
+    /// Tokenizer, calibration ids, code and thread stacks.
+    pub fixed: u64,
+}
+
+impl MemoryPlan {
+    /// `rows` calibration tokens; `widened`: bytes of checkpoint weights stored in a dtype the
+    /// model widens to f32 (bf16 stays mapped).
+    pub fn new(cfg: &SparkConfig, rows: usize, widened: u64, quantize_head: bool) -> Self {
+        // u128: a request of absurd size must come out as a large figure, not wrap.
+        let (hidden, q_dim, inter) = (
+            cfg.hidden_size as u128,
+            cfg.q_dim() as u128,
+            cfg.intermediate_size as u128,
+        );
+        let (rows_u, f) = (rows as u128, 4u128);
+        // x plus the widest step: attention (h, attn, out_proj's output) or the MLP (h2 or the
+        // residual update beside act, and gate/up of one chunk while act is filled).
+        let attention = rows_u * f * (hidden + q_dim + hidden);
+        let mlp = rows_u * f * (hidden + inter) + 3 * (rows.min(MLP_ROWS) as u128) * inter * f;
+        let mut activations = rows_u * hidden * f + attention.max(mlp);
+        // Σxxᵀ in f64 with either the f32 factor and inverse or the f32 copy the error is
+        // measured against beside U.
+        let k = hidden.max(q_dim).max(inter);
+        let hessian = 16 * k * k;
+        let size = |p: &Proj| p.shape(cfg).iter().product::<usize>() as u128;
+        let layer: u128 = Proj::ALL.iter().map(size).sum();
+        let groups: [&[Proj]; 4] = [
+            &[Proj::Q, Proj::K, Proj::V],
+            &[Proj::Out],
+            &[Proj::Gate, Proj::Up],
+            &[Proj::Down],
+        ];
+        let group = groups
+            .iter()
+            .map(|g| g.iter().map(size).sum::<u128>())
+            .max()
+            .unwrap_or(0);
+        let linear = Proj::ALL.iter().map(size).max().unwrap_or(0);
+        // The layer's dequantized replacements (f32) and codes, the group's f32 weights, and for
+        // one linear its transposed copy, codes, dequantized error copy and difference.
+        let mut weights = layer * (f + 1) + group * f + linear * (3 * f + 1);
+        if quantize_head {
+            let vocab = cfg.vocab_size as u128;
+            let chunk = vocab.min(HEAD_ROWS as u128) * hidden;
+            // The final-normed stream, the whole head's codes and scales, one chunk in flight.
+            activations = activations.max(2 * rows_u * hidden * f);
+            weights = weights.max(vocab * hidden * 2 + chunk * (4 * f + 1));
+        }
+        let clamp = |b: u128| b.min(u64::MAX as u128 / 8) as u64;
+        MemoryPlan {
+            activations: clamp(activations),
+            hessian: clamp(hessian),
+            weights: clamp(weights + widened as u128),
+            fixed: 256 << 20,
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.activations + self.hessian + self.weights + self.fixed
+    }
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} private at the peak (calibration activations {}, Hessian and factor {}, weights {}, other {})",
+            human(self.total() as u128),
+            human(self.activations as u128),
+            human(self.hessian as u128),
+            human(self.weights as u128),
+            human(self.fixed as u128)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spark_4b() -> SparkConfig {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/spark-tiny/config.json"
+        ))
+        .unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        // The 4B's shapes (docs/MODEL.md §15).
+        v["hidden_size"] = 2560.into();
+        v["intermediate_size"] = 10240.into();
+        v["num_attention_heads"] = 16.into();
+        v["num_key_value_heads"] = 4.into();
+        v["head_dim"] = 256.into();
+        v["vocab_size"] = 131072.into();
+        SparkConfig::from_json_str(&v.to_string(), "4b").unwrap()
+    }
+
+    #[test]
+    fn grows_with_calibration_tokens_not_with_layers() {
+        let cfg = spark_4b();
+        let a = MemoryPlan::new(&cfg, 4096, 0, false);
+        let b = MemoryPlan::new(&cfg, 16384, 0, false);
+        assert!(2 * b.activations > 3 * a.activations, "{a} vs {b}");
+        assert_eq!((a.hessian, a.weights), (b.hessian, b.weights));
+        // The down_proj Hessian: 16 bytes per entry at K = 10240.
+        assert_eq!(a.hessian, 16 * 10240 * 10240);
+        let mut deep = cfg.clone();
+        deep.num_hidden_layers *= 4;
+        deep.layer_types = deep.layer_types.repeat(4);
+        assert_eq!(MemoryPlan::new(&deep, 16384, 0, false), b);
+        // The 4B at 16K calibration tokens plans under the 8 GB target of docs/SCALE.md.
+        assert!(b.total() < 8_000_000_000, "{b}");
+    }
+
+    #[test]
+    fn the_head_is_planned_in_chunks() {
+        let cfg = spark_4b();
+        let plain = MemoryPlan::new(&cfg, 4096, 0, false);
+        let head = MemoryPlan::new(&cfg, 4096, 0, true);
+        assert!(head.weights >= plain.weights);
+        // Codes and scales of the whole head plus one chunk, far below 5 f32 copies of it.
+        assert!(head.weights < 5 * 131072 * 2560 * 4 / 2, "{head}");
+        assert!(head.to_string().contains("private at the peak"));
+    }
+}
