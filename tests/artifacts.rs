@@ -43,6 +43,7 @@ fn eopts() -> ExportOptions {
         calib_seq_len: 16,
         range_margin: 2.0,
         force: true,
+        force_memory: false,
         progress: false,
         threads: 2,
     }

@@ -30,6 +30,7 @@ fn options(precision: Precision, context: usize) -> ExportOptions {
         calib_seq_len: 256,
         range_margin: 2.0,
         force: false,
+        force_memory: false,
         progress: false,
         threads: 2,
     }

@@ -71,6 +71,9 @@ pub struct ExportArgs {
     /// Replace OUT if it is a previous export of spark-tool (never anything else; docs/OUTPUTS.md).
     #[arg(long)]
     force: bool,
+    /// Run even when the memory plan (printed at the start) exceeds the available memory.
+    #[arg(long)]
+    force_memory: bool,
     #[arg(long)]
     quiet: bool,
     /// Print the export report as JSON.
@@ -96,6 +99,7 @@ pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
         calib_seq_len: a.calib_seq_len,
         range_margin: a.range_margin,
         force: a.force,
+        force_memory: a.force_memory,
         progress: !a.quiet && !a.json,
         threads: rayon::current_num_threads(),
     };

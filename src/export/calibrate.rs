@@ -74,21 +74,45 @@ pub(super) fn calibrate(
     m.calibration_outputs = true;
     artifact::write_json(&dir.join(manifest::MANIFEST), &m)?;
     std::fs::copy(ck.dir.join("config.json"), dir.join("config.json")).map_err(io_err(&dir))?;
-    let model = PhoneModel::open(&dir, opts.threads).map_err(ExportError::CalibrationGraph)?;
+    // One part at a time: ONNX Runtime holds one part's f32 weights, not the whole model's. The
+    // residual stream each part hands on is kept for every calibration token and fed to the
+    // next part (samples · seq_len · hidden floats).
     let mut ranges = qdq::Ranges::default();
     let mask_value = m.mask_value;
+    let n_parts = m.parts.len();
+    let hidden = ck.config.hidden_size;
     let pb = artifact::progress_bar(
         opts.progress,
-        (windows.samples * windows.seq_len) as u64,
+        (n_parts * windows.samples * windows.seq_len) as u64,
         "calibrating",
     );
-    for s in 0..windows.samples {
-        let mut seq = model.sequence().map_err(ExportError::CalibrationGraph)?;
-        for &t in windows.sample(s) {
-            seq.step(t, |name, v| ranges.observe(name, v))
-                .map_err(ExportError::CalibrationRun)?;
-            pb.inc(1);
+    let mut streams: Vec<Vec<f32>> = Vec::new();
+    for pi in 0..n_parts {
+        pb.set_message(format!("part {} of {n_parts}", pi + 1));
+        let model = PhoneModel::open_parts(&dir, opts.threads, Some(pi..pi + 1))
+            .map_err(ExportError::CalibrationGraph)?;
+        let mut next = Vec::with_capacity(windows.samples);
+        for s in 0..windows.samples {
+            let mut seq = model.sequence().map_err(ExportError::CalibrationGraph)?;
+            let tokens = windows.sample(s);
+            let mut out_stream = Vec::with_capacity(tokens.len() * hidden);
+            for (i, &t) in tokens.iter().enumerate() {
+                let input = if pi == 0 {
+                    model.embed(t).map_err(ExportError::CalibrationRun)?
+                } else {
+                    streams[s][i * hidden..(i + 1) * hidden].to_vec()
+                };
+                let out = seq
+                    .step_parts(input, |name, v| ranges.observe(name, v))
+                    .map_err(ExportError::CalibrationRun)?;
+                if pi + 1 < n_parts {
+                    out_stream.extend_from_slice(&out.hidden);
+                }
+                pb.inc(1);
+            }
+            next.push(out_stream);
         }
+        streams = next;
     }
     pb.finish_and_clear();
     // Inputs the host builds: masks span {mask, 0}, cos/sin [-1, 1]; the
@@ -98,12 +122,16 @@ pub(super) fn calibrate(
         ranges.observe(&t.cos, &[-1.0, 1.0]);
         ranges.observe(&t.sin, &[-1.0, 1.0]);
     }
-    let emb = ck.tensor_f32("model.embedding.weight")?;
-    ranges.observe(graph::EMBEDS, &emb);
+    // The embedding range from the table, a block of rows at a time (the 4B's is 1.3 GB in f32).
+    let e = ck.entry("model.embedding.weight")?;
+    let vocab = e.shape[0];
+    for r0 in (0..vocab).step_by(4096) {
+        let rows = ck.store.rows_to_f32(e, r0, (r0 + 4096).min(vocab))?;
+        ranges.observe(graph::EMBEDS, &rows);
+    }
     if let Some(r) = ranges.0.get(graph::HIDDEN_OUT).copied() {
         ranges.0.insert(graph::HIDDEN_IN.into(), r);
     }
-    drop(model);
     std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
     Ok(ranges)
 }

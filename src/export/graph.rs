@@ -57,7 +57,25 @@ pub struct PartPlan {
     pub head: bool,
 }
 
+/// Weights of one decoder layer's matrices (q, k, v, gate heads, out, MLP).
+fn layer_params(cfg: &SparkConfig) -> usize {
+    let h = cfg.hidden_size;
+    (cfg.q_dim() + 2 * cfg.kv_dim() + cfg.num_attention_heads) * h
+        + cfg.q_dim() * h
+        + 3 * h * cfg.intermediate_size
+}
+
 impl PartPlan {
+    /// Matrix weights this part holds (its layers, and the head when it has it).
+    pub fn params(&self, cfg: &SparkConfig) -> usize {
+        self.layers.len() * layer_params(cfg)
+            + if self.head {
+                cfg.vocab_size * cfg.hidden_size
+            } else {
+                0
+            }
+    }
+
     pub fn file(&self) -> String {
         if self.of == 1 {
             "model.onnx".into()
@@ -74,12 +92,8 @@ impl PartPlan {
 /// Split `layers` decoder layers plus the head into `parts` contiguous
 /// parts with the largest part (by parameters) as small as possible.
 pub fn plan_parts(cfg: &SparkConfig, parts: usize) -> Vec<PartPlan> {
-    let h = cfg.hidden_size;
-    let layer = (cfg.q_dim() + 2 * cfg.kv_dim() + cfg.num_attention_heads) * h
-        + cfg.q_dim() * h
-        + 3 * h * cfg.intermediate_size;
-    let mut units = vec![layer; cfg.num_hidden_layers];
-    units.push(cfg.vocab_size * h);
+    let mut units = vec![layer_params(cfg); cfg.num_hidden_layers];
+    units.push(cfg.vocab_size * cfg.hidden_size);
     let n = units.len();
     let parts = parts.clamp(1, n);
     // best[i][p]: minimal max-part cost splitting units[..i] into p parts.

@@ -50,6 +50,8 @@ pub struct ExportOptions {
     /// Calibrated activation ranges are widened by this factor (≥ 1).
     pub range_margin: f32,
     pub force: bool,
+    /// Run even when the memory plan exceeds the available memory.
+    pub force_memory: bool,
     pub progress: bool,
     pub threads: usize,
 }
@@ -161,6 +163,66 @@ fn copy_side_files(ck: &Checkpoint, dir: &Path) -> Result<(), ExportError> {
     Ok(ck.copy_side_files(dir)?)
 }
 
+/// The private memory of an export at its peak, printed and checked before any work: the
+/// host KV caches, masks and cos/sin of the full context with ONNX Runtime's copies of them,
+/// and for w8a16 the f32 weights of the largest part, which calibration holds in ONNX Runtime
+/// (one part at a time), beside the residual stream of every calibration token.
+fn plan_memory(
+    cfg: &crate::checkpoint::SparkConfig,
+    opts: &ExportOptions,
+) -> Result<(), ExportError> {
+    use crate::resources::human;
+    let rot = cfg.rope.values().map(|r| r.rotary_dims).max().unwrap_or(0) as u128;
+    let host = 3 * crate::resources::kv_cache_bytes(cfg, opts.context)
+        + opts.context as u128 * (2 * rot + 4) * 4 * 2;
+    let (part, streams) = if opts.precision == Precision::W8A16 {
+        let largest = graph::plan_parts(cfg, opts.parts)
+            .iter()
+            .map(|p| p.params(cfg))
+            .max()
+            .unwrap_or(0) as u128;
+        let tokens = opts.calib_samples as u128 * opts.calib_seq_len.min(opts.context) as u128;
+        (largest * 4, 2 * tokens * cfg.hidden_size as u128 * 4)
+    } else {
+        (0, 0)
+    };
+    let fixed = 512u128 << 20;
+    let need = host + part + streams + fixed;
+    let have = std::env::var("SPARK_MEM_AVAILABLE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .or_else(crate::resources::available_memory);
+    if opts.progress {
+        eprintln!(
+            "memory plan: {} private at the peak (KV caches and host inputs {}, largest part in f32 {}, \
+             calibration stream {}, other {}){}",
+            human(need),
+            human(host),
+            human(part),
+            human(streams),
+            human(fixed),
+            have.map(|h| format!("; {} available", human(h))).unwrap_or_default()
+        );
+    }
+    match have {
+        Some(have) if need > have && !opts.force_memory => Err(ExportError::Invalid(format!(
+            "the memory plan needs {} ({} for the KV caches and host inputs of {} {}, {} for the largest \
+             part's f32 weights during calibration), but {} is available — lower {}, raise {}, or pass {} \
+             to run anyway",
+            human(need),
+            human(host),
+            crate::setting::Setting::Context,
+            opts.context,
+            human(part),
+            human(have),
+            crate::setting::Setting::Context,
+            crate::setting::Setting::Parts,
+            crate::setting::Setting::ForceMemory
+        ))),
+        _ => Ok(()),
+    }
+}
+
 pub fn export_phone(
     model_dir: &Path,
     out: &Path,
@@ -211,16 +273,7 @@ pub fn export_phone(
             }
         }
     }
-    // Calibration drives the graph with host KV caches, masks and cos/sin of the full context,
-    // and ONNX Runtime holds its own copies: size that before allocating any of it.
-    let rot = cfg.rope.values().map(|r| r.rotary_dims).max().unwrap_or(0) as u128;
-    let need = 3 * crate::resources::kv_cache_bytes(cfg, opts.context)
-        + opts.context as u128 * (2 * rot + 4) * 4 * 2;
-    crate::resources::check_fits(
-        &format!("a {}-position export", opts.context),
-        need,
-        crate::setting::Setting::Context,
-    )?;
+    plan_memory(cfg, opts)?;
     // A NaN weight would only surface as "no calibrated range" for hundreds of tensors.
     ck.check_finite()?;
     let mut inputs: Vec<&Path> = vec![model_dir];

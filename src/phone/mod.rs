@@ -159,7 +159,16 @@ pub struct PhoneModel {
     config: SparkConfig,
     embedding: TensorStore,
     ropes: HashMap<String, Rope>,
+    /// The parts this model runs (all but in calibration, which runs one part at a time).
+    parts: std::ops::Range<usize>,
     sessions: Vec<Mutex<Session>>,
+}
+
+/// What one step of a range of parts produced: the residual stream it hands on, and the logits
+/// when the range ends with the head.
+pub struct PartsOut {
+    pub hidden: Vec<f32>,
+    pub logits: Option<Vec<f32>>,
 }
 
 /// True when `dir` holds an exported phone graph.
@@ -169,7 +178,24 @@ pub fn is_phone_export(dir: &Path) -> bool {
 
 impl PhoneModel {
     pub fn open(dir: &Path, threads: usize) -> Result<Self, PhoneError> {
+        Self::open_parts(dir, threads, None)
+    }
+
+    /// Only the parts `parts` (all when `None`): ONNX Runtime then holds only their weights.
+    /// Their sequences are driven with [`PhoneSequence::step_parts`].
+    pub fn open_parts(
+        dir: &Path,
+        threads: usize,
+        parts: Option<std::ops::Range<usize>>,
+    ) -> Result<Self, PhoneError> {
         let manifest = Manifest::read(dir).map_err(PhoneError::Manifest)?;
+        let parts = parts.unwrap_or(0..manifest.parts.len());
+        if parts.start >= parts.end || parts.end > manifest.parts.len() {
+            return Err(PhoneError::Manifest(format!(
+                "parts {parts:?} asked of an export with {} parts",
+                manifest.parts.len()
+            )));
+        }
         let config = SparkConfig::from_file(&dir.join("config.json"))?;
         let embedding = TensorStore::open_file(&dir.join(&manifest.embedding.file))?;
         if embedding.get(&manifest.embedding.tensor).is_none() {
@@ -180,7 +206,7 @@ impl PhoneModel {
         }
         let env = environment()?;
         let mut sessions = Vec::new();
-        for part in &manifest.parts {
+        for part in &manifest.parts[parts.clone()] {
             let path = dir.join(&part.file);
             // Level 1 only: higher levels fuse DQ→MatMul into MatMulNBits,
             // which quantizes activations and changes the numerics.
@@ -216,11 +242,13 @@ impl PhoneModel {
             config,
             embedding,
             ropes,
+            parts,
             sessions,
         })
     }
 
-    fn embed(&self, token: u32) -> Result<Vec<f32>, ModelError> {
+    /// The embedding row of `token`: what part 0 reads.
+    pub fn embed(&self, token: u32) -> Result<Vec<f32>, ModelError> {
         let h = self.manifest.hidden_size;
         if token as usize >= self.manifest.vocab_size {
             return Err(ModelError::TokenOutOfRange {
@@ -251,11 +279,28 @@ impl PhoneModel {
                 .and_then(|i| i.encoding)
                 .map_or(0, |e| e.zero_point)
         };
+        // Caches of the parts this model runs; the others stay empty.
+        let inputs: std::collections::HashSet<&str> = self.manifest.parts[self.parts.clone()]
+            .iter()
+            .flat_map(|p| &p.inputs)
+            .map(|i| i.name.as_str())
+            .collect();
         let mut caches = Vec::new();
         for c in &self.manifest.caches {
+            let size = |shape: &[usize], name: &str| {
+                if inputs.contains(name) {
+                    shape.iter().product()
+                } else {
+                    0
+                }
+            };
             caches.push((
-                Buf::new(&c.dtype, c.key_shape.iter().product(), zero(&c.key_in))?,
-                Buf::new(&c.dtype, c.value_shape.iter().product(), zero(&c.value_in))?,
+                Buf::new(&c.dtype, size(&c.key_shape, &c.key_in), zero(&c.key_in))?,
+                Buf::new(
+                    &c.dtype,
+                    size(&c.value_shape, &c.value_in),
+                    zero(&c.value_in),
+                )?,
             ));
         }
         Ok(PhoneSequence {
@@ -277,8 +322,21 @@ impl PhoneSequence<'_> {
     pub fn step(
         &mut self,
         token: u32,
-        mut observe: impl FnMut(&str, &[f32]),
+        observe: impl FnMut(&str, &[f32]),
     ) -> Result<Vec<f32>, ModelError> {
+        let hidden = self.model.embed(token)?;
+        let out = self.step_parts(hidden, observe)?;
+        out.logits
+            .ok_or_else(|| backend(PhoneError::Broken("the last part produced no `logits`")))
+    }
+
+    /// One step of the parts this model runs, from the residual stream entering the first of
+    /// them (the token's embedding for part 0).
+    pub fn step_parts(
+        &mut self,
+        mut hidden: Vec<f32>,
+        mut observe: impl FnMut(&str, &[f32]),
+    ) -> Result<PartsOut, ModelError> {
         let m = self.model;
         let man = &m.manifest;
         let pos = self.pos;
@@ -307,9 +365,8 @@ impl PhoneSequence<'_> {
             let (cos, sin) = m.ropes[t].angles(pos);
             per_type.insert(t.as_str(), (mask, cos, sin));
         }
-        let mut hidden = m.embed(token)?;
         let mut logits = None;
-        for (pi, part) in man.parts.iter().enumerate() {
+        for (si, part) in man.parts[m.parts.clone()].iter().enumerate() {
             let mut feeds: Vec<(String, SessionInputValue)> = Vec::new();
             for io in &part.inputs {
                 let shape = io.shape.clone();
@@ -335,7 +392,7 @@ impl PhoneSequence<'_> {
                 };
                 feeds.push((io.name.clone(), value));
             }
-            let mut session = m.sessions[pi]
+            let mut session = m.sessions[si]
                 .lock()
                 .map_err(|_| run(PhoneError::Broken("an earlier run of this part panicked")))?;
             let outs = session.run(feeds).map_err(|e| {
@@ -385,7 +442,7 @@ impl PhoneSequence<'_> {
             }
         }
         self.pos += 1;
-        logits.ok_or_else(|| run(PhoneError::Broken("the last part produced no `logits`")))
+        Ok(PartsOut { hidden, logits })
     }
 }
 
