@@ -97,10 +97,9 @@ pub(super) fn calibrate(
             let tokens = windows.sample(s);
             let mut out_stream = Vec::with_capacity(tokens.len() * hidden);
             for (i, &t) in tokens.iter().enumerate() {
-                let input = if pi == 0 {
-                    model.embed(t).map_err(ExportError::CalibrationRun)?
-                } else {
-                    streams[s][i * hidden..(i + 1) * hidden].to_vec()
+                let input = match streams.get(s) {
+                    Some(prev) => prev[i * hidden..(i + 1) * hidden].to_vec(),
+                    None => model.embed(t).map_err(ExportError::CalibrationRun)?,
                 };
                 let out = seq
                     .step_parts(input, |name, v| ranges.observe(name, v))
