@@ -261,7 +261,6 @@ impl GptqSolver {
         n: usize,
         cfg: &GptqConfig,
     ) -> Result<(QuantizedWeight, SolveTimes), GptqError> {
-        let mut times = SolveTimes::default();
         let (k, gs, bs) = (self.k, cfg.group_size, cfg.block_size);
         if k % gs != 0 || bs % gs != 0 || w.len() != n * k {
             return Err(GptqError::Shape(self.name.clone(), k, gs));
@@ -269,85 +268,71 @@ impl GptqSolver {
         if !w.iter().all(|x| x.is_finite()) {
             return Err(GptqError::NonFiniteWeights(self.name.clone()));
         }
-        let u = &self.u;
-        let mut wt = transpose(w, n, k);
-        for (i, _) in self.dead.iter().enumerate().filter(|(_, d)| **d) {
-            // Never active: the weight is irrelevant, zero makes it exact.
-            wt[i * n..(i + 1) * n].fill(0.0);
-        }
-        let mut scales = vec![0f32; k / gs * n];
-        let mut codes = vec![0u8; k * n];
-        let mut err_block = vec![0f32; bs * n];
+        // Each output row is its own problem given U: the rows are solved in column blocks of
+        // `wt`, one job per block, in lockstep over the K blocks (one fork-join per 128 inputs,
+        // not per input), so both cores stay busy through the column loop as well as the flush.
+        let threads = rayon::current_num_threads().max(1);
+        let width = n.div_ceil(4 * threads).max(64).min(n);
+        let mut chunks: Vec<RowChunk> = (0..n)
+            .step_by(width)
+            .map(|r0| RowChunk::new(w, k, r0, (r0 + width).min(n), &self.dead, gs, bs))
+            .collect();
+        let solve = Clock::start();
+        let mut ut = Vec::new();
         for i1 in (0..k).step_by(bs) {
             let i2 = (i1 + bs).min(k);
-            let block = Clock::start();
-            let mut searched = Spent::default();
-            for i in i1..i2 {
-                let g = i / gs;
-                if i % gs == 0 {
-                    let search = Clock::start();
-                    // From the up-to-date weights: in-block updates go to `wt` directly,
-                    // so a group starting mid-block (g64) never sees stale values.
-                    let (wt_ref, imp) = (&wt, &self.imp[i..i + gs]);
-                    scales[g * n..(g + 1) * n]
-                        .par_iter_mut()
-                        .enumerate()
-                        .with_min_len(64)
-                        .for_each_init(
-                            || vec![0f32; gs],
-                            |buf, (nn, s)| {
-                                for (j, b) in buf.iter_mut().enumerate() {
-                                    *b = wt_ref[(i + j) * n + nn];
-                                }
-                                *s = group_scale(buf, imp, cfg.rule);
-                            },
-                        );
-                    searched += search.elapsed();
+            // U[i1..i2, i2..]ᵀ, shared by every chunk's flush.
+            let (rest, b) = (k - i2, i2 - i1);
+            ut.clear();
+            ut.resize(rest * b, 0f32);
+            let u = &self.u;
+            ut.par_chunks_mut(b).enumerate().for_each(|(c, row)| {
+                for (r, v) in row.iter_mut().enumerate() {
+                    *v = u[(i1 + r) * k + i2 + c];
                 }
-                let d = u[i * k + i];
-                let (head, tail) = wt.split_at_mut((i + 1) * n);
-                let row = &head[i * n..];
-                let err = &mut err_block[(i - i1) * n..(i - i1 + 1) * n];
-                for nn in 0..n {
-                    let s = scales[g * n + nn];
-                    let q = code(row[nn], s);
-                    codes[i * n + nn] = q;
-                    err[nn] = (row[nn] - dequant(q, s)) / d;
-                }
-                let err = &err_block[(i - i1) * n..(i - i1 + 1) * n];
-                tail[..(i2 - i - 1) * n]
-                    .par_chunks_mut(n)
-                    .enumerate()
-                    .with_min_len(8)
-                    .for_each(|(j, r)| {
-                        let uij = u[i * k + i + 1 + j];
-                        r.iter_mut().zip(err).for_each(|(x, e)| *x -= uij * e);
-                    });
+            });
+            let ut = &ut;
+            chunks
+                .par_iter_mut()
+                .for_each(|c| c.block(self, cfg, i1, i2, ut));
+        }
+        let wall = solve.elapsed();
+        // The threads' time per sub-phase, scaled to the solve's wall and CPU time.
+        let mut sum = SolveTimes::default();
+        for c in &chunks {
+            sum += c.times;
+        }
+        let total = sum.search.seconds + sum.columns.seconds + sum.flush.seconds;
+        let share = |x: Spent| {
+            let f = if total > 0.0 { x.seconds / total } else { 0.0 };
+            Spent {
+                seconds: wall.seconds * f,
+                cpu_seconds: wall.cpu_seconds * f,
             }
-            let mut in_block = block.elapsed();
-            in_block.seconds -= searched.seconds;
-            in_block.cpu_seconds -= searched.cpu_seconds;
-            times.search += searched;
-            times.columns += in_block;
-            // Lazy batch flush: wt[i2.., :] -= U[i1..i2, i2..]ᵀ · Err.
-            let flush = Clock::start();
-            if i2 < k {
-                let (rest, b) = (k - i2, i2 - i1);
-                let mut ut = vec![0f32; rest * b];
-                for r in 0..b {
-                    for c in 0..rest {
-                        ut[c * b + r] = u[(i1 + r) * k + i2 + c];
-                    }
-                }
-                let mut upd = vec![0f32; rest * n];
-                matmul_nn(&ut, rest, b, &err_block[..b * n], n, &mut upd);
-                wt[i2 * n..]
-                    .par_iter_mut()
-                    .zip(&upd)
-                    .with_min_len(1 << 14)
-                    .for_each(|(x, d)| *x -= d);
+        };
+        let times = SolveTimes {
+            search: share(sum.search),
+            columns: share(sum.columns),
+            flush: share(sum.flush),
+        };
+        let mut scales = vec![0f32; k / gs * n];
+        let mut codes = vec![0u8; k * n];
+        // Back to one [k, n] layout: row kk of every chunk side by side.
+        let gather = |dst: &mut [u8], kk: usize| {
+            for c in &chunks {
+                let nc = c.r1 - c.r0;
+                dst[c.r0..c.r1].copy_from_slice(&c.codes[kk * nc..(kk + 1) * nc]);
             }
-            times.flush += flush.elapsed();
+        };
+        codes
+            .par_chunks_mut(n)
+            .enumerate()
+            .for_each(|(kk, row)| gather(row, kk));
+        for (g, row) in scales.chunks_mut(n).enumerate() {
+            for c in &chunks {
+                let nc = c.r1 - c.r0;
+                row[c.r0..c.r1].copy_from_slice(&c.scales[g * nc..(g + 1) * nc]);
+            }
         }
         let q = QuantizedWeight {
             in_features: k,
@@ -357,6 +342,108 @@ impl GptqSolver {
             scales,
         };
         Ok((q, times))
+    }
+}
+
+/// Output rows `r0..r1` of one GPTQ solve, in the transposed layout (`[k, r1 − r0]`).
+struct RowChunk {
+    r0: usize,
+    r1: usize,
+    wt: Vec<f32>,
+    codes: Vec<u8>,
+    scales: Vec<f32>,
+    err: Vec<f32>,
+    upd: Vec<f32>,
+    buf: Vec<f32>,
+    /// Wall time of this chunk's job in each sub-phase (one busy thread).
+    times: SolveTimes,
+}
+
+impl RowChunk {
+    fn new(w: &[f32], k: usize, r0: usize, r1: usize, dead: &[bool], gs: usize, bs: usize) -> Self {
+        let nc = r1 - r0;
+        let mut wt = vec![0f32; k * nc];
+        for (kk, row) in wt.chunks_mut(nc).enumerate() {
+            if dead[kk] {
+                // Never active: the weight is irrelevant, zero makes it exact.
+                continue;
+            }
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = w[(r0 + j) * k + kk];
+            }
+        }
+        RowChunk {
+            r0,
+            r1,
+            wt,
+            codes: vec![0u8; k * nc],
+            scales: vec![0f32; k / gs * nc],
+            err: vec![0f32; bs * nc],
+            upd: Vec::new(),
+            buf: vec![0f32; gs],
+            times: SolveTimes::default(),
+        }
+    }
+
+    /// Inputs `i1..i2`: group scales where a group starts, codes and in-block error feedback
+    /// column by column, then the lazy update of every later input by this block's errors.
+    fn block(&mut self, s: &GptqSolver, cfg: &GptqConfig, i1: usize, i2: usize, ut: &[f32]) {
+        let (k, gs) = (s.k, cfg.group_size);
+        let nc = self.r1 - self.r0;
+        let u = &s.u;
+        let start = std::time::Instant::now();
+        let mut searched = 0.0;
+        for i in i1..i2 {
+            let g = i / gs;
+            if i % gs == 0 {
+                let t = std::time::Instant::now();
+                // From the up-to-date weights: in-block updates go to `wt` directly,
+                // so a group starting mid-block (g64) never sees stale values.
+                let imp = &s.imp[i..i + gs];
+                for nn in 0..nc {
+                    for (j, b) in self.buf.iter_mut().enumerate() {
+                        *b = self.wt[(i + j) * nc + nn];
+                    }
+                    self.scales[g * nc + nn] = group_scale(&self.buf, imp, cfg.rule);
+                }
+                searched += t.elapsed().as_secs_f64();
+            }
+            let d = u[i * k + i];
+            let (head, tail) = self.wt.split_at_mut((i + 1) * nc);
+            let row = &head[i * nc..];
+            let err = &mut self.err[(i - i1) * nc..(i - i1 + 1) * nc];
+            for nn in 0..nc {
+                let sc = self.scales[g * nc + nn];
+                let q = code(row[nn], sc);
+                self.codes[i * nc + nn] = q;
+                err[nn] = (row[nn] - dequant(q, sc)) / d;
+            }
+            let err = &self.err[(i - i1) * nc..(i - i1 + 1) * nc];
+            for (j, r) in tail[..(i2 - i - 1) * nc].chunks_mut(nc).enumerate() {
+                let uij = u[i * k + i + 1 + j];
+                r.iter_mut().zip(err).for_each(|(x, e)| *x -= uij * e);
+            }
+        }
+        let in_block = start.elapsed().as_secs_f64();
+        let spent = |seconds| Spent {
+            seconds,
+            cpu_seconds: seconds,
+        };
+        self.times.search += spent(searched);
+        self.times.columns += spent(in_block - searched);
+        // Lazy batch flush: wt[i2.., :] -= U[i1..i2, i2..]ᵀ · Err.
+        let t = std::time::Instant::now();
+        if i2 < k {
+            let (rest, b) = (k - i2, i2 - i1);
+            self.upd.clear();
+            self.upd.resize(rest * nc, 0f32);
+            matmul_nn(ut, rest, b, &self.err[..b * nc], nc, &mut self.upd, false);
+            self.wt[i2 * nc..]
+                .iter_mut()
+                .zip(&self.upd)
+                .for_each(|(x, d)| *x -= d);
+        }
+        self.times.flush += spent(t.elapsed().as_secs_f64());
     }
 }
 
@@ -381,11 +468,11 @@ pub fn gptq(
     })
 }
 
-/// `c[m, n] = a[m, k] · b[k, n]`, row-major.
-fn matmul_nn(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32]) {
+/// `c[m, n] = a[m, k] · b[k, n]`, row-major; on the rayon pool when `parallel`.
+fn matmul_nn(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], parallel: bool) {
     // bᵀ as an [n, k] "weight" would need a copy; call gemm with strides instead.
     let threads = rayon::current_num_threads();
-    let par = if threads > 1 {
+    let par = if parallel && threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
