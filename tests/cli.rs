@@ -190,3 +190,48 @@ fn bench_stages_cover_the_forward_pass() {
         assert!(proj["ms"].as_f64().unwrap() > 0.0, "{phase}");
     }
 }
+
+#[test]
+fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
+    // On a "1 MB machine" the plan refuses (tests/malformed.rs); --force-memory runs anyway and
+    // the plan is still printed and recorded.
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("q");
+    let (_, se) = ok(tool()
+        .env("SPARK_MEM_AVAILABLE", "1000000")
+        .args([
+            "quantize",
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+            "--no-compare",
+            "--force-memory",
+            "--out",
+        ])
+        .arg(&out));
+    assert!(
+        se.contains("memory plan:") && se.contains("1.0 MB available"),
+        "{se}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("quant_report.json")).unwrap())
+            .unwrap();
+    assert!(report["memory_plan"]["activations"].as_u64().unwrap() > 0);
+    let phone = d.path().join("p");
+    ok(tool()
+        .env("SPARK_MEM_AVAILABLE", "1000000")
+        .args([
+            "export-phone",
+            "--context",
+            "32",
+            "--calib-samples",
+            "1",
+            "--calib-seq-len",
+            "8",
+        ])
+        .args(["--quiet", "--force-memory", "--out"])
+        .arg(&phone)
+        .arg(common::fixture("spark-tiny")));
+    assert!(phone.join("phone_manifest.json").exists());
+}

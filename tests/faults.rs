@@ -15,7 +15,11 @@ use spark_tool::checkpoint::TensorStore;
 use spark_tool::device::WeightFormat;
 use spark_tool::quantize::{quantize, QuantizeError};
 
-const BIN: &str = env!("CARGO_BIN_EXE_spark-tool");
+/// The binary under test: this build's, or `SPARK_TOOL_BIN` (docs/RELIABILITY.md runs the data-loss cases
+/// against an older build to show they catch what it did).
+fn bin() -> String {
+    std::env::var("SPARK_TOOL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_spark-tool").into())
+}
 
 fn copy_fixture(to: &Path) -> PathBuf {
     let dst = to.join("model");
@@ -35,7 +39,7 @@ fn names(dir: &Path) -> Vec<String> {
 }
 
 fn spark(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(BIN)
+    Command::new(bin())
         .args(args)
         .env("RAYON_NUM_THREADS", "2")
         .output()
@@ -111,7 +115,7 @@ type KillPoint<'a> = Box<dyn Fn() -> bool + 'a>;
 
 /// Spawn, SIGKILL as soon as `now()` holds, and return whether it was still running then.
 fn kill_when(args: &[&std::ffi::OsStr], now: &dyn Fn() -> bool) -> bool {
-    let mut child = Command::new(BIN)
+    let mut child = Command::new(bin())
         .args(args)
         .env("RAYON_NUM_THREADS", "2")
         .stdout(Stdio::null())

@@ -23,7 +23,11 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-const BIN: &str = env!("CARGO_BIN_EXE_spark-tool");
+/// The binary under test: this build's, or `SPARK_TOOL_BIN` (docs/RELIABILITY.md runs the data-loss cases
+/// against an older build to show they catch what it did).
+fn bin() -> String {
+    std::env::var("SPARK_TOOL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_spark-tool").into())
+}
 /// A case running longer than this is a hang.
 const HANG: Duration = Duration::from_secs(120);
 
@@ -157,7 +161,7 @@ fn shared() -> &'static Shared {
         common::copy_dir(&common::fixture("spark-tiny"), &tiny);
         common::copy_dir(&common::fixture("spark-random"), &random);
         let gptq = dir.path().join("gptq");
-        let o = Command::new(BIN)
+        let o = Command::new(bin())
             .args(["quantize"])
             .arg(&tiny)
             .arg("--out")
@@ -168,7 +172,7 @@ fn shared() -> &'static Shared {
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let phone = dir.path().join("phone");
-        let o = Command::new(BIN)
+        let o = Command::new(bin())
             .args(["export-phone"])
             .arg(&tiny)
             .arg("--out")
@@ -1325,6 +1329,32 @@ fn resource_cases() -> Vec<Case> {
             .set("--seq-len", "100000")
             .names(["--samples", "needs", "available"]),
     );
+    // The memory plans of quantize and export-phone on a small machine: both figures, what to
+    // lower and the way to run anyway.
+    let c = Case::new("quantize on a machine with 1 MB (memory plan)");
+    let m = c.input(&shared().tiny, "model");
+    out.push(
+        on_model(c, "quantize", &m)
+            .env("SPARK_MEM_AVAILABLE", "1000000")
+            .names([
+                "memory plan needs",
+                "1.0 MB is available",
+                "--samples",
+                "--force-memory",
+            ]),
+    );
+    let c = Case::new("export-phone on a machine with 1 MB (memory plan)");
+    let m = c.input(&shared().tiny, "model");
+    out.push(
+        on_model(c, "export-phone", &m)
+            .env("SPARK_MEM_AVAILABLE", "1000000")
+            .names([
+                "memory plan needs",
+                "1.0 MB is available",
+                "--parts",
+                "--force-memory",
+            ]),
+    );
     // A small machine (the figure overridden): an ordinary request is refused with both figures.
     let c = Case::new("run on a machine with 1 MB (memory)");
     let m = c.input(&shared().tiny, "model");
@@ -1411,7 +1441,7 @@ struct Outcome {
 /// Run the binary with `args` in `cwd`, killing it (a hang) after `limit`.
 fn run_bin(args: &[OsString], cwd: &Path, env: &[(&str, String)], limit: Duration) -> Outcome {
     let t = Instant::now();
-    let mut cmd = Command::new(BIN);
+    let mut cmd = Command::new(bin());
     cmd.args(args)
         .current_dir(cwd)
         .env("RAYON_NUM_THREADS", "2")
@@ -1555,8 +1585,16 @@ fn malformed_input_corpus() {
     let mut counts = Vec::new();
     let mut total = 0;
     let mut slowest = (0.0, String::new());
+    // SPARK_CASES=<text>[|<text>...]: only the cases whose name contains one of them.
+    let only = std::env::var("SPARK_CASES").ok();
     for (kind, gen) in generators {
-        let cases = gen();
+        let cases: Vec<Case> = gen()
+            .into_iter()
+            .filter(|c| {
+                only.as_ref()
+                    .is_none_or(|o| o.split('|').any(|p| c.name.contains(p)))
+            })
+            .collect();
         counts.push(format!("{kind} {}", cases.len()));
         total += cases.len();
         for c in cases {
@@ -1588,7 +1626,10 @@ fn malformed_input_corpus() {
         slowest.0,
         slowest.1
     );
-    assert!(total >= 150, "the corpus has only {total} cases");
+    assert!(
+        only.is_some() || total >= 150,
+        "the corpus has only {total} cases"
+    );
     assert!(
         failures.is_empty(),
         "{} of {total} cases misbehaved:\n{}",

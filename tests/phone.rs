@@ -284,3 +284,38 @@ fn f16_export_halves_the_weights_and_stays_close() {
     let snr = snr_db(&want, &got);
     assert!((50.0..110.0).contains(&snr), "f16 weights: SNR {snr:.1} dB");
 }
+
+#[test]
+fn calibrating_part_by_part_gives_the_ranges_of_the_whole_graph() {
+    // Three parts are calibrated one ONNX Runtime session at a time, each fed the residual
+    // stream the previous part produced; every activation the one-part export also has must
+    // get exactly the same encoding (min/max over the same tokens).
+    let whole = exported(Precision::W8A16, 1);
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(Precision::W8A16, 2048);
+    o.parts = 3;
+    export_phone(&common::fixture("spark-tiny"), &dir.path().join("e"), &o).unwrap();
+    let enc = |d: &Path| -> std::collections::BTreeMap<String, serde_json::Value> {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(d.join("model.encodings")).unwrap())
+                .unwrap();
+        v["activation_encodings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e["name"].as_str().unwrap().to_string(), e.clone()))
+            .collect()
+    };
+    let (a, b) = (enc(&whole), enc(&dir.path().join("e")));
+    let common: Vec<&String> = a.keys().filter(|k| b.contains_key(*k)).collect();
+    // All but the tensors renamed at the two part boundaries.
+    assert!(
+        common.len() + 4 >= a.len() && common.len() > 100,
+        "{} of {}",
+        common.len(),
+        a.len()
+    );
+    for k in common {
+        assert_eq!(a[k], b[k], "{k}");
+    }
+}

@@ -111,6 +111,47 @@ fn w4a8_g128_fused_checkpoint() {
         "{}",
         r.bits_per_weight
     );
+    check_time_and_memory_are_reported(&r);
+}
+
+/// The phase split covers every phase once, adds up to no more than the wall time, and the
+/// CPU and memory figures are real measurements of this run.
+fn check_time_and_memory_are_reported(r: &QuantReport) {
+    use spark_tool::quantize::phases::Phase;
+    let phases: Vec<Phase> = r.phases.iter().map(|p| p.phase).collect();
+    assert_eq!(phases, Phase::ALL.to_vec());
+    let timed: f64 = r.phases.iter().map(|p| p.seconds).sum();
+    assert!(
+        timed > 0.0 && timed <= r.wall_seconds * 1.001,
+        "{timed} of {}",
+        r.wall_seconds
+    );
+    for p in &r.phases {
+        assert!(p.seconds >= 0.0 && p.cpu_seconds >= 0.0, "{p:?}");
+    }
+    // The solve and the forward did run.
+    for p in [
+        Phase::Forward,
+        Phase::Hessian,
+        Phase::Factor,
+        Phase::ScaleSearch,
+        Phase::Columns,
+    ] {
+        assert!(r.phases[p as usize].seconds > 0.0, "{p:?}");
+    }
+    assert!(r.threads >= 1);
+    assert!(
+        r.cpu_seconds > 0.0 && r.cpu_utilisation > 0.0,
+        "{}",
+        r.cpu_utilisation
+    );
+    // Other tests share this process, so its CPU time may exceed this run's threads' share.
+    let private = r.peak_private_bytes.expect("sampled on Linux");
+    assert!(
+        private > 1 << 20 && private <= r.peak_rss_bytes.unwrap(),
+        "{private}"
+    );
+    assert!(r.memory_plan.total() > r.memory_plan.fixed);
 }
 
 #[test]

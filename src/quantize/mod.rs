@@ -510,6 +510,7 @@ fn quantize_head(
     rows: usize,
     opts: &QuantizeOptions,
     phases: &mut Phases,
+    block_rows: usize,
 ) -> Result<(QuantizedWeight, LinearReport), QuantizeError> {
     let cfg = model.config();
     let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
@@ -528,8 +529,8 @@ fn quantize_head(
         "lm_head.weight"
     };
     let (mut blocks, mut parts, mut seconds) = (Vec::new(), Vec::new(), factor.seconds);
-    for r0 in (0..vocab).step_by(plan::HEAD_ROWS) {
-        let r1 = (r0 + plan::HEAD_ROWS).min(vocab);
+    for r0 in (0..vocab).step_by(block_rows) {
+        let r1 = (r0 + block_rows).min(vocab);
         let w = phases.time(Phase::Install, || -> Result<Vec<f32>, QuantizeError> {
             let w = crate::model::DenseWeight::load(ck, tensor, Some(r0..r1))?;
             Ok(DenseLinear::from_weight(w, r1 - r0, hidden).dequantize())
@@ -760,7 +761,7 @@ fn run(
     }
     let head = if opts.quantize_head {
         bar.set_message("lm_head");
-        let (q, r) = quantize_head(&model, ck, &x, rows, opts, &mut phases)?;
+        let (q, r) = quantize_head(&model, ck, &x, rows, opts, &mut phases, plan::HEAD_ROWS)?;
         reports.push(r);
         Some(q)
     } else {
@@ -930,6 +931,42 @@ mod tests {
         let r = &reports[0];
         assert_eq!(r.rtn_error, Some(r.error));
         assert_eq!((r.gptq_error, r.gptq_search_error), (None, None));
+    }
+
+    #[test]
+    fn the_head_in_blocks_of_rows_is_the_head_in_one() {
+        let ck = Checkpoint::open(&crate::bundled_fixture()).unwrap();
+        let model = SparkModel::from_checkpoint(&ck, false).unwrap();
+        let tokens: Vec<u32> = (0..96).map(|i| (i * 37 % 4000) as u32 + 1).collect();
+        let x = model.embed(&tokens).unwrap();
+        let mut o = options(Method::GptqSearch, true);
+        o.group_size = 64;
+        let run = |block| {
+            quantize_head(
+                &model,
+                &ck,
+                &x,
+                tokens.len(),
+                &o,
+                &mut Phases::default(),
+                block,
+            )
+            .unwrap()
+        };
+        let vocab = ck.config.vocab_size;
+        let (whole, rw) = run(vocab);
+        let (blocks, rb) = run(1000);
+        assert_eq!((blocks.out_features, blocks.in_features), (vocab, 256));
+        assert_eq!(whole.codes, blocks.codes);
+        assert_eq!(whole.scales, blocks.scales);
+        // Errors summed over blocks of rows: the same up to the order of the f64 sums.
+        for (a, b) in [
+            (rw.error, rb.error),
+            (rw.rtn_error.unwrap(), rb.rtn_error.unwrap()),
+            (rw.gptq_error.unwrap(), rb.gptq_error.unwrap()),
+        ] {
+            assert!((a - b).abs() <= 1e-9 * a, "{a} vs {b}");
+        }
     }
 
     #[test]
