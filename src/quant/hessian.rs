@@ -110,12 +110,22 @@ impl Hessian {
 
     /// H scaled by 1/n (GPTQ is invariant to the scale of H; this keeps numbers moderate).
     pub fn matrix(&self) -> Vec<f64> {
+        self.full(|v| v)
+    }
+
+    /// [`Hessian::matrix`] rounded to f32, without the f64 copy (half the memory at large K).
+    pub fn matrix_f32(&self) -> Vec<f32> {
+        self.full(|v| v as f32)
+    }
+
+    /// The full symmetric H/n, each entry converted by `cast`.
+    fn full<T: Copy + Default + Send>(&self, cast: impl Fn(f64) -> T + Sync) -> Vec<T> {
         let (k, inv) = (self.k, 1.0 / self.tokens.max(1) as f64);
-        let mut h = vec![0f64; k * k];
+        let mut h = vec![T::default(); k * k];
         h.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
             for (j, v) in row.iter_mut().enumerate() {
                 let (a, b) = if j >= i { (i, j) } else { (j, i) };
-                *v = self.sum[a * k + b] * inv;
+                *v = cast(self.sum[a * k + b] * inv);
             }
         });
         h
@@ -125,19 +135,6 @@ impl Hessian {
     pub fn upper(&self, a: usize, b: usize) -> f64 {
         debug_assert!(a <= b);
         self.sum[a * self.k + b]
-    }
-
-    /// [`Hessian::matrix`] rounded to f32, without the f64 copy (half the memory at large K).
-    pub fn matrix_f32(&self) -> Vec<f32> {
-        let (k, inv) = (self.k, 1.0 / self.tokens.max(1) as f64);
-        let mut h = vec![0f32; k * k];
-        h.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
-            for (j, v) in row.iter_mut().enumerate() {
-                let (a, b) = if j >= i { (i, j) } else { (j, i) };
-                *v = (self.sum[a * k + b] * inv) as f32;
-            }
-        });
-        h
     }
 
     pub fn diag(&self) -> Vec<f64> {
