@@ -38,14 +38,18 @@ pub fn available_memory() -> Option<u128> {
     Some(kb * 1024)
 }
 
-/// Refuse `need` bytes for `what` when they exceed the available memory. `SPARK_MEM_AVAILABLE`
-/// (bytes) overrides the figure, so tests can exercise the refusal on any machine.
-pub fn check_fits(what: &str, need: u128, setting: Setting) -> Result<(), ResourceError> {
-    let have = std::env::var("SPARK_MEM_AVAILABLE")
+/// The memory a request is checked against: `SPARK_MEM_AVAILABLE` (bytes) when set, so tests can
+/// exercise refusals on any machine, else [`available_memory`].
+pub fn memory_budget() -> Option<u128> {
+    std::env::var("SPARK_MEM_AVAILABLE")
         .ok()
         .and_then(|v| v.parse().ok())
-        .or_else(available_memory);
-    match have {
+        .or_else(available_memory)
+}
+
+/// Refuse `need` bytes for `what` when they exceed [`memory_budget`].
+pub fn check_fits(what: &str, need: u128, setting: Setting) -> Result<(), ResourceError> {
+    match memory_budget() {
         Some(have) if need > have => Err(ResourceError::Memory {
             what: what.into(),
             need,

@@ -188,10 +188,7 @@ fn plan_memory(
     };
     let fixed = 512u128 << 20;
     let need = host + part + streams + fixed;
-    let have = std::env::var("SPARK_MEM_AVAILABLE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .or_else(crate::resources::available_memory);
+    let have = crate::resources::memory_budget();
     if opts.progress {
         eprintln!(
             "memory plan: {} private at the peak (KV caches and host inputs {}, largest part in f32 {}, \

@@ -678,11 +678,7 @@ fn run(
         widened,
         opts.quantize_head,
     );
-    let have = std::env::var("SPARK_MEM_AVAILABLE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .or_else(crate::resources::available_memory)
-        .map(|b| b.min(u64::MAX as u128) as u64);
+    let have = crate::resources::memory_budget().map(|b| b.min(u64::MAX as u128) as u64);
     if opts.progress {
         let avail = have
             .map(|h| format!("; {} available", crate::resources::human(h as u128)))
