@@ -1,5 +1,5 @@
 //! The Rust GPTQ solver against the independent float64 numpy reference
-//! (tools/gptq_ref.py) on the same W and H.
+//! (tools/gptq_ref.py) on the same W and H, in natural and in activation order (static groups).
 //!
 //! Documented ties: the reference runs in float64 with the textbook
 //! column-by-column update, the solver in float32 with lazy 128-column
@@ -11,7 +11,7 @@
 mod common;
 
 use spark_tool::checkpoint::TensorStore;
-use spark_tool::quant::{GptqConfig, GptqSolver, Hessian, ScaleRule};
+use spark_tool::quant::{GptqConfig, GptqSolver, Hessian, Order, ScaleRule};
 
 #[test]
 fn solver_matches_numpy_reference() {
@@ -26,13 +26,15 @@ fn solver_matches_numpy_reference() {
         .chunks(8)
         .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
         .collect();
-    let solver = GptqSolver::new("case", &Hessian::from_matrix(k, h), 0.01).unwrap();
-    assert_eq!(solver.dead_columns(), 1);
-
-    for (name, rule) in [
-        ("plain", ScaleRule::MaxOver7_5),
-        ("search", ScaleRule::Search),
+    let h = Hessian::from_matrix(k, h);
+    for (name, order, rule) in [
+        ("plain", Order::Natural, ScaleRule::MaxOver7_5),
+        ("search", Order::Natural, ScaleRule::Search),
+        ("act.plain", Order::ActStatic, ScaleRule::MaxOver7_5),
+        ("act.search", Order::ActStatic, ScaleRule::Search),
     ] {
+        let solver = GptqSolver::with_order("case", &h, 0.01, order).unwrap();
+        assert_eq!(solver.dead_columns(), 1);
         let cfg = GptqConfig {
             group_size: 64,
             block_size: 128,

@@ -7,6 +7,7 @@ use std::path::Path;
 use spark_tool::checkpoint::{QkvLayout, TensorStore};
 use spark_tool::device::WeightFormat;
 use spark_tool::formats::gptq::{unpack_qweight, QZEROS_V1_SYM};
+use spark_tool::quant::Order;
 use spark_tool::quantize::{
     calibration, quantize, Method, QuantReport, QuantizeError, QuantizeOptions,
 };
@@ -204,6 +205,58 @@ fn baseline_methods_write_their_own_weights() {
         "GPTQ {} should beat RTN {}",
         errors[1],
         errors[0]
+    );
+}
+
+#[test]
+fn act_order_keeps_the_natural_layout_and_is_part_of_the_recipe() {
+    let d = tempfile::tempdir().unwrap();
+    let run = |order, name: &str| {
+        let out = d.path().join(name);
+        let mut o = opts(&out, WeightFormat::W4A8, 128);
+        (o.order, o.compare) = (order, false);
+        (quantize(&o).unwrap(), out)
+    };
+    let (nat, nat_dir) = run(Order::Natural, "natural");
+    let (act, act_dir) = run(Order::ActStatic, "act");
+    assert_eq!((nat.order, act.order), (Order::Natural, Order::ActStatic));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(act_dir.join("config.json")).unwrap())
+            .unwrap();
+    let qc = &cfg["quantization_config"];
+    assert_eq!(
+        qc["desc_act"], false,
+        "static groups: no permutation is stored"
+    );
+    assert_eq!(qc["meta"]["spark_tool"]["order"], "act-static");
+    let (a, n) = (
+        TensorStore::open_file(&act_dir.join("model.safetensors")).unwrap(),
+        TensorStore::open_file(&nat_dir.join("model.safetensors")).unwrap(),
+    );
+    let p = "model.layers.5.mlp.down_proj";
+    assert_eq!(
+        i32s(&a, &format!("{p}.g_idx")),
+        (0..768).map(|k| k / 128).collect::<Vec<i32>>()
+    );
+    // The order changes the solve, not what is stored around it.
+    assert_ne!(
+        i32s(&a, &format!("{p}.qweight")),
+        i32s(&n, &format!("{p}.qweight"))
+    );
+    assert_eq!(
+        a.get(&format!("{p}.qweight")).unwrap().shape,
+        n.get(&format!("{p}.qweight")).unwrap().shape
+    );
+    // A run stopped in one order does not resume in the other.
+    let out = d.path().join("switch");
+    let mut o = opts(&out, WeightFormat::W4A8, 128);
+    (o.compare, o.stop_after_layers) = (false, Some(2));
+    assert!(matches!(quantize(&o), Err(QuantizeError::Interrupted(2))));
+    (o.order, o.stop_after_layers, o.resume) = (Order::ActStatic, None, true);
+    let e = quantize(&o).unwrap_err().to_string();
+    assert!(
+        e.contains("different model, calibration or settings"),
+        "{e}"
     );
 }
 

@@ -5,7 +5,10 @@ Deliberately different from the Rust solver where the math allows: float64
 throughout, U from Cholesky → inverse → upper Cholesky (not the index-reversal
 trick), and the textbook column loop that updates every remaining column after
 each step (no lazy 128-column blocks). Group scales are taken from the current
-(error-updated) weights when a group's first column is reached.
+(error-updated) weights when a group's first column is reached. With `act=True` the columns are
+visited in descending diag(H) (ties by index) with static groups: groups stay the consecutive runs of
+G original columns, a group's scale is chosen when the first of its members is visited, and the codes
+are returned in the original column order.
 
     python3 tools/gptq_ref.py make tests/golden/gptq_case.safetensors
     python3 tools/gptq_ref.py check tests/golden/gptq_case.safetensors
@@ -71,13 +74,15 @@ def group_scale(w: np.ndarray, imp: np.ndarray, search: bool) -> float:
     return best_s
 
 
-def gptq(W: np.ndarray, H: np.ndarray, search: bool) -> tuple[np.ndarray, np.ndarray]:
+def gptq(W: np.ndarray, H: np.ndarray, search: bool, act: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """W [N, K], H [K, K] → codes [K, N] (uint8), scales [K/G, N]."""
     W = W.astype(np.float64).copy()
     H = H.copy()
     dead = np.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
+    perm = np.argsort(-np.diag(H), kind="stable") if act else np.arange(K)
+    W, H = W[:, perm], H[np.ix_(perm, perm)]
     H[np.diag_indices(K)] += DAMP * np.mean(np.diag(H))
     Hinv = np.linalg.inv(np.linalg.cholesky(H))
     Hinv = Hinv.T @ Hinv  # (H + λI)^-1
@@ -85,13 +90,18 @@ def gptq(W: np.ndarray, H: np.ndarray, search: bool) -> tuple[np.ndarray, np.nda
     imp = 1.0 / np.diag(U) ** 2
     codes = np.zeros((K, N), dtype=np.uint8)
     scales = np.zeros((K // G, N))
+    group = perm // G  # group of each visited position
+    scaled = np.zeros(K // G, dtype=bool)
     for i in range(K):
-        if i % G == 0:
+        g = group[i]
+        if not scaled[g]:
+            members = np.flatnonzero(group == g)  # positions, ascending; all still ahead
             for n in range(N):
-                scales[i // G, n] = group_scale(W[n, i:i + G], imp[i:i + G], search)
-        s = scales[i // G]
+                scales[g, n] = group_scale(W[n, members], imp[members], search)
+            scaled[g] = True
+        s = scales[g]
         q = codes_for(W[:, i], s)
-        codes[i] = q
+        codes[perm[i]] = q
         err = (W[:, i] - s * (q - 8)) / U[i, i]
         W[:, i + 1:] -= np.outer(err, U[i, i + 1:])
     return codes, scales
@@ -112,8 +122,9 @@ PERTURB = 1e-10
 
 def solve_all(W: np.ndarray, H: np.ndarray) -> dict[str, tuple[str, np.ndarray]]:
     out = {}
-    for name, search in (("plain", False), ("search", True)):
-        c, s = gptq(W, H, search)
+    for name, search, act in (("plain", False, False), ("search", True, False),
+                              ("act.plain", False, True), ("act.search", True, True)):
+        c, s = gptq(W, H, search, act)
         out[f"{name}.codes"] = ("U8", c)
         out[f"{name}.scales"] = ("F32", s.astype(np.float32))
     return out

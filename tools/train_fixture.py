@@ -24,8 +24,21 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import docs_corpus  # noqa: E402
 import fixture_tokenizer  # noqa: E402
 import spark_corpus  # noqa: E402
+
+# What each --corpus is, for TRAINING.md.
+CORPORA = {
+    "spark": ("every 10th document, never trained on",
+              "Data (both redistributable): project-written synthetic chat / tool-call dialogues in Spark's chat "
+              "frame in five languages with code and JSON (tools/spark_corpus.py, Apache-2.0), and text from the "
+              "CPython 3.11 standard library (`pydoc_data/topics.py` prose and module sources; PSF License 2.0)."),
+    "docs": ("whole books never trained on: " + ", ".join(docs_corpus.HELD_OUT_BOOKS),
+             f"Data: the Rust {docs_corpus.TOOLCHAIN} documentation books of the `rust-docs` component (MIT OR "
+             "Apache-2.0), one document per page (tools/docs_corpus.py). Trained on "
+             + ", ".join(docs_corpus.TRAIN_BOOKS) + "; held out by book."),
+}
 
 CHAT_TEMPLATE = (
     # Project-written rendering of the frame in docs/MODEL.md §13 (tools block omitted).
@@ -199,11 +212,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--corpus", choices=sorted(CORPORA), default="spark",
+                    help="spark: fixtures/spark-tiny's text; docs: the Rust books (fixtures/spark-docs)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    train_docs, held_docs = spark_corpus.corpus()
+    train_docs, held_docs = (docs_corpus if args.corpus == "docs" else spark_corpus).corpus()
     tok = fixture_tokenizer.build(train_docs, args.vocab)
     fixture_tokenizer.write(tok, args.out, CHAT_TEMPLATE)
     enc = lambda docs: torch.tensor([t for d in docs for t in tok.encode(d).ids], dtype=torch.long)  # noqa: E731
@@ -251,15 +266,13 @@ def main() -> None:
     (args.out / "training_curve.json").write_text(json.dumps(curve, indent=1) + "\n")
 
     lines = [
-        "# spark-tiny: how it was trained", "",
+        f"# {args.out.name}: how it was trained", "",
         f"Command: `python3 tools/train_fixture.py --out {args.out} --steps {args.steps} --batch {args.batch} "
-        f"--seq {args.seq} --lr {args.lr} --vocab {args.vocab} --seed {args.seed}` "
+        f"--seq {args.seq} --lr {args.lr} --vocab {args.vocab} --seed {args.seed} --corpus {args.corpus}` "
         f"(torch {torch.__version__}, {torch.get_num_threads()} threads, {time.time() - t0:.0f} s).", "",
         f"Parameters: {n_params:,} (tied head), stored bf16. Tokens: {len(train):,} train, "
-        f"{len(held):,} held out (every 10th document, never trained on).", "",
-        "Data (both redistributable): project-written synthetic chat / tool-call dialogues in Spark's chat "
-        "frame in five languages with code and JSON (tools/spark_corpus.py, Apache-2.0), and text from the "
-        "CPython 3.11 standard library (`pydoc_data/topics.py` prose and module sources; PSF License 2.0).", "",
+        f"{len(held):,} held out ({CORPORA[args.corpus][0]}).", "",
+        CORPORA[args.corpus][1], "",
         f"**Held-out perplexity (fp32 weights, seq {args.seq}): {final_ppl:.2f}** "
         f"(uniform over the vocab would be {args.vocab}).", "",
         "| step | train loss (EMA) | held-out ppl | elapsed s |", "|---:|---:|---:|---:|",

@@ -5,6 +5,7 @@ use clap::{Args, ValueEnum};
 
 use spark_tool::checkpoint::QkvLayout;
 use spark_tool::device::{self, Priority, Target, WeightFormat};
+use spark_tool::quant::Order;
 use spark_tool::quantize::{calibration, quantize, Method, QuantizeOptions};
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -34,6 +35,14 @@ pub enum MethodArg {
     Rtn,
     Gptq,
     GptqSearch,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum OrderArg {
+    /// Inputs in their natural order.
+    Natural,
+    /// Descending activation energy (diag H) with static groups; the stored layout is unchanged.
+    ActStatic,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -129,6 +138,10 @@ pub struct QuantizeArgs {
     /// The quantizer that writes the weights (rtn and gptq are baselines for comparisons).
     #[arg(long, value_enum, default_value = "gptq-search")]
     method: MethodArg,
+    /// The order GPTQ visits each linear's inputs in (docs/QUANTIZE.md); either way the checkpoint
+    /// has the plain no-act-order layout (g_idx = k / G) that vLLM's CPU kernels take.
+    #[arg(long, value_enum, default_value = "natural")]
+    order: OrderArg,
     #[arg(long, value_enum, default_value = "speed")]
     priority: PriorityArg,
     #[arg(long, value_enum, default_value = "auto")]
@@ -201,6 +214,10 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             MethodArg::Rtn => Method::Rtn,
             MethodArg::Gptq => Method::Gptq,
             MethodArg::GptqSearch => Method::GptqSearch,
+        },
+        order: match a.order {
+            OrderArg::Natural => Order::Natural,
+            OrderArg::ActStatic => Order::ActStatic,
         },
         path,
         calibration: if a.calibration.is_empty() {

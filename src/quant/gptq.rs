@@ -21,6 +21,22 @@ pub struct GptqConfig {
     pub rule: ScaleRule,
 }
 
+/// The order GPTQ visits a linear's inputs in. The stored layout is the natural one either
+/// way: groups are always the consecutive runs of G inputs (`g_idx = k / G`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Order {
+    /// Inputs 0, 1, …, K − 1.
+    #[default]
+    Natural,
+    /// Descending diag(H) ("activation order": the inputs with the most energy are rounded
+    /// first, while the most others are left to absorb their error), with **static groups**:
+    /// a group's scale is chosen when the first of its members is reached, from the members'
+    /// weights as updated by then, and the codes are stored back in the natural order. vLLM
+    /// takes the result as an ordinary no-act-order checkpoint.
+    ActStatic,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GptqError {
     #[error("{0}: in_features {1} is not a multiple of the group size {2}")]
@@ -169,18 +185,65 @@ fn inverse_upper_factor(h: impl Fn(usize, usize) -> f64 + Sync, k: usize) -> Opt
 pub struct GptqSolver {
     name: String,
     k: usize,
-    /// Upper factor of (H + λI)⁻¹, row-major `[k, k]`.
+    /// Processing position → input, for [`Order::ActStatic`]; `None` is the identity.
+    perm: Option<Vec<usize>>,
+    /// Upper factor of (P (H + λI) Pᵀ)⁻¹, row-major `[k, k]`, in processing positions.
     u: Vec<f32>,
-    /// Per-input importance for the scale search: 1/U[i,i]².
+    /// Per-position importance for the scale search: 1/U[i,i]².
     imp: Vec<f32>,
+    /// Per position.
     dead: Vec<bool>,
     pub damp_used: f64,
+}
+
+/// Which group each processing position belongs to, and each group's members.
+struct Schedule {
+    /// Group (in the stored, natural layout) of each position.
+    group: Vec<usize>,
+    /// Positions of group g's members, ascending: `members[g·G .. (g+1)·G]`.
+    members: Vec<usize>,
+    /// Position → input.
+    input: Vec<usize>,
+    /// Input → position.
+    position: Vec<usize>,
+}
+
+impl Schedule {
+    fn new(perm: Option<&[usize]>, k: usize, gs: usize) -> Self {
+        let input: Vec<usize> = perm.map_or_else(|| (0..k).collect(), <[usize]>::to_vec);
+        let group: Vec<usize> = input.iter().map(|&c| c / gs).collect();
+        let mut position = vec![0usize; k];
+        for (pos, &c) in input.iter().enumerate() {
+            position[c] = pos;
+        }
+        let mut members = vec![0usize; k];
+        let mut filled = vec![0usize; k / gs];
+        for (pos, &g) in group.iter().enumerate() {
+            members[g * gs + filled[g]] = pos;
+            filled[g] += 1;
+        }
+        Schedule {
+            group,
+            members,
+            input,
+            position,
+        }
+    }
+
+    fn members(&self, g: usize, gs: usize) -> &[usize] {
+        &self.members[g * gs..(g + 1) * gs]
+    }
 }
 
 impl GptqSolver {
     /// Dead inputs, damping (1 % of mean diag by default, +0.01 per Cholesky
     /// failure, logged with `name`) and the inverse upper factor.
     pub fn new(name: &str, h: &Hessian, damp: f64) -> Result<Self, GptqError> {
+        Self::with_order(name, h, damp, Order::Natural)
+    }
+
+    /// [`GptqSolver::new`] visiting the inputs in `order`.
+    pub fn with_order(name: &str, h: &Hessian, damp: f64, order: Order) -> Result<Self, GptqError> {
         if !h.is_finite() {
             return Err(GptqError::NonFiniteHessian(name.into()));
         }
@@ -196,14 +259,25 @@ impl GptqSolver {
             }
         };
         let mean_diag = (0..k).map(diag).sum::<f64>() / k as f64;
+        let perm = match order {
+            Order::Natural => None,
+            Order::ActStatic => {
+                let mut p: Vec<usize> = (0..k).collect();
+                // Descending diag, ties by input index (tools/gptq_ref.py sorts the same way).
+                p.sort_by(|&a, &b| diag(b).total_cmp(&diag(a)).then(a.cmp(&b)));
+                Some(p)
+            }
+        };
+        let input = |pos: usize| perm.as_ref().map_or(pos, |p| p[pos]);
         let mut damp = damp;
         let u = loop {
             let add = damp * mean_diag;
             let damped = |a: usize, b: usize| {
-                if a == b {
-                    diag(a) + add
+                let (x, y) = (input(a), input(b));
+                if x == y {
+                    diag(x) + add
                 } else {
-                    h.upper(a, b) * inv_n
+                    h.upper(x.min(y), x.max(y)) * inv_n
                 }
             };
             if let Some(u) = inverse_upper_factor(damped, k) {
@@ -225,9 +299,11 @@ impl GptqSolver {
         let imp: Vec<f32> = (0..k)
             .map(|i| 1.0 / (u[i * k + i] * u[i * k + i]))
             .collect();
+        let dead = (0..k).map(|pos| dead[input(pos)]).collect();
         Ok(GptqSolver {
             name: name.into(),
             k,
+            perm,
             u,
             imp,
             dead,
@@ -238,6 +314,14 @@ impl GptqSolver {
     /// Input features of the linears this solver serves.
     pub fn dim(&self) -> usize {
         self.k
+    }
+
+    pub fn order(&self) -> Order {
+        if self.perm.is_some() {
+            Order::ActStatic
+        } else {
+            Order::Natural
+        }
     }
 
     pub fn dead_columns(&self) -> usize {
@@ -273,9 +357,10 @@ impl GptqSolver {
         // not per input), so both cores stay busy through the column loop as well as the flush.
         let threads = rayon::current_num_threads().max(1);
         let width = n.div_ceil(4 * threads).max(64).min(n);
+        let sched = Schedule::new(self.perm.as_deref(), k, gs);
         let mut chunks: Vec<RowChunk> = (0..n)
             .step_by(width)
-            .map(|r0| RowChunk::new(w, k, r0, (r0 + width).min(n), &self.dead, gs, bs))
+            .map(|r0| RowChunk::new(w, k, r0, (r0 + width).min(n), self, &sched, gs, bs))
             .collect();
         let solve = Clock::start();
         let mut ut = Vec::new();
@@ -292,9 +377,10 @@ impl GptqSolver {
                 }
             });
             let ut = &ut;
+            let sched = &sched;
             chunks
                 .par_iter_mut()
-                .for_each(|c| c.block(self, cfg, i1, i2, ut));
+                .for_each(|c| c.block(self, sched, cfg, i1, i2, ut));
         }
         let wall = solve.elapsed();
         // The threads' time per sub-phase, scaled to the solve's wall and CPU time.
@@ -317,11 +403,12 @@ impl GptqSolver {
         };
         let mut scales = vec![0f32; k / gs * n];
         let mut codes = vec![0u8; k * n];
-        // Back to one [k, n] layout: row kk of every chunk side by side.
+        // Back to one [k, n] layout in input order: input kk was solved at `sched.position[kk]`.
         let gather = |dst: &mut [u8], kk: usize| {
+            let pos = sched.position[kk];
             for c in &chunks {
                 let nc = c.r1 - c.r0;
-                dst[c.r0..c.r1].copy_from_slice(&c.codes[kk * nc..(kk + 1) * nc]);
+                dst[c.r0..c.r1].copy_from_slice(&c.codes[pos * nc..(pos + 1) * nc]);
             }
         };
         codes
@@ -355,19 +442,31 @@ struct RowChunk {
     err: Vec<f32>,
     upd: Vec<f32>,
     buf: Vec<f32>,
+    imp: Vec<f32>,
     /// Wall time of this chunk's job in each sub-phase (one busy thread).
     times: SolveTimes,
 }
 
 impl RowChunk {
-    fn new(w: &[f32], k: usize, r0: usize, r1: usize, dead: &[bool], gs: usize, bs: usize) -> Self {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        w: &[f32],
+        k: usize,
+        r0: usize,
+        r1: usize,
+        s: &GptqSolver,
+        sched: &Schedule,
+        gs: usize,
+        bs: usize,
+    ) -> Self {
         let nc = r1 - r0;
         let mut wt = vec![0f32; k * nc];
-        for (kk, row) in wt.chunks_mut(nc).enumerate() {
-            if dead[kk] {
+        for (pos, row) in wt.chunks_mut(nc).enumerate() {
+            if s.dead[pos] {
                 // Never active: the weight is irrelevant, zero makes it exact.
                 continue;
             }
+            let kk = sched.input[pos];
             for (j, v) in row.iter_mut().enumerate() {
                 *v = w[(r0 + j) * k + kk];
             }
@@ -381,30 +480,50 @@ impl RowChunk {
             err: vec![0f32; bs * nc],
             upd: Vec::new(),
             buf: vec![0f32; gs],
+            imp: vec![0f32; gs],
             times: SolveTimes::default(),
         }
     }
 
-    /// Inputs `i1..i2`: group scales where a group starts, codes and in-block error feedback
-    /// column by column, then the lazy update of every later input by this block's errors.
-    fn block(&mut self, s: &GptqSolver, cfg: &GptqConfig, i1: usize, i2: usize, ut: &[f32]) {
+    /// Positions `i1..i2`: a group's scale where its first member is reached, codes and
+    /// in-block error feedback column by column, then the lazy update of every later position
+    /// by this block's errors.
+    fn block(
+        &mut self,
+        s: &GptqSolver,
+        sched: &Schedule,
+        cfg: &GptqConfig,
+        i1: usize,
+        i2: usize,
+        ut: &[f32],
+    ) {
         let (k, gs) = (s.k, cfg.group_size);
         let nc = self.r1 - self.r0;
         let u = &s.u;
         let start = std::time::Instant::now();
         let mut searched = 0.0;
         for i in i1..i2 {
-            let g = i / gs;
-            if i % gs == 0 {
+            let g = sched.group[i];
+            let members = sched.members(g, gs);
+            if members[0] == i {
                 let t = std::time::Instant::now();
-                // From the up-to-date weights: in-block updates go to `wt` directly,
-                // so a group starting mid-block (g64) never sees stale values.
-                let imp = &s.imp[i..i + gs];
+                for (b, &m) in self.imp.iter_mut().zip(members) {
+                    *b = s.imp[m];
+                }
+                // From the up-to-date weights. In-block updates go to `wt` directly; a member
+                // in a later block (act order) has not had this block's columns so far flushed
+                // into it yet, so they are applied here.
                 for nn in 0..nc {
-                    for (j, b) in self.buf.iter_mut().enumerate() {
-                        *b = self.wt[(i + j) * nc + nn];
+                    for (b, &m) in self.buf.iter_mut().zip(members) {
+                        let mut v = self.wt[m * nc + nn];
+                        if m >= i2 {
+                            for p in i1..i {
+                                v -= u[p * k + m] * self.err[(p - i1) * nc + nn];
+                            }
+                        }
+                        *b = v;
                     }
-                    self.scales[g * nc + nn] = group_scale(&self.buf, imp, cfg.rule);
+                    self.scales[g * nc + nn] = group_scale(&self.buf, &self.imp, cfg.rule);
                 }
                 searched += t.elapsed().as_secs_f64();
             }

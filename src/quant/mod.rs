@@ -8,7 +8,7 @@ pub mod timing;
 
 pub use gptq::{
     gptq, output_error_parts, relative_output_error, relative_output_error_with, rtn, GptqConfig,
-    GptqError, GptqResult, GptqSolver, QuantizedWeight,
+    GptqError, GptqResult, GptqSolver, Order, QuantizedWeight,
 };
 pub use grid::ScaleRule;
 pub use hessian::Hessian;

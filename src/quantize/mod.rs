@@ -29,7 +29,7 @@ use crate::model::block::residual_add;
 use crate::model::{DecoderLayer, DenseLinear, Linear, Proj, SparkModel};
 use crate::quant::timing::Clock;
 use crate::quant::{
-    output_error_parts, rtn, GptqConfig, GptqSolver, Hessian, QuantizedWeight, ScaleRule,
+    output_error_parts, rtn, GptqConfig, GptqSolver, Hessian, Order, QuantizedWeight, ScaleRule,
 };
 use crate::tokenizer::SparkTokenizer;
 use phases::{Phase, PhaseReport, Phases};
@@ -53,6 +53,8 @@ pub struct QuantizeOptions {
     pub format: WeightFormat,
     pub group_size: usize,
     pub method: Method,
+    /// The order GPTQ visits each linear's inputs in (the stored layout is the natural one).
+    pub order: Order,
     /// Why this format (the probe's decision, or "explicit").
     pub path: WeightPath,
     pub calibration: Vec<PathBuf>,
@@ -100,6 +102,8 @@ pub struct QuantReport {
     pub format: WeightFormat,
     pub group_size: usize,
     pub scale_rule: ScaleRule,
+    /// GPTQ's column order (RTN ignores it).
+    pub order: Order,
     pub qkv_layout: QkvLayout,
     pub quantize_head: bool,
     pub path: WeightPath,
@@ -332,7 +336,7 @@ fn quantize_group(
     phases: &mut Phases,
 ) -> Result<(Vec<QuantizedWeight>, Vec<LinearReport>), QuantizeError> {
     let mut clock = Clock::start();
-    let solver = GptqSolver::new(&names.join("+"), h, opts.damp)?;
+    let solver = GptqSolver::with_order(&names.join("+"), h, opts.damp, opts.order)?;
     let factor = clock.lap();
     phases.add(Phase::Factor, factor);
     let setup = factor.seconds / names.len() as f64;
@@ -519,7 +523,7 @@ fn quantize_head(
     phases.time(Phase::Hessian, || h.add(&y, rows));
     drop(y);
     let mut clock = Clock::start();
-    let solver = GptqSolver::new("lm_head", &h, opts.damp)?;
+    let solver = GptqSolver::with_order("lm_head", &h, opts.damp, opts.order)?;
     let factor = clock.lap();
     phases.add(Phase::Factor, factor);
     let hm = phases.time(Phase::Compare, || h.matrix_f32());
@@ -783,6 +787,7 @@ fn run(
         } else {
             ScaleRule::MaxOver7_5
         },
+        order: opts.order,
         qkv_layout: opts.qkv_layout,
         quantize_head: opts.quantize_head,
         path: opts.path.clone(),
@@ -845,6 +850,7 @@ mod tests {
             format: WeightFormat::W4A16,
             group_size: 32,
             method,
+            order: Order::Natural,
             path: crate::device::decide(&CpuFeatures::default(), Target::X86, Priority::Speed),
             calibration: Vec::new(),
             samples: 1,

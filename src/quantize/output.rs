@@ -68,14 +68,16 @@ pub fn settings_fingerprint(
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?}",
         opts.format,
         opts.group_size,
         opts.samples,
         opts.seq_len,
         opts.qkv_layout,
         opts.quantize_head,
-        opts.damp
+        opts.damp,
+        opts.method,
+        opts.order
     ));
     Ok(format!("{:x}", h.finalize()))
 }
@@ -560,6 +562,7 @@ impl Output {
                 "format": r.format,
                 "method": r.method,
                 "scale_rule": r.scale_rule,
+                "order": r.order,
                 "qkv_layout": r.qkv_layout,
                 "device_path": r.path,
                 "calibration_sha256": r.calibration_sha256,

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use spark_tool::checkpoint::{Checkpoint, QkvLayout, TensorStore};
 use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::model::SparkModel;
+use spark_tool::quant::Order;
 use spark_tool::quantize::{calibration, Method, QuantizeOptions};
 
 pub fn root() -> PathBuf {
@@ -120,6 +121,7 @@ pub fn quantize_options(
         format,
         group_size,
         method: Method::GptqSearch,
+        order: Order::Natural,
         path: device::decide(
             &device::CpuFeatures::default(),
             Target::X86,
