@@ -261,6 +261,34 @@ fn act_order_keeps_the_natural_layout_and_is_part_of_the_recipe() {
 }
 
 #[test]
+fn scale_refit_rounds_only_ever_lower_a_linears_error() {
+    let d = tempfile::tempdir().unwrap();
+    let run = |rounds, name: &str| {
+        let mut o = opts(&d.path().join(name), WeightFormat::W4A8, 128);
+        (o.refit_rounds, o.compare) = (rounds, false);
+        quantize(&o).unwrap()
+    };
+    let (plain, refit) = (run(0, "plain"), run(2, "refit"));
+    assert_eq!(refit.refit_rounds, 2);
+    // The same first solve on the same inputs until a linear changes; from then on later inputs
+    // differ, so only the first linear is compared exactly, and the mean overall.
+    assert!(refit.linears[0].error <= plain.linears[0].error);
+    let better = plain
+        .linears
+        .iter()
+        .zip(&refit.linears)
+        .filter(|(p, r)| r.error < p.error)
+        .count();
+    assert!(
+        better * 2 > plain.linears.len() && refit.mean_error < plain.mean_error,
+        "refit lowered {better} of {} linears; mean {} vs {}",
+        plain.linears.len(),
+        refit.mean_error,
+        plain.mean_error
+    );
+}
+
+#[test]
 fn resume_finishes_an_interrupted_run_identically() {
     let d = tempfile::tempdir().unwrap();
     let full = d.path().join("full");

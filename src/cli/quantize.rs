@@ -142,6 +142,10 @@ pub struct QuantizeArgs {
     /// has the plain no-act-order layout (g_idx = k / G) that vLLM's CPU kernels take.
     #[arg(long, value_enum, default_value = "natural")]
     order: OrderArg,
+    /// After GPTQ, rounds of refitting each group's scale to the linear's output error (codes fixed)
+    /// and re-solving GPTQ's codes for those scales; the lowest output error is kept (docs/QUANTIZE.md).
+    #[arg(long, default_value_t = 0)]
+    refit_rounds: usize,
     #[arg(long, value_enum, default_value = "speed")]
     priority: PriorityArg,
     #[arg(long, value_enum, default_value = "auto")]
@@ -219,6 +223,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             OrderArg::Natural => Order::Natural,
             OrderArg::ActStatic => Order::ActStatic,
         },
+        refit_rounds: a.refit_rounds,
         path,
         calibration: if a.calibration.is_empty() {
             vec![calibration::bundled()]

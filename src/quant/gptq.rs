@@ -345,6 +345,31 @@ impl GptqSolver {
         n: usize,
         cfg: &GptqConfig,
     ) -> Result<(QuantizedWeight, SolveTimes), GptqError> {
+        self.solve(w, n, cfg, None)
+    }
+
+    /// GPTQ's codes for given group scales (`[K/G, N]`, stored values): the error feedback of the
+    /// solve, with the scales held fixed instead of chosen as each group is reached.
+    pub fn quantize_with_scales(
+        &self,
+        w: &[f32],
+        n: usize,
+        cfg: &GptqConfig,
+        scales: &[f32],
+    ) -> Result<(QuantizedWeight, SolveTimes), GptqError> {
+        if scales.len() != self.k / cfg.group_size.max(1) * n {
+            return Err(GptqError::Shape(self.name.clone(), self.k, cfg.group_size));
+        }
+        self.solve(w, n, cfg, Some(scales))
+    }
+
+    fn solve(
+        &self,
+        w: &[f32],
+        n: usize,
+        cfg: &GptqConfig,
+        given: Option<&[f32]>,
+    ) -> Result<(QuantizedWeight, SolveTimes), GptqError> {
         let (k, gs, bs) = (self.k, cfg.group_size, cfg.block_size);
         if k % gs != 0 || bs % gs != 0 || w.len() != n * k {
             return Err(GptqError::Shape(self.name.clone(), k, gs));
@@ -360,7 +385,13 @@ impl GptqSolver {
         let sched = Schedule::new(self.perm.as_deref(), k, gs);
         let mut chunks: Vec<RowChunk> = (0..n)
             .step_by(width)
-            .map(|r0| RowChunk::new(w, k, r0, (r0 + width).min(n), self, &sched, gs, bs))
+            .map(|r0| {
+                let mut c = RowChunk::new(w, k, r0, (r0 + width).min(n), self, &sched, gs, bs);
+                if let Some(s) = given {
+                    c.fix_scales(s, n);
+                }
+                c
+            })
             .collect();
         let solve = Clock::start();
         let mut ut = Vec::new();
@@ -443,6 +474,8 @@ struct RowChunk {
     upd: Vec<f32>,
     buf: Vec<f32>,
     imp: Vec<f32>,
+    /// Scales given up front ([`GptqSolver::quantize_with_scales`]), not chosen per group.
+    fixed: bool,
     /// Wall time of this chunk's job in each sub-phase (one busy thread).
     times: SolveTimes,
 }
@@ -481,8 +514,18 @@ impl RowChunk {
             upd: Vec::new(),
             buf: vec![0f32; gs],
             imp: vec![0f32; gs],
+            fixed: false,
             times: SolveTimes::default(),
         }
+    }
+
+    /// This chunk's rows of `scales` (`[K/G, n]`).
+    fn fix_scales(&mut self, scales: &[f32], n: usize) {
+        let nc = self.r1 - self.r0;
+        for (g, row) in self.scales.chunks_mut(nc).enumerate() {
+            row.copy_from_slice(&scales[g * n + self.r0..g * n + self.r1]);
+        }
+        self.fixed = true;
     }
 
     /// Positions `i1..i2`: a group's scale where its first member is reached, codes and
@@ -505,7 +548,7 @@ impl RowChunk {
         for i in i1..i2 {
             let g = sched.group[i];
             let members = sched.members(g, gs);
-            if members[0] == i {
+            if members[0] == i && !self.fixed {
                 let t = std::time::Instant::now();
                 for (b, &m) in self.imp.iter_mut().zip(members) {
                     *b = s.imp[m];
@@ -588,7 +631,15 @@ pub fn gptq(
 }
 
 /// `c[m, n] = a[m, k] · b[k, n]`, row-major; on the rayon pool when `parallel`.
-fn matmul_nn(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], parallel: bool) {
+pub(crate) fn matmul_nn(
+    a: &[f32],
+    m: usize,
+    k: usize,
+    b: &[f32],
+    n: usize,
+    c: &mut [f32],
+    parallel: bool,
+) {
     // bᵀ as an [n, k] "weight" would need a copy; call gemm with strides instead.
     let threads = rayon::current_num_threads();
     let par = if parallel && threads > 1 {
@@ -652,6 +703,46 @@ pub fn output_error_parts(w: &[f32], q: &[f32], n: usize, k: usize, hm: &[f32]) 
     )
 }
 
+/// `out[n, cols] = d[:, r0..r0+rows] · H[r0..r0+rows, c0..c0+cols]` for `d` `[n, k]` and `h` `[k, k]`
+/// (row-major, single-threaded: callers run one block per job).
+pub(crate) fn rows_times_block(
+    d: &[f32],
+    n: usize,
+    k: usize,
+    h: &[f32],
+    (r0, rows): (usize, usize),
+    (c0, cols): (usize, usize),
+    out: &mut [f32],
+) {
+    assert!(d.len() >= n * k && h.len() >= k * k && out.len() >= n * cols);
+    assert!(r0 + rows <= k && c0 + cols <= k);
+    // SAFETY: dst out is [n, cols] (rs cols); lhs = columns r0.. of d ([n, rows], rs k); rhs =
+    // H[r0.., c0..] ([rows, cols], rs k); the asserts keep every index inside the buffers.
+    unsafe {
+        gemm::gemm(
+            n,
+            cols,
+            rows,
+            out.as_mut_ptr(),
+            1,
+            cols as isize,
+            false,
+            d.as_ptr().add(r0),
+            1,
+            k as isize,
+            h.as_ptr().add(r0 * k + c0),
+            1,
+            k as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
 /// Side of the blocks of H in [`quadratic_form`].
 const QF_BLOCK: usize = 256;
 
@@ -669,31 +760,7 @@ pub(crate) fn quadratic_form(d: &[f32], n: usize, k: usize, h: &[f32]) -> f64 {
             let (rows, cols) = ((k - r0).min(QF_BLOCK), (k - c0).min(QF_BLOCK));
             p.clear();
             p.resize(n * cols, 0f32);
-            // SAFETY: dst p is [n, cols] (rs cols); lhs = columns r0.. of d
-            // ([n, rows], rs k); rhs = H[r0.., c0..] ([rows, cols], rs k).
-            unsafe {
-                gemm::gemm(
-                    n,
-                    cols,
-                    rows,
-                    p.as_mut_ptr(),
-                    1,
-                    cols as isize,
-                    false,
-                    d.as_ptr().add(r0),
-                    1,
-                    k as isize,
-                    h.as_ptr().add(r0 * k + c0),
-                    1,
-                    k as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
+            rows_times_block(d, n, k, h, (r0, rows), (c0, cols), p);
             let part: f64 = p
                 .chunks_exact(cols)
                 .enumerate()

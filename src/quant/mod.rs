@@ -4,6 +4,7 @@
 pub mod gptq;
 pub mod grid;
 pub mod hessian;
+pub mod refit;
 pub mod timing;
 
 pub use gptq::{
@@ -12,3 +13,4 @@ pub use gptq::{
 };
 pub use grid::ScaleRule;
 pub use hessian::Hessian;
+pub use refit::refit_scales;

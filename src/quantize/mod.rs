@@ -29,7 +29,8 @@ use crate::model::block::residual_add;
 use crate::model::{DecoderLayer, DenseLinear, Linear, Proj, SparkModel};
 use crate::quant::timing::Clock;
 use crate::quant::{
-    output_error_parts, rtn, GptqConfig, GptqSolver, Hessian, Order, QuantizedWeight, ScaleRule,
+    output_error_parts, refit_scales, rtn, GptqConfig, GptqSolver, Hessian, Order, QuantizedWeight,
+    ScaleRule,
 };
 use crate::tokenizer::SparkTokenizer;
 use phases::{Phase, PhaseReport, Phases};
@@ -55,6 +56,8 @@ pub struct QuantizeOptions {
     pub method: Method,
     /// The order GPTQ visits each linear's inputs in (the stored layout is the natural one).
     pub order: Order,
+    /// Rounds of output-error scale refit ↔ fixed-scale GPTQ after the solve (0 = none).
+    pub refit_rounds: usize,
     /// Why this format (the probe's decision, or "explicit").
     pub path: WeightPath,
     pub calibration: Vec<PathBuf>,
@@ -104,6 +107,8 @@ pub struct QuantReport {
     pub scale_rule: ScaleRule,
     /// GPTQ's column order (RTN ignores it).
     pub order: Order,
+    /// Rounds of output-error scale refit after GPTQ.
+    pub refit_rounds: usize,
     pub qkv_layout: QkvLayout,
     pub quantize_head: bool,
     pub path: WeightPath,
@@ -286,11 +291,76 @@ fn solve_linear(
             phases.add(Phase::Compare, solved);
         }
     }
-    Ok(Solved {
-        q: chosen.expect("the chosen method is always among the variants"),
-        parts,
-        seconds,
-    })
+    let mut q = chosen.expect("the chosen method is always among the variants");
+    if method != Method::Rtn && opts.refit_rounds > 0 {
+        let rule = if method == Method::GptqSearch {
+            ScaleRule::Search
+        } else {
+            ScaleRule::MaxOver7_5
+        };
+        let mut clock = Clock::start();
+        let best = parts[method as usize].expect("the chosen method is measured");
+        let (refined, err) = refine(
+            solver,
+            hm,
+            w,
+            n,
+            &cfg(rule),
+            q,
+            best,
+            opts.refit_rounds,
+            phases,
+        )?;
+        q = refined;
+        parts[method as usize] = Some(err);
+        seconds += clock.lap().seconds;
+    }
+    Ok(Solved { q, parts, seconds })
+}
+
+/// Alternate the output-error scale refit (codes fixed) with GPTQ under those scales (scales
+/// fixed), `rounds` times at most, keeping whichever weights have the lowest output error; stops
+/// early when a round finds nothing better.
+#[allow(clippy::too_many_arguments)]
+fn refine(
+    solver: &GptqSolver,
+    hm: &[f32],
+    w: &[f32],
+    n: usize,
+    cfg: &GptqConfig,
+    q: QuantizedWeight,
+    parts: (f64, f64),
+    rounds: usize,
+    phases: &mut Phases,
+) -> Result<(QuantizedWeight, (f64, f64)), QuantizeError> {
+    let k = solver.dim();
+    let mut best = (q, parts);
+    for _ in 0..rounds {
+        let mut clock = Clock::start();
+        let scales = refit_scales(w, &best.0, hm);
+        phases.add(Phase::ScaleSearch, clock.lap());
+        let refit = QuantizedWeight {
+            scales: scales.clone(),
+            ..best.0.clone()
+        };
+        let refit_parts = output_error_parts(w, &refit.dequantize(), n, k, hm);
+        phases.add(Phase::Compare, clock.lap());
+        let (resolved, times) = solver.quantize_with_scales(w, n, cfg, &scales)?;
+        phases.add_solve(&times);
+        clock.lap();
+        let resolved_parts = output_error_parts(w, &resolved.dequantize(), n, k, hm);
+        phases.add(Phase::Compare, clock.lap());
+        let before = best.1 .0;
+        for cand in [(refit, refit_parts), (resolved, resolved_parts)] {
+            if cand.1 .0 < best.1 .0 {
+                best = cand;
+            }
+        }
+        if best.1 .0 >= before {
+            break;
+        }
+    }
+    Ok(best)
 }
 
 /// The report row of a linear from its solved blocks' error parts.
@@ -788,6 +858,7 @@ fn run(
             ScaleRule::MaxOver7_5
         },
         order: opts.order,
+        refit_rounds: opts.refit_rounds,
         qkv_layout: opts.qkv_layout,
         quantize_head: opts.quantize_head,
         path: opts.path.clone(),
@@ -851,6 +922,7 @@ mod tests {
             group_size: 32,
             method,
             order: Order::Natural,
+            refit_rounds: 0,
             path: crate::device::decide(&CpuFeatures::default(), Target::X86, Priority::Speed),
             calibration: Vec::new(),
             samples: 1,

@@ -68,7 +68,7 @@ pub fn settings_fingerprint(
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{}",
         opts.format,
         opts.group_size,
         opts.samples,
@@ -77,7 +77,8 @@ pub fn settings_fingerprint(
         opts.quantize_head,
         opts.damp,
         opts.method,
-        opts.order
+        opts.order,
+        opts.refit_rounds
     ));
     Ok(format!("{:x}", h.finalize()))
 }
@@ -563,6 +564,7 @@ impl Output {
                 "method": r.method,
                 "scale_rule": r.scale_rule,
                 "order": r.order,
+                "refit_rounds": r.refit_rounds,
                 "qkv_layout": r.qkv_layout,
                 "device_path": r.path,
                 "calibration_sha256": r.calibration_sha256,

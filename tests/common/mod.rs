@@ -122,6 +122,7 @@ pub fn quantize_options(
         group_size,
         method: Method::GptqSearch,
         order: Order::Natural,
+        refit_rounds: 0,
         path: device::decide(
             &device::CpuFeatures::default(),
             Target::X86,
