@@ -48,7 +48,7 @@ TESTBEDS = {
 # (row label, quantize flags)
 RECIPES = {
     "rtn": ["--method", "rtn"],
-    "gptq": ["--method", "gptq"],
+    "gptq": ["--method", "gptq", "--order", "natural"],
     "gptq-search": ["--method", "gptq-search", "--order", "natural"],
     "gptq-search act-static": ["--method", "gptq-search", "--order", "act-static"],
     "gptq-search act-static refit1": ["--method", "gptq-search", "--order", "act-static", "--refit-rounds", "1"],

@@ -11,7 +11,10 @@ What it does:
      the official BF16 -> quant pipeline), F16 (llama.cpp's usual full-precision baseline) and F32 (exact
      weights and f32 activations: the gap to our reference is then llama.cpp's numerics alone, mostly its
      tanh-GELU GEGLU against the checkpoint's exact erf, docs/MODEL.md §10). `llama_model_quantize` makes
-     Q8_0 and Q4_K_M (default per-tensor mix, no imatrix).
+     Q8_0, Q4_0 and Q4_K_M (each type's default per-tensor mix), and Q4_0 / Q4_K_M again with an importance
+     matrix: llama.cpp's `llama-imatrix` (--llama-imatrix) over --imatrix-tokens tokens of --imatrix-text
+     (default: the calibration text and token count `spark-tool quantize` uses by default), passed to
+     `llama_model_quantize` as llama-quantize does (per tensor in_sum2 / counts). --no-imatrix skips them.
   2. Token ids and the reference come from spark-tool, never from this script: prompts of
      calibration/parity_prompts.json are tokenized (chat frame included) by `spark-tool run --chat ...
      --max-new-tokens 0 --logits-out`, the reference's greedy continuations by `spark-tool run --tokens ...
@@ -176,12 +179,24 @@ class SparkTool(Engine):
 class LlamaCpp(Engine):
     """A GGUF through llama-cpp-python: one context, every logit kept."""
 
-    def __init__(self, path: Path, n_ctx: int, threads: int, flash_attn: bool, name: str):
+    def __init__(self, path: Path, n_ctx: int, threads: int, flash_attn: bool, name: str, extra_bufts: bool):
         super().__init__()
+        import llama_cpp.llama_cpp as low  # the module llama_cpp.Llama reads its defaults from
         from llama_cpp import Llama
         self.name, self.path = name, path
+        # Weight repacking into "extra buffer types" (AMX / AVX tiles) is a speed feature; on an AMX machine
+        # llama-cpp-python 0.3.36's repacked Q4_0/Q8_0 path dies with SIGILL at its first `tilezero`, so it
+        # is off unless --extra-bufts on. Llama() takes no such argument: its default params are patched.
+        default = low.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = extra_bufts
+            return p
+        low.llama_model_default_params = params
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                          n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
+        low.llama_model_default_params = default
         self.n_ctx = n_ctx
 
     def _eval_fresh(self, seq: list[int]) -> None:
@@ -421,7 +436,7 @@ def parity_json(a, binary: str, cand: Path, numerics: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-PRINTED = [  # (key, format) as docs/FIDELITY.md and tools/fidelity_table.sh print them
+PRINTED = [  # (key, format) as docs/FIDELITY.md prints them
     ("kl_mean", "{:.2e}"), ("kl_p99", "{:.2e}"), ("top1", "{:.4f}"), ("top5", "{:.4f}"),
     ("greedy_identical", "{}"), ("ppl_ratio", "{:.4f}"),
 ]
@@ -481,13 +496,53 @@ def make_plan(a, tok: SparkTool) -> Plan:
     return plan
 
 
-def quantize(src: Path, dst: Path, ftype: int, threads: int) -> None:
+def quantize(src: Path, dst: Path, ftype: int, threads: int, imatrix: Path | None = None) -> None:
+    """`llama_model_quantize` with the default per-tensor recipe of `ftype`; with an imatrix file (made by
+    llama-imatrix) as tools/quantize/quantize.cpp passes it: per tensor, in_sum2 / counts (1 where no count)."""
     import llama_cpp
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype, p.nthread = ftype, threads
+    keep = []
+    if imatrix is not None:
+        import gguf
+        t = {x.name: np.asarray(x.data, dtype=np.float32).ravel() for x in gguf.GGUFReader(str(imatrix)).tensors}
+        names = sorted(n[: -len(".in_sum2")] for n in t if n.endswith(".in_sum2"))
+        if not names:
+            raise Fail(f"{imatrix}: no <tensor>.in_sum2 entries (not a GGUF imatrix)")
+        arr = (llama_cpp.llama_model_imatrix_data * (len(names) + 1))()  # last entry zeroed: terminator
+        for i, n in enumerate(names):
+            s, c = t[n + ".in_sum2"], t[n + ".counts"]
+            s = s.reshape(c.size, -1)
+            v = np.where(c[:, None] > 0, s / np.where(c > 0, c, 1)[:, None], np.float32(1)).astype(np.float32).ravel()
+            keep.append((n.encode(), v))
+            arr[i].name, arr[i].size = keep[-1][0], v.size
+            arr[i].data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        p.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        keep.append(arr)
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p))
     if rc != 0 or not dst.exists():
         raise Fail(f"llama_model_quantize {src} -> {dst} failed ({rc})")
+
+
+def make_imatrix(a, gguf_path: Path, out: Path) -> dict:
+    """llama-imatrix on the calibration text our quantize reads by default, as many tokens as it uses."""
+    exe = a.llama_imatrix or os.environ.get("LLAMA_IMATRIX") or shutil.which("llama-imatrix")
+    if not exe:
+        raise Fail("no llama-imatrix: build llama.cpp's tools (tools/requirements-llama.txt) and pass --llama-imatrix")
+    docs = []
+    for f in a.imatrix_text:
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                docs.append(json.loads(line)["text"] if f.suffix == ".jsonl" else line)
+    text = out.with_suffix(".txt")
+    text.write_text("\n\n".join(docs), encoding="utf-8")
+    chunks = a.imatrix_tokens // a.imatrix_ctx
+    cmd = [exe, "-m", str(gguf_path), "-f", str(text), "-o", str(out), "-c", str(a.imatrix_ctx),
+           "--chunks", str(chunks), "-t", str(a.threads), "--no-ppl"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0 or not out.exists():
+        raise Fail(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-1500:]}")
+    return dict(command=cmd, chunks=chunks, ctx=a.imatrix_ctx, files=[str(f) for f in a.imatrix_text])
 
 
 def llama_study(a, binary: str) -> int:
@@ -509,21 +564,30 @@ def llama_study(a, binary: str) -> int:
                                 "--outtype", t], capture_output=True, text=True)
             if r.returncode != 0:
                 raise Fail(f"gguf_from_hf.py --outtype {t} failed: {r.stderr.strip()}")
-    for t, ft in (("q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0), ("q4_k_m", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)):
+    quants = [("q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, False), ("q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, False),
+              ("q4_k_m", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, False)]
+    imatrix_info = None
+    if not a.no_imatrix:
+        imat = work / f"{stem}-imatrix.gguf"
+        imatrix_info = make_imatrix(a, ggufs["bf16"], imat)
+        quants += [("q4_0-imat", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True),
+                   ("q4_k_m-imat", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, True)]
+    for t, ft, with_imatrix in quants:
         ggufs[t] = work / f"{stem}-{t}.gguf"
-        if a.rebuild or not ggufs[t].exists():
-            quantize(ggufs["bf16"], ggufs[t], ft, a.threads)
+        if a.rebuild or with_imatrix or not ggufs[t].exists():
+            quantize(ggufs["bf16"], ggufs[t], ft, a.threads, imat if with_imatrix else None)
     bpw = {t: gguf_bpw(p) for t, p in ggufs.items()}
+    kinds = ["f32", "f16"] + [q[0] for q in quants]
 
     ref = SparkTool(binary, a.model, [], "ours-f32")
     plan = make_plan(a, ref)
     stop = stop_ids(a.model)
     longest = max([len(i) for _, i in plan.prompts] + [len(w) for w in plan.windows]) + a.max_new_tokens
     n_ctx = a.n_ctx or 256 * math.ceil(longest / 256)
-    eng = {t: LlamaCpp(ggufs[t], n_ctx, a.threads, a.flash_attn == "on", f"llama.cpp {t.upper()}")
-           for t in ("f32", "f16", "q8_0", "q4_k_m")}
+    eng = {t: LlamaCpp(ggufs[t], n_ctx, a.threads, a.flash_attn == "on", f"llama.cpp {t.upper()}",
+                       a.extra_bufts == "on") for t in kinds}
     results = []
-    pairs = [(ref, t) for t in ("f32", "f16", "q8_0", "q4_k_m")] + [(eng["f16"], t) for t in ("q8_0", "q4_k_m")]
+    pairs = [(ref, t) for t in kinds] + [(eng["f16"], t) for t in kinds[2:]]
     for r, t in pairs:
         t0 = time.time()
         res = compare(r, eng[t], plan, a.max_new_tokens, stop)
@@ -538,7 +602,7 @@ def llama_study(a, binary: str) -> int:
             j["numerics"] = numerics
             ours.append(j)
 
-    labels = {"f32": "llama.cpp F32", "f16": "llama.cpp F16", "q8_0": "llama.cpp Q8_0", "q4_k_m": "llama.cpp Q4_K_M"}
+    labels = {t: "llama.cpp " + t.upper().replace("-IMAT", " + imatrix") for t in kinds}
     lines = [HEADER]
     for j in ours:
         lines.append(row(f"ours {Path(j['candidate']).name} {j['numerics'].upper()}", "ours f32", j["bpw"], j["overall"]))
@@ -547,14 +611,17 @@ def llama_study(a, binary: str) -> int:
     table = "\n".join(lines)
     print(table)
     print("\ntensor types:")
-    for t in ("q8_0", "q4_k_m"):
+    for t in kinds[2:]:
         print(f"  {t}: {bpw[t]['tensor_types']}; {bpw[t]['types_by_tensor']}")
+    if imatrix_info:
+        print(f"imatrix: {' '.join(imatrix_info['command'])}")
     print(f"reference perplexity {results[0]['overall']['ppl_reference']:.4f}; n_ctx {n_ctx}; threads {a.threads}; "
           f"flash attention {a.flash_attn}; llama-cpp-python {llama_cpp.__version__}")
     if a.json:
         a.json.write_text(json.dumps(dict(
             llama_cpp_python=llama_cpp.__version__, system_info=llama_cpp.llama_print_system_info().decode(),
-            n_ctx=n_ctx, threads=a.threads, flash_attn=a.flash_attn, files={t: str(p) for t, p in ggufs.items()},
+            n_ctx=n_ctx, threads=a.threads, flash_attn=a.flash_attn, extra_bufts=a.extra_bufts, files={t: str(p) for t, p in ggufs.items()},
+            imatrix=imatrix_info,
             bpw=bpw, results=results, ours=ours, table=table), indent=1) + "\n")
     return 0
 
@@ -572,12 +639,21 @@ def main() -> int:
     ap.add_argument("--ours-numerics", default="w4a8,w4a16", help="numerics for --ours rows (comma list)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flash-attn", choices=["on", "off"], default="on")
+    ap.add_argument("--extra-bufts", choices=["on", "off"], default="off",
+                    help="llama.cpp's weight repacking (off: it faults on AMX machines in this build)")
     ap.add_argument("--n-ctx", type=int, default=0, help="llama.cpp context (default: longest sequence)")
     ap.add_argument("--prompts", type=Path, help="as spark-tool parity (default calibration/parity_prompts.json)")
     ap.add_argument("--eval-text", type=Path, help="as spark-tool parity (default calibration/heldout.jsonl)")
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--eval-seq-len", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--no-imatrix", action="store_true", help="skip the Q4_0 / Q4_K_M rows made with an imatrix")
+    ap.add_argument("--llama-imatrix", help="llama-imatrix binary (default: $LLAMA_IMATRIX, PATH)")
+    ap.add_argument("--imatrix-text", type=Path, nargs="+", default=[ROOT / "calibration/spark-calib.jsonl"],
+                    help="calibration text for llama-imatrix (.jsonl with {\"text\"} or plain text; default: "
+                         "quantize's default set)")
+    ap.add_argument("--imatrix-tokens", type=int, default=128 * 512, help="as quantize's default --samples x --seq-len")
+    ap.add_argument("--imatrix-ctx", type=int, default=512)
     ap.add_argument("--self-check", type=Path, metavar="CKPT",
                     help="compare the numpy metrics with `spark-tool parity --model CKPT` and exit")
     ap.add_argument("--w4-numerics", choices=["auto", "w4a8", "w4a16"], default="auto", help="for --self-check")

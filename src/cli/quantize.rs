@@ -138,9 +138,10 @@ pub struct QuantizeArgs {
     /// The quantizer that writes the weights (rtn and gptq are baselines for comparisons).
     #[arg(long, value_enum, default_value = "gptq-search")]
     method: MethodArg,
-    /// The order GPTQ visits each linear's inputs in (docs/QUANTIZE.md); either way the checkpoint
-    /// has the plain no-act-order layout (g_idx = k / G) that vLLM's CPU kernels take.
-    #[arg(long, value_enum, default_value = "natural")]
+    /// The order GPTQ visits each linear's inputs in (docs/QUANTIZE.md; act-static measured best,
+    /// docs/FIDELITY.md); either way the checkpoint has the plain no-act-order layout (g_idx = k / G)
+    /// that vLLM's CPU kernels take.
+    #[arg(long, value_enum, default_value = "act-static")]
     order: OrderArg,
     /// After GPTQ, rounds of refitting each group's scale to the linear's output error (codes fixed)
     /// and re-solving GPTQ's codes for those scales; the lowest output error is kept (docs/QUANTIZE.md).
