@@ -781,10 +781,10 @@ pub(crate) fn quadratic_form(d: &[f32], n: usize, k: usize, h: &[f32]) -> f64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn lcg(seed: &mut u64) -> f32 {
+    pub(crate) fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
@@ -792,7 +792,7 @@ mod tests {
     }
 
     /// Correlated inputs, as real activations are, so error feedback has something to exploit.
-    fn case(n: usize, k: usize, tokens: usize) -> (Vec<f32>, Hessian) {
+    pub(crate) fn case(n: usize, k: usize, tokens: usize) -> (Vec<f32>, Hessian) {
         let mut s = 3u64;
         let w: Vec<f32> = (0..n * k).map(|_| lcg(&mut s) * 0.1).collect();
         let base: Vec<f32> = (0..tokens * 4).map(|_| lcg(&mut s)).collect();

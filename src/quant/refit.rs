@@ -134,14 +134,8 @@ fn solve_spd(m: &mut [f64], mut b: Vec<f64>, d: usize) -> Option<Vec<f64>> {
 mod tests {
     use super::*;
     use crate::quant::gptq::output_error_parts;
-    use crate::quant::{GptqConfig, GptqSolver, Hessian, ScaleRule};
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+    use crate::quant::gptq::tests::{case, lcg};
+    use crate::quant::{GptqConfig, GptqSolver, ScaleRule};
 
     #[test]
     fn spd_solve_matches_the_system() {
@@ -167,22 +161,8 @@ mod tests {
 
     #[test]
     fn refitted_scales_lower_the_output_error_of_the_same_codes() {
-        let (n, k, tokens) = (40, 256, 512);
-        let mut s = 17u64;
-        let w: Vec<f32> = (0..n * k).map(|_| lcg(&mut s) * 0.1).collect();
-        let base: Vec<f32> = (0..tokens * 6).map(|_| lcg(&mut s)).collect();
-        let mix: Vec<f32> = (0..6 * k).map(|_| lcg(&mut s)).collect();
-        let x: Vec<f32> = (0..tokens * k)
-            .map(|i| {
-                let (t, c) = (i / k, i % k);
-                (0..6)
-                    .map(|j| base[t * 6 + j] * mix[j * k + c])
-                    .sum::<f32>()
-                    + 0.2 * lcg(&mut s)
-            })
-            .collect();
-        let mut h = Hessian::new(k);
-        h.add(&x, tokens);
+        let (n, k) = (40, 256);
+        let (w, h) = case(n, k, 512);
         let cfg = GptqConfig {
             group_size: 64,
             block_size: 128,
