@@ -47,6 +47,16 @@ pub enum Method {
     GptqSearch = 2,
 }
 
+impl Method {
+    /// How this method chooses a group's scale.
+    pub fn scale_rule(self) -> ScaleRule {
+        match self {
+            Method::GptqSearch => ScaleRule::Search,
+            Method::Rtn | Method::Gptq => ScaleRule::MaxOver7_5,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct QuantizeOptions {
     pub model_dir: PathBuf,
@@ -273,8 +283,9 @@ fn solve_linear(
                 rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5),
                 Default::default(),
             ),
-            Method::Gptq => solver.quantize_timed(w, n, &cfg(ScaleRule::MaxOver7_5))?,
-            Method::GptqSearch => solver.quantize_timed(w, n, &cfg(ScaleRule::Search))?,
+            Method::Gptq | Method::GptqSearch => {
+                solver.quantize_timed(w, n, &cfg(v.scale_rule()))?
+            }
         };
         let solved = clock.lap();
         parts[v as usize] = Some(output_error_parts(w, &q.dequantize(), n, k, hm));
@@ -293,11 +304,7 @@ fn solve_linear(
     }
     let mut q = chosen.expect("the chosen method is always among the variants");
     if method != Method::Rtn && opts.refit_rounds > 0 {
-        let rule = if method == Method::GptqSearch {
-            ScaleRule::Search
-        } else {
-            ScaleRule::MaxOver7_5
-        };
+        let rule = method.scale_rule();
         let mut clock = Clock::start();
         let best = parts[method as usize].expect("the chosen method is measured");
         let (refined, err) = refine(
@@ -852,11 +859,7 @@ fn run(
         out: opts.out_dir.display().to_string(),
         format: opts.format,
         group_size: opts.group_size,
-        scale_rule: if opts.method == Method::GptqSearch {
-            ScaleRule::Search
-        } else {
-            ScaleRule::MaxOver7_5
-        },
+        scale_rule: opts.method.scale_rule(),
         order: opts.order,
         refit_rounds: opts.refit_rounds,
         qkv_layout: opts.qkv_layout,
