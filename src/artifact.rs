@@ -241,12 +241,14 @@ fn is_mount_point(dir: &Path) -> bool {
     }
 }
 
-/// A folder artifact under construction.
+/// A folder artifact under construction (or a single-file one, [`Staging::plan_file`]).
 pub struct Staging {
     out: PathBuf,
     root: PathBuf,
     kind: String,
     force: bool,
+    /// For a file artifact: how to recognise a previous file of ours.
+    file_is_ours: Option<fn(&Path) -> bool>,
 }
 
 impl Staging {
@@ -325,7 +327,58 @@ impl Staging {
             root,
             kind: kind.into(),
             force,
+            file_is_ours: None,
         })
+    }
+
+    /// Like [`Staging::plan`] for an artifact that is one file: `out` may be absent, or with
+    /// `force` a previous file of ours (`is_ours`); the staging folder is a hidden sibling.
+    pub fn plan_file(
+        out: &Path,
+        kind: &str,
+        inputs: &[&Path],
+        force: bool,
+        is_ours: fn(&Path) -> bool,
+    ) -> Result<Self, ArtifactError> {
+        check_output_file(out, inputs, Setting::Out, is_ours)?;
+        if out.exists() && !force {
+            return Err(ArtifactError::Refused(format!(
+                "{} exists; pass {} to replace it (it is only replaced once the new {kind} is complete)",
+                out.display(),
+                Setting::Force
+            )));
+        }
+        let parent = out
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = out
+            .file_name()
+            .expect("checked: a file path")
+            .to_string_lossy();
+        Ok(Staging {
+            out: out.to_path_buf(),
+            root: parent.join(format!(".{name}.partial")),
+            kind: kind.into(),
+            force,
+            file_is_ours: Some(is_ours),
+        })
+    }
+
+    /// Put the finished file `built` (inside the staging folder) at `out` by one rename, which
+    /// replaces a previous file of ours atomically, then remove the staging folder.
+    pub fn commit_file(&self, built: &Path) -> Result<(), ArtifactError> {
+        let is_ours = self.file_is_ours.expect("commit_file on a file staging");
+        // The destination may have changed while we worked: check it again.
+        if self.out.exists() && (!self.force || !is_ours(&self.out)) {
+            return Err(ArtifactError::Refused(format!(
+                "{} appeared while working and is not a {} of ours to replace; not replacing it",
+                self.out.display(),
+                self.kind,
+            )));
+        }
+        std::fs::rename(built, &self.out).map_err(io_err(&self.out))?;
+        std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root))
     }
 
     /// The staging folder (holds the artifact being built and any resume state).

@@ -55,6 +55,8 @@ pub enum Setting {
     Damp,
     /// The file quantize writes dequantized weights to.
     DumpDequantized,
+    /// Rounds of output-error scale refit after GPTQ.
+    RefitRounds,
 }
 
 impl Setting {
@@ -83,6 +85,7 @@ impl Setting {
             Setting::Gen => "gen",
             Setting::Rows => "rows",
             Setting::Damp => "damp",
+            Setting::RefitRounds => "refit_rounds",
             Setting::DumpDequantized => "dump_dequantized",
         }
     }

@@ -40,6 +40,7 @@ fn solver_matches_numpy_reference() {
             block_size: 128,
             damp: 0.01,
             rule,
+            grid: spark_tool::quant::Grid::VLLM,
         };
         let q = solver.quantize(&w, n, &cfg).unwrap();
         let want_codes = store.bytes(store.get(&format!("{name}.codes")).unwrap());

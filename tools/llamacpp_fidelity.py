@@ -376,6 +376,17 @@ def gguf_bpw(path: Path) -> dict:
                 types_by_tensor={k: sorted(v) for k, v in per.items()})
 
 
+def gguf_types(path: Path) -> dict[str, str]:
+    import gguf
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def gguf_file_type(path: Path) -> int | None:
+    import gguf
+    f = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    return int(f.contents()) if f is not None else None
+
+
 def gptq_bpw(ckpt: Path) -> dict:
     """Like `spark-tool inspect` (qweight+qzeros+scales+g_idx per GPTQ linear), plus the linears alone."""
     files = ([ckpt / "model.safetensors"] if (ckpt / "model.safetensors").exists() else
@@ -576,8 +587,24 @@ def llama_study(a, binary: str) -> int:
         ggufs[t] = work / f"{stem}-{t}.gguf"
         if a.rebuild or with_imatrix or not ggufs[t].exists():
             quantize(ggufs["bf16"], ggufs[t], ft, a.threads, imat if with_imatrix else None)
-    bpw = {t: gguf_bpw(p) for t, p in ggufs.items()}
     kinds = ["f32", "f16"] + [q[0] for q in quants]
+    # Our GGUF files (spark-tool quantize --format gguf-*) run through the same llama.cpp engine.
+    for p in a.ours_gguf:
+        key = f"ours:{p.name}"
+        ggufs[key] = p
+        kinds.append(key)
+    bpw = {t: gguf_bpw(p) for t, p in ggufs.items()}
+    type_checks = []
+    for t in kinds:
+        if not t.startswith("ours:"):
+            continue
+        ft = gguf_file_type(ggufs[t])
+        peer = {2: "q4_0", 7: "q8_0", 15: "q4_k_m"}.get(ft)
+        if peer in bpw:
+            ours_types, peer_types = gguf_types(ggufs[t]), gguf_types(ggufs[peer])
+            diff = sorted(n for n in set(ours_types) | set(peer_types) if ours_types.get(n) != peer_types.get(n))
+            type_checks.append(dict(ours=t, llama=peer, identical=not diff,
+                                    differing=[(n, ours_types.get(n), peer_types.get(n)) for n in diff[:20]]))
 
     ref = SparkTool(binary, a.model, [], "ours-f32")
     plan = make_plan(a, ref)
@@ -602,7 +629,8 @@ def llama_study(a, binary: str) -> int:
             j["numerics"] = numerics
             ours.append(j)
 
-    labels = {t: "llama.cpp " + t.upper().replace("-IMAT", " + imatrix") for t in kinds}
+    labels = {t: ("ours " + t[5:] + " in llama.cpp") if t.startswith("ours:")
+              else "llama.cpp " + t.upper().replace("-IMAT", " + imatrix") for t in kinds}
     lines = [HEADER]
     for j in ours:
         lines.append(row(f"ours {Path(j['candidate']).name} {j['numerics'].upper()}", "ours f32", j["bpw"], j["overall"]))
@@ -613,6 +641,9 @@ def llama_study(a, binary: str) -> int:
     print("\ntensor types:")
     for t in kinds[2:]:
         print(f"  {t}: {bpw[t]['tensor_types']}; {bpw[t]['types_by_tensor']}")
+    for c in type_checks:
+        verdict = "identical" if c["identical"] else f"DIFFERENT: {c['differing']}"
+        print(f"tensor types of {c['ours'][5:]} vs llama.cpp {c['llama'].upper()}: {verdict}")
     if imatrix_info:
         print(f"imatrix: {' '.join(imatrix_info['command'])}")
     print(f"reference perplexity {results[0]['overall']['ppl_reference']:.4f}; n_ctx {n_ctx}; threads {a.threads}; "
@@ -621,7 +652,7 @@ def llama_study(a, binary: str) -> int:
         a.json.write_text(json.dumps(dict(
             llama_cpp_python=llama_cpp.__version__, system_info=llama_cpp.llama_print_system_info().decode(),
             n_ctx=n_ctx, threads=a.threads, flash_attn=a.flash_attn, extra_bufts=a.extra_bufts, files={t: str(p) for t, p in ggufs.items()},
-            imatrix=imatrix_info,
+            imatrix=imatrix_info, type_checks=type_checks,
             bpw=bpw, results=results, ours=ours, table=table), indent=1) + "\n")
     return 0
 
@@ -636,6 +667,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write every figure (per prompt too) to this file")
     ap.add_argument("--ours", type=Path, action="append", default=[],
                     help="also list this spark-tool quantized checkpoint (spark-tool parity; repeatable)")
+    ap.add_argument("--ours-gguf", type=Path, action="append", default=[],
+                    help="our GGUF file (spark-tool quantize --format gguf-*), run in llama.cpp like its own quants; "
+                         "its tensor types are compared with llama.cpp's file of the same type (repeatable)")
     ap.add_argument("--ours-numerics", default="w4a8,w4a16", help="numerics for --ours rows (comma list)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flash-attn", choices=["on", "off"], default="on")

@@ -29,6 +29,8 @@ if [ "$(id -u)" = 0 ]; then export SPARK_REQUIRE_MOUNT=1; fi
 # The SIMD kernel tests must run on every tier this CPU has, not skip it.
 if grep -qw avx512_bf16 /proc/cpuinfo; then export SPARK_REQUIRE_ISA=avx512bf16
 elif grep -qw avx512_vnni /proc/cpuinfo; then export SPARK_REQUIRE_ISA=avx512vnni; fi
+# The GGUF checks against llama.cpp's own Python reader (pinned in tools/requirements.txt) must run.
+export SPARK_REQUIRE_GGUF=1
 cargo test --release
 
 fresh=$(mktemp -d)

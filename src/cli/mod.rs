@@ -75,6 +75,7 @@ pub fn flag(s: Setting) -> &'static str {
         Setting::Rows => "--rows",
         Setting::Damp => "--damp",
         Setting::DumpDequantized => "--dump-dequantized",
+        Setting::RefitRounds => "--refit-rounds",
     }
 }
 

@@ -5,6 +5,7 @@ use clap::{Args, ValueEnum};
 
 use spark_tool::checkpoint::QkvLayout;
 use spark_tool::device::{self, Priority, Target, WeightFormat};
+use spark_tool::formats::gguf::mix::FileType;
 use spark_tool::quant::Order;
 use spark_tool::quantize::{calibration, quantize, Method, QuantizeOptions};
 
@@ -13,6 +14,15 @@ pub enum FormatArg {
     Auto,
     W4a8,
     W4a16,
+    /// One llama.cpp GGUF file (`--out FILE.gguf`): Q4_0 blocks, the head Q6_K.
+    #[value(name = "gguf-q4_0")]
+    GgufQ4_0,
+    /// llama.cpp's Q4_K_M mix: Q4_K, with Q6_K where llama.cpp gives more bits.
+    #[value(name = "gguf-q4_k_m")]
+    GgufQ4KM,
+    /// Q8_0 blocks everywhere.
+    #[value(name = "gguf-q8_0")]
+    GgufQ8_0,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -204,11 +214,18 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
     if path.format == WeightFormat::W8A16 {
         bail!("--target phone: phones do not run GPTQ checkpoints; use `spark-tool export-phone` (calibrated w8a16 graph)");
     }
-    let explicit = match a.format {
-        FormatArg::Auto => None,
-        FormatArg::W4a8 => Some(WeightFormat::W4A8),
-        FormatArg::W4a16 => Some(WeightFormat::W4A16),
+    let (explicit, gguf) = match a.format {
+        FormatArg::Auto => (None, None),
+        FormatArg::W4a8 => (Some(WeightFormat::W4A8), None),
+        FormatArg::W4a16 => (Some(WeightFormat::W4A16), None),
+        // llama.cpp runs GGUF with its own kernels; the device probe does not apply.
+        FormatArg::GgufQ4_0 => (Some(WeightFormat::W4A16), Some(FileType::Q4_0)),
+        FormatArg::GgufQ4KM => (Some(WeightFormat::W4A16), Some(FileType::Q4KM)),
+        FormatArg::GgufQ8_0 => (Some(WeightFormat::W4A16), Some(FileType::Q8_0)),
     };
+    if gguf.is_some() && a.group_size.is_some() {
+        bail!("--group-size does not apply to GGUF: each block type fixes its own (Q4_0/Q8_0/Q4_K 32, Q6_K 16)");
+    }
     let (format, group_size) = path.override_with(explicit, a.group_size);
     let opts = QuantizeOptions {
         model_dir: model_dir.clone(),
@@ -246,6 +263,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         compare: !a.no_compare,
         dump_dequantized: a.dump_dequantized.clone(),
         stop_after_layers: None,
+        gguf,
     };
     let report = quantize(&opts).with_context(|| format!("quantizing {}", model_dir.display()))?;
     if a.json {

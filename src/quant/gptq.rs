@@ -8,7 +8,7 @@ use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::{Mat, Par};
 use rayon::prelude::*;
 
-use super::grid::{code, dequant, group_scale, ScaleRule};
+use super::grid::{Grid, ScaleRule};
 use super::hessian::Hessian;
 use super::timing::{Clock, SolveTimes, Spent};
 
@@ -19,6 +19,8 @@ pub struct GptqConfig {
     /// Initial damping as a fraction of mean(diag H).
     pub damp: f64,
     pub rule: ScaleRule,
+    /// The grid the codes are solved on (and the lattice of its scales).
+    pub grid: Grid,
 }
 
 /// The order GPTQ visits a linear's inputs in. The stored layout is the natural one either
@@ -47,6 +49,8 @@ pub enum GptqError {
     NonFiniteWeights(String),
     #[error("{0}: Cholesky failed even with damping {1:.3} of mean(diag H)")]
     Cholesky(String, f64),
+    #[error("{0}: fixed scales cannot be given on a tiered lattice")]
+    GivenTiered(String),
 }
 
 /// A quantized linear in GPTQ's natural order.
@@ -55,10 +59,14 @@ pub struct QuantizedWeight {
     pub in_features: usize,
     pub out_features: usize,
     pub group_size: usize,
-    /// `[K, N]`, 0…15.
+    /// `[K, N]`, 0…2^bits − 1.
     pub codes: Vec<u8>,
-    /// `[K/G, N]`, stored (bf16-exact) values.
+    /// `[K/G, N]`, stored values (on `grid`'s lattice).
     pub scales: Vec<f32>,
+    pub grid: Grid,
+    /// `[K/T, N]`: each row's `d` per tier of T inputs when the lattice is tiered
+    /// (every scale of the tier is `d·k`); empty otherwise.
+    pub tier_scales: Vec<f32>,
 }
 
 impl QuantizedWeight {
@@ -68,10 +76,53 @@ impl QuantizedWeight {
         let mut w = vec![0f32; n * k];
         w.par_chunks_mut(k).enumerate().for_each(|(nn, row)| {
             for (kk, v) in row.iter_mut().enumerate() {
-                *v = dequant(self.codes[kk * n + nn], self.scales[(kk / g) * n + nn]);
+                *v = self
+                    .grid
+                    .dequant(self.codes[kk * n + nn], self.scales[(kk / g) * n + nn]);
             }
         });
         w
+    }
+}
+
+impl QuantizedWeight {
+    /// Linears that share an input, concatenated along N (q | k | v, or blocks of head rows).
+    pub fn concat_outputs(parts: &[&QuantizedWeight]) -> QuantizedWeight {
+        let (k, g, grid) = (parts[0].in_features, parts[0].group_size, parts[0].grid);
+        let n: usize = parts.iter().map(|p| p.out_features).sum();
+        let stack = |of: fn(&QuantizedWeight) -> &[f32], rows: usize| {
+            let mut v = vec![0f32; rows * n];
+            let mut off = 0;
+            for p in parts {
+                let pn = p.out_features;
+                for r in 0..rows {
+                    v[r * n + off..r * n + off + pn].copy_from_slice(&of(p)[r * pn..(r + 1) * pn]);
+                }
+                off += pn;
+            }
+            v
+        };
+        let mut codes = vec![0u8; k * n];
+        let mut off = 0;
+        for p in parts {
+            assert_eq!((p.in_features, p.group_size, p.grid), (k, g, grid));
+            let pn = p.out_features;
+            for kk in 0..k {
+                codes[kk * n + off..kk * n + off + pn]
+                    .copy_from_slice(&p.codes[kk * pn..(kk + 1) * pn]);
+            }
+            off += pn;
+        }
+        let tiers = grid.tier().map_or(0, |t| k / t);
+        QuantizedWeight {
+            in_features: k,
+            out_features: n,
+            group_size: g,
+            codes,
+            scales: stack(|p| &p.scales, k / g),
+            grid,
+            tier_scales: stack(|p| &p.tier_scales, tiers),
+        }
     }
 }
 
@@ -101,6 +152,7 @@ pub fn rtn(
     h: &Hessian,
     group_size: usize,
     rule: ScaleRule,
+    grid: Grid,
 ) -> QuantizedWeight {
     let wt = transpose(w, n, k);
     let diag = h.diag();
@@ -109,16 +161,47 @@ pub fn rtn(
     let mut codes = vec![0u8; k * n];
     let mut buf = vec![0f32; group_size];
     let imp: Vec<f32> = diag.iter().map(|&d| d as f32).collect();
+    let group = |g: usize, nn: usize, buf: &mut [f32]| {
+        for (j, b) in buf.iter_mut().enumerate() {
+            *b = wt[(g * group_size + j) * n + nn];
+        }
+    };
+    // A tier's d from its groups' free scales, as the solve chooses it.
+    let tier = grid.tier().unwrap_or(k);
+    let per_tier = tier / group_size;
+    let mut tier_scales = vec![
+        0f32;
+        if grid.tier().is_some() {
+            k / tier * n
+        } else {
+            0
+        }
+    ];
+    for (t, row) in tier_scales.chunks_mut(n).enumerate() {
+        for (nn, d) in row.iter_mut().enumerate() {
+            let free: Vec<f32> = (t * per_tier..(t + 1) * per_tier)
+                .map(|g| {
+                    group(g, nn, &mut buf);
+                    let imp = &imp[g * group_size..(g + 1) * group_size];
+                    grid.untiered().group_scale(&buf, imp, rule, 0.0)
+                })
+                .collect();
+            *d = grid.tier_scale(&free);
+        }
+    }
     for g in 0..groups {
         for nn in 0..n {
-            for (j, b) in buf.iter_mut().enumerate() {
-                *b = wt[(g * group_size + j) * n + nn];
-            }
-            let s = group_scale(&buf, &imp[g * group_size..(g + 1) * group_size], rule);
+            group(g, nn, &mut buf);
+            let d = tier_scales
+                .get((g / per_tier) * n + nn)
+                .copied()
+                .unwrap_or(0.0);
+            let imp = &imp[g * group_size..(g + 1) * group_size];
+            let s = grid.group_scale(&buf, imp, rule, d);
             scales[g * n + nn] = s;
             for j in 0..group_size {
                 let kk = g * group_size + j;
-                codes[kk * n + nn] = code(wt[kk * n + nn], s);
+                codes[kk * n + nn] = grid.code(wt[kk * n + nn], s);
             }
         }
     }
@@ -128,6 +211,8 @@ pub fn rtn(
         group_size,
         codes,
         scales,
+        grid,
+        tier_scales,
     }
 }
 
@@ -202,6 +287,10 @@ struct Schedule {
     group: Vec<usize>,
     /// Positions of group g's members, ascending: `members[g·G .. (g+1)·G]`.
     members: Vec<usize>,
+    /// Per tier of T inputs (tiered lattices): the position of its first member.
+    tier_first: Vec<usize>,
+    /// Inputs per tier (K when there are no tiers).
+    tier: usize,
     /// Position → input.
     input: Vec<usize>,
     /// Input → position.
@@ -209,7 +298,7 @@ struct Schedule {
 }
 
 impl Schedule {
-    fn new(perm: Option<&[usize]>, k: usize, gs: usize) -> Self {
+    fn new(perm: Option<&[usize]>, k: usize, gs: usize, tier: Option<usize>) -> Self {
         let input: Vec<usize> = perm.map_or_else(|| (0..k).collect(), <[usize]>::to_vec);
         let group: Vec<usize> = input.iter().map(|&c| c / gs).collect();
         let mut position = vec![0usize; k];
@@ -222,9 +311,17 @@ impl Schedule {
             members[g * gs + filled[g]] = pos;
             filled[g] += 1;
         }
+        let tier = tier.unwrap_or(k);
+        let mut tier_first = vec![usize::MAX; k / tier];
+        for (pos, &c) in input.iter().enumerate() {
+            let t = &mut tier_first[c / tier];
+            *t = (*t).min(pos);
+        }
         Schedule {
             group,
             members,
+            tier_first,
+            tier,
             input,
             position,
         }
@@ -374,6 +471,14 @@ impl GptqSolver {
         if k % gs != 0 || bs % gs != 0 || w.len() != n * k {
             return Err(GptqError::Shape(self.name.clone(), k, gs));
         }
+        if let Some(t) = cfg.grid.tier() {
+            if t % gs != 0 || k % t != 0 {
+                return Err(GptqError::Shape(self.name.clone(), k, t));
+            }
+            if given.is_some() {
+                return Err(GptqError::GivenTiered(self.name.clone()));
+            }
+        }
         if !w.iter().all(|x| x.is_finite()) {
             return Err(GptqError::NonFiniteWeights(self.name.clone()));
         }
@@ -382,7 +487,7 @@ impl GptqSolver {
         // not per input), so both cores stay busy through the column loop as well as the flush.
         let threads = rayon::current_num_threads().max(1);
         let width = n.div_ceil(4 * threads).max(64).min(n);
-        let sched = Schedule::new(self.perm.as_deref(), k, gs);
+        let sched = Schedule::new(self.perm.as_deref(), k, gs, cfg.grid.tier());
         let mut chunks: Vec<RowChunk> = (0..n)
             .step_by(width)
             .map(|r0| {
@@ -446,18 +551,25 @@ impl GptqSolver {
             .par_chunks_mut(n)
             .enumerate()
             .for_each(|(kk, row)| gather(row, kk));
-        for (g, row) in scales.chunks_mut(n).enumerate() {
-            for c in &chunks {
-                let nc = c.r1 - c.r0;
-                row[c.r0..c.r1].copy_from_slice(&c.scales[g * nc..(g + 1) * nc]);
+        let rows_of = |dst: &mut [f32], of: fn(&RowChunk) -> &[f32]| {
+            for (g, row) in dst.chunks_mut(n).enumerate() {
+                for c in &chunks {
+                    let nc = c.r1 - c.r0;
+                    row[c.r0..c.r1].copy_from_slice(&of(c)[g * nc..(g + 1) * nc]);
+                }
             }
-        }
+        };
+        rows_of(&mut scales, |c| &c.scales);
+        let mut tier_scales = vec![0f32; cfg.grid.tier().map_or(0, |t| k / t * n)];
+        rows_of(&mut tier_scales, |c| &c.tier_d);
         let q = QuantizedWeight {
             in_features: k,
             out_features: n,
             group_size: gs,
             codes,
             scales,
+            grid: cfg.grid,
+            tier_scales,
         };
         Ok((q, times))
     }
@@ -470,6 +582,8 @@ struct RowChunk {
     wt: Vec<f32>,
     codes: Vec<u8>,
     scales: Vec<f32>,
+    /// `[K/T, nc]`: the tier scales of a tiered lattice.
+    tier_d: Vec<f32>,
     err: Vec<f32>,
     upd: Vec<f32>,
     buf: Vec<f32>,
@@ -510,6 +624,7 @@ impl RowChunk {
             wt,
             codes: vec![0u8; k * nc],
             scales: vec![0f32; k / gs * nc],
+            tier_d: vec![0f32; k / sched.tier.max(1) * nc],
             err: vec![0f32; bs * nc],
             upd: Vec::new(),
             buf: vec![0f32; gs],
@@ -526,6 +641,36 @@ impl RowChunk {
             row.copy_from_slice(&scales[g * n + self.r0..g * n + self.r1]);
         }
         self.fixed = true;
+    }
+
+    /// Group `g`'s current weights in row `nn` into `buf` and its importances into `imp`, at
+    /// position `i` of block `i1..i2`. In-block updates go to `wt` directly; a member in a later
+    /// block (act order) has not had this block's columns so far flushed into it yet, so they
+    /// are applied here.
+    #[allow(clippy::too_many_arguments)]
+    fn load_group(
+        &mut self,
+        s: &GptqSolver,
+        sched: &Schedule,
+        g: usize,
+        gs: usize,
+        nn: usize,
+        i1: usize,
+        i: usize,
+        i2: usize,
+    ) {
+        let (k, nc, u) = (s.k, self.r1 - self.r0, &s.u);
+        let members = sched.members(g, gs);
+        for ((b, c), &m) in self.buf.iter_mut().zip(self.imp.iter_mut()).zip(members) {
+            let mut v = self.wt[m * nc + nn];
+            if m >= i2 {
+                for p in i1..i {
+                    v -= u[p * k + m] * self.err[(p - i1) * nc + nn];
+                }
+            }
+            *b = v;
+            *c = s.imp[m];
+        }
     }
 
     /// Positions `i1..i2`: a group's scale where its first member is reached, codes and
@@ -545,28 +690,33 @@ impl RowChunk {
         let u = &s.u;
         let start = std::time::Instant::now();
         let mut searched = 0.0;
+        let grid = &cfg.grid;
         for i in i1..i2 {
             let g = sched.group[i];
-            let members = sched.members(g, gs);
-            if members[0] == i && !self.fixed {
+            let tier = sched.input[i] / sched.tier;
+            if grid.tier().is_some() && sched.tier_first[tier] == i {
+                // A tier's d when its first member is reached: from the free scales its groups
+                // would choose on the weights as updated by then.
                 let t = std::time::Instant::now();
-                for (b, &m) in self.imp.iter_mut().zip(members) {
-                    *b = s.imp[m];
-                }
-                // From the up-to-date weights. In-block updates go to `wt` directly; a member
-                // in a later block (act order) has not had this block's columns so far flushed
-                // into it yet, so they are applied here.
+                let (per, g0) = (sched.tier / gs, tier * sched.tier / gs);
+                let mut free = vec![0f32; per];
                 for nn in 0..nc {
-                    for (b, &m) in self.buf.iter_mut().zip(members) {
-                        let mut v = self.wt[m * nc + nn];
-                        if m >= i2 {
-                            for p in i1..i {
-                                v -= u[p * k + m] * self.err[(p - i1) * nc + nn];
-                            }
-                        }
-                        *b = v;
+                    for (j, f) in free.iter_mut().enumerate() {
+                        self.load_group(s, sched, g0 + j, gs, nn, i1, i, i2);
+                        *f = grid
+                            .untiered()
+                            .group_scale(&self.buf, &self.imp, cfg.rule, 0.0);
                     }
-                    self.scales[g * nc + nn] = group_scale(&self.buf, &self.imp, cfg.rule);
+                    self.tier_d[tier * nc + nn] = grid.tier_scale(&free);
+                }
+                searched += t.elapsed().as_secs_f64();
+            }
+            if sched.members(g, gs)[0] == i && !self.fixed {
+                let t = std::time::Instant::now();
+                for nn in 0..nc {
+                    self.load_group(s, sched, g, gs, nn, i1, i, i2);
+                    let d = self.tier_d[tier * nc + nn];
+                    self.scales[g * nc + nn] = grid.group_scale(&self.buf, &self.imp, cfg.rule, d);
                 }
                 searched += t.elapsed().as_secs_f64();
             }
@@ -576,9 +726,9 @@ impl RowChunk {
             let err = &mut self.err[(i - i1) * nc..(i - i1 + 1) * nc];
             for nn in 0..nc {
                 let sc = self.scales[g * nc + nn];
-                let q = code(row[nn], sc);
+                let q = grid.code(row[nn], sc);
                 self.codes[i * nc + nn] = q;
-                err[nn] = (row[nn] - dequant(q, sc)) / d;
+                err[nn] = (row[nn] - grid.dequant(q, sc)) / d;
             }
             let err = &self.err[(i - i1) * nc..(i - i1 + 1) * nc];
             for (j, r) in tail[..(i2 - i - 1) * nc].chunks_mut(nc).enumerate() {
@@ -812,6 +962,62 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn every_gguf_grid_solves_onto_its_lattice_and_beats_rounding() {
+        use crate::quant::grid::Lattice;
+        let (n, k) = (24, 512);
+        let (w, h) = case(n, k, 1024);
+        let tiered = |bits, kmax| Grid {
+            bits,
+            lattice: Lattice::Tiered { tier: 256, kmax },
+        };
+        let fp16 = |bits| Grid {
+            bits,
+            lattice: Lattice::Fp16,
+        };
+        for (grid, gs) in [
+            (fp16(4), 32),
+            (fp16(8), 32),
+            (tiered(4, 63), 32),
+            (tiered(6, 127), 16),
+        ] {
+            for order in [Order::Natural, Order::ActStatic] {
+                let solver = GptqSolver::with_order("t", &h, 0.01, order).unwrap();
+                let cfg = GptqConfig {
+                    group_size: gs,
+                    block_size: 128,
+                    damp: 0.01,
+                    rule: ScaleRule::Search,
+                    grid,
+                };
+                let q = solver.quantize(&w, n, &cfg).unwrap();
+                assert!(q.codes.iter().all(|&c| (c as i32) <= grid.qmax()));
+                for (i, &s) in q.scales.iter().enumerate() {
+                    let (g, nn) = (i / n, i % n);
+                    let d = q
+                        .tier_scales
+                        .get((g * gs / 256) * n + nn)
+                        .copied()
+                        .unwrap_or(0.0);
+                    assert_eq!(
+                        grid.stored(s, d),
+                        s,
+                        "{grid:?}: scale {s} is off its lattice"
+                    );
+                }
+                assert_eq!(q.tier_scales.len(), grid.tier().map_or(0, |t| k / t * n));
+                let r = rtn(&w, n, k, &h, gs, ScaleRule::Search, grid);
+                let e = |q: &QuantizedWeight| relative_output_error(&w, &q.dequantize(), n, k, &h);
+                assert!(
+                    e(&q) < e(&r),
+                    "{grid:?} {order:?}: gptq {} vs rtn {}",
+                    e(&q),
+                    e(&r)
+                );
+            }
+        }
+    }
+
+    #[test]
     fn gptq_beats_rtn_and_search_beats_plain() {
         let (n, k) = (32, 256);
         let (w, h) = case(n, k, 512);
@@ -820,6 +1026,7 @@ pub(crate) mod tests {
             block_size: 128,
             damp: 0.01,
             rule: ScaleRule::MaxOver7_5,
+            grid: Grid::VLLM,
         };
         let plain = gptq("t", &w, n, k, &h, &cfg).unwrap();
         let search = gptq(
@@ -830,11 +1037,12 @@ pub(crate) mod tests {
             &h,
             &GptqConfig {
                 rule: ScaleRule::Search,
+                grid: Grid::VLLM,
                 ..cfg
             },
         )
         .unwrap();
-        let r = rtn(&w, n, k, &h, 64, ScaleRule::MaxOver7_5);
+        let r = rtn(&w, n, k, &h, 64, ScaleRule::MaxOver7_5, Grid::VLLM);
         let e = |q: &QuantizedWeight| relative_output_error(&w, &q.dequantize(), n, k, &h);
         let (er, ep, es) = (e(&r), e(&plain.weight), e(&search.weight));
         assert!(ep < er, "gptq {ep} vs rtn {er}");
@@ -851,6 +1059,7 @@ pub(crate) mod tests {
             block_size: 128,
             damp: 0.01,
             rule: ScaleRule::Search,
+            grid: Grid::VLLM,
         };
         let solver = GptqSolver::new("t", &h, 0.01).unwrap();
         let whole = solver.quantize(&w, n, &cfg).unwrap();
@@ -927,6 +1136,7 @@ pub(crate) mod tests {
                 block_size: 128,
                 damp: 0.01,
                 rule: ScaleRule::Search,
+                grid: Grid::VLLM,
             },
         )
         .unwrap();
@@ -957,6 +1167,7 @@ pub(crate) mod tests {
                 block_size: 64,
                 damp: 0.01,
                 rule: ScaleRule::MaxOver7_5,
+                grid: Grid::VLLM,
             },
         )
         .unwrap();
@@ -973,6 +1184,7 @@ pub(crate) mod tests {
             block_size: 64,
             damp: 0.01,
             rule: ScaleRule::MaxOver7_5,
+            grid: Grid::VLLM,
         };
         assert!(
             matches!(gptq("layer.x", &w, n, k, &h, &cfg), Err(GptqError::NonFiniteWeights(s)) if s == "layer.x")

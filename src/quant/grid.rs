@@ -1,23 +1,137 @@
-//! The symmetric 4-bit grid with its zero point pinned at 8: code q ∈ 0…15,
-//! w = s·(q − 8) (docs/GPTQ_FORMAT.md §2), and the choice of the
-//! per-group scale s.
+//! The symmetric integer grids GPTQ solves on: b-bit codes q ∈ 0…2^b − 1 with the zero point
+//! pinned at 2^(b−1), w = s·(q − z) (docs/GPTQ_FORMAT.md §2), and the lattice the per-group
+//! scale s lives on, so codes are solved for exactly the values the consumer dequantizes.
 //!
-//! Scales are always *stored* values: rounded to bf16 (vLLM converts scales
-//! to the bf16 model dtype at load) and kept inside fp16's normal range, so
-//! the fp16 on disk, the bf16 in vLLM and the f32 here are the same number.
-//! Codes are computed against that stored scale.
+//! Scales are always *stored* values. vLLM's lattice is bf16 (it converts scales to the bf16
+//! model dtype at load), kept inside fp16's normal range so the fp16 on disk, the bf16 in vLLM
+//! and the f32 here are one number. GGUF's Q4_0/Q8_0 store any fp16; Q4_K/Q6_K store one fp16
+//! `d` per 256 inputs and a small integer per group, s = d·k (docs/GGUF.md).
 
 use crate::kernels::w4::round_ties_even_small;
 use half::{bf16, f16};
 
+/// The 4-bit zero point and largest code (the vLLM grid).
 pub const ZERO: i32 = 8;
 pub const QMAX: i32 = 15;
 
 /// Smallest / largest scale that is exact in bf16 *and* a normal fp16.
 const S_MIN: f32 = 6.103_515_6e-5; // 2^-14
 const S_MAX: f32 = 65280.0;
+/// Largest fp16.
+const F16_MAX: f32 = 65504.0;
 
-/// Round a positive scale to the value that will be stored.
+/// Where a group's scale may lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Lattice {
+    /// bf16 values that are normal fp16s (vLLM, GPTQ checkpoints).
+    Bf16,
+    /// Any normal fp16 (GGUF Q4_0, Q8_0).
+    Fp16,
+    /// s = d·k: one fp16 `d` per `tier` inputs of a row, integer k ∈ 1…`kmax` per group
+    /// (GGUF Q4_K: 256 and 63; Q6_K: 256 and 127).
+    Tiered { tier: usize, kmax: u32 },
+}
+
+/// A b-bit zero-point-2^(b−1) grid and its scale lattice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Grid {
+    pub bits: u32,
+    pub lattice: Lattice,
+}
+
+impl Grid {
+    /// The GPTQ checkpoint grid vLLM runs: 4 bits, bf16-exact scales.
+    pub const VLLM: Grid = Grid {
+        bits: 4,
+        lattice: Lattice::Bf16,
+    };
+
+    pub fn zero(&self) -> i32 {
+        1 << (self.bits - 1)
+    }
+
+    pub fn qmax(&self) -> i32 {
+        (1 << self.bits) - 1
+    }
+
+    /// Inputs per tier scale, for a tiered lattice.
+    pub fn tier(&self) -> Option<usize> {
+        match self.lattice {
+            Lattice::Tiered { tier, .. } => Some(tier),
+            _ => None,
+        }
+    }
+
+    /// Code for `w` under stored scale `s` (round half to even, clamp to 0…qmax).
+    #[inline]
+    pub fn code(&self, w: f32, s: f32) -> u8 {
+        code_in(w, s, self.zero(), self.qmax())
+    }
+
+    #[inline]
+    pub fn dequant(&self, q: u8, s: f32) -> f32 {
+        s * (q as i32 - self.zero()) as f32
+    }
+
+    /// The stored scale nearest `s` (`d`: the row's tier scale, for a tiered lattice).
+    pub fn stored(&self, s: f32, d: f32) -> f32 {
+        match self.lattice {
+            Lattice::Bf16 => stored_scale(s),
+            Lattice::Fp16 => fp16_scale(s),
+            Lattice::Tiered { kmax, .. } => {
+                let k = if s.is_finite() {
+                    (s / d).round().clamp(1.0, kmax as f32)
+                } else {
+                    kmax as f32
+                };
+                // d has 11 significant bits and k at most 7: the product is exact in f32.
+                d * k
+            }
+        }
+    }
+
+    /// A tier's `d` from the free (fp16) scales its groups would choose: the largest maps to
+    /// `kmax`, so every group is reachable and the largest gets the finest step.
+    pub fn tier_scale(&self, free: &[f32]) -> f32 {
+        let kmax = match self.lattice {
+            Lattice::Tiered { kmax, .. } => kmax as f32,
+            _ => 1.0,
+        };
+        let top = free.iter().fold(0f32, |m, &s| m.max(s));
+        // Q4_K stores dmin = 8·d, which must be an fp16 too.
+        fp16_scale(top / kmax).min(F16_MAX / 8.0)
+    }
+
+    /// The same grid with free fp16 scales: what a tier's groups would choose unconstrained.
+    pub fn untiered(&self) -> Grid {
+        match self.lattice {
+            Lattice::Tiered { .. } => Grid {
+                bits: self.bits,
+                lattice: Lattice::Fp16,
+            },
+            _ => *self,
+        }
+    }
+
+    /// The stored scale for one group `w` (one output row × G inputs), with per-input
+    /// importance `imp` (diag of the Hessian; ignored by MaxOver7_5) and tier scale `d`.
+    pub fn group_scale(&self, w: &[f32], imp: &[f32], rule: ScaleRule, d: f32) -> f32 {
+        let amax = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+        if amax == 0.0 {
+            // All-zero group: any scale reproduces it; GPTQ's find_params uses ±1 → 2/15.
+            return self.stored(2.0 / (2 * self.zero() - 1) as f32, d);
+        }
+        let half = self.zero() as f32 - 0.5;
+        let base = self.stored(amax / half, d);
+        match rule {
+            ScaleRule::MaxOver7_5 => base,
+            ScaleRule::Search => search(self, w, imp, amax, base, d),
+        }
+    }
+}
+
+/// Round a positive scale to the value that will be stored on the bf16 lattice.
 pub fn stored_scale(s: f32) -> f32 {
     let s = if s.is_finite() {
         s.clamp(S_MIN, S_MAX)
@@ -33,13 +147,28 @@ pub fn stored_scale(s: f32) -> f32 {
     r
 }
 
-/// Code for `w` under stored scale `s` (round half to even, clamp to 0…15).
+/// Round a positive scale to the nearest normal fp16.
+fn fp16_scale(s: f32) -> f32 {
+    let s = if s.is_finite() {
+        s.clamp(S_MIN, F16_MAX)
+    } else {
+        F16_MAX
+    };
+    f16::from_f32(s).to_f32()
+}
+
+/// 4-bit code for `w` under stored scale `s` (the vLLM grid).
 #[inline]
 pub fn code(w: f32, s: f32) -> u8 {
+    code_in(w, s, ZERO, QMAX)
+}
+
+#[inline(always)]
+fn code_in(w: f32, s: f32, zero: i32, qmax: i32) -> u8 {
     // Clamp before rounding: the fast ties-to-even round is exact only for
-    // |x| ≤ 2^22, and every value outside −8.5…7.5 clamps to the same code.
-    let x = (w / s).clamp(-(ZERO as f32) - 1.0, (QMAX - ZERO) as f32 + 1.0);
-    (round_ties_even_small(x) as i32 + ZERO).clamp(0, QMAX) as u8
+    // |x| ≤ 2^22, and every value outside the grid clamps to the same code.
+    let x = (w / s).clamp(-(zero as f32) - 1.0, (qmax - zero) as f32 + 1.0);
+    (round_ties_even_small(x) as i32 + zero).clamp(0, qmax) as u8
 }
 
 #[inline]
@@ -62,17 +191,17 @@ pub enum ScaleRule {
 /// Number of denominators tried by [`ScaleRule::Search`].
 const CANDIDATES: usize = 41;
 
-/// Σ c_i (w_i − s(q_i − 8))² with codes computed against `s`.
+/// Σ c_i (w_i − s(q_i − z))² with codes computed against `s`.
 #[cfg(test)]
-fn weighted_error(w: &[f32], imp: &[f32], s: f32) -> f64 {
-    error_and_fit(w, imp, s).0
+fn weighted_error(grid: &Grid, w: &[f32], imp: &[f32], s: f32) -> f64 {
+    error_and_fit(w, imp, s, grid.zero(), grid.qmax()).0
 }
 
 /// For the codes `s` produces: the weighted error Σ c_i (w_i − s·l_i)² and
-/// the least-squares terms Σ c_i w_i l_i, Σ c_i l_i² (l = q − 8), in one pass.
+/// the least-squares terms Σ c_i w_i l_i, Σ c_i l_i² (l = q − z), in one pass.
 /// Eight partial sums per term let the compiler vectorise the loop.
 #[inline(always)]
-fn error_and_fit(w: &[f32], imp: &[f32], s: f32) -> (f64, f64, f64) {
+fn error_and_fit(w: &[f32], imp: &[f32], s: f32, zero: i32, qmax: i32) -> (f64, f64, f64) {
     // No closures here: they would not inherit `search_avx512`'s features.
     const L: usize = 8;
     let (mut e, mut num, mut den) = ([0f64; L], [0f64; L], [0f64; L]);
@@ -80,14 +209,14 @@ fn error_and_fit(w: &[f32], imp: &[f32], s: f32) -> (f64, f64, f64) {
     let (rw, ri) = (cw.remainder(), ci.remainder());
     for (xs, cs) in cw.zip(ci) {
         for lane in 0..L {
-            let t = fit_terms(xs[lane], cs[lane], s);
+            let t = fit_terms(xs[lane], cs[lane], s, zero, qmax);
             e[lane] += t.0;
             num[lane] += t.1;
             den[lane] += t.2;
         }
     }
     for (lane, (&x, &c)) in rw.iter().zip(ri).enumerate() {
-        let t = fit_terms(x, c, s);
+        let t = fit_terms(x, c, s, zero, qmax);
         e[lane] += t.0;
         num[lane] += t.1;
         den[lane] += t.2;
@@ -96,10 +225,10 @@ fn error_and_fit(w: &[f32], imp: &[f32], s: f32) -> (f64, f64, f64) {
 }
 
 #[inline(always)]
-fn fit_terms(x: f32, c: f32, s: f32) -> (f64, f64, f64) {
-    let q = code(x, s);
-    let d = (x - dequant(q, s)) as f64;
-    let l = (q as i32 - ZERO) as f64;
+fn fit_terms(x: f32, c: f32, s: f32, zero: i32, qmax: i32) -> (f64, f64, f64) {
+    let l = code_in(x, s, zero, qmax) as i32 - zero;
+    let d = (x - s * l as f32) as f64;
+    let l = l as f64;
     let c = c as f64;
     (c * d * d, c * x as f64 * l, c * l * l)
 }
@@ -114,55 +243,58 @@ fn refit(num: f64, den: f64) -> Option<f32> {
     (den > 0.0 && num > 0.0).then(|| (num / den) as f32)
 }
 
-/// The stored scale for one group `w` (one output row × G inputs), with
-/// per-input importance `imp` (diag of the Hessian; ignored by MaxOver7_5).
+/// The stored 4-bit bf16 scale for one group (the vLLM grid; see [`Grid::group_scale`]).
 pub fn group_scale(w: &[f32], imp: &[f32], rule: ScaleRule) -> f32 {
-    let amax = w.iter().fold(0f32, |m, x| m.max(x.abs()));
-    if amax == 0.0 {
-        // All-zero group: any scale reproduces it; GPTQ's find_params uses ±1 → 2/15.
-        return stored_scale(2.0 / 15.0);
-    }
-    let base = stored_scale(amax / 7.5);
-    match rule {
-        ScaleRule::MaxOver7_5 => base,
-        ScaleRule::Search => search(w, imp, amax, base),
-    }
+    Grid::VLLM.group_scale(w, imp, rule, 0.0)
 }
 
-fn search(w: &[f32], imp: &[f32], amax: f32, base: f32) -> f32 {
+fn search(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::isa::isa().avx512() {
         // SAFETY: the CPU has AVX-512 (checked at run time).
-        return unsafe { search_avx512(w, imp, amax, base) };
+        return unsafe { search_avx512(grid, w, imp, amax, base, d) };
     }
-    search_with(w, imp, amax, base)
+    search_with(grid, w, imp, amax, base, d)
 }
 
 /// The same code compiled for AVX-512, where the loops vectorise 16 wide.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn search_avx512(w: &[f32], imp: &[f32], amax: f32, base: f32) -> f32 {
-    search_with(w, imp, amax, base)
+unsafe fn search_avx512(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
+    search_with(grid, w, imp, amax, base, d)
 }
 
+/// Denominators c around the grid's half-range (z − ½): 6.5…8.5 for 4 bits, the same
+/// relative span for wider grids.
 #[inline(always)]
-fn search_with(w: &[f32], imp: &[f32], amax: f32, base: f32) -> f32 {
-    let mut best = (error_and_fit(w, imp, base).0, base);
+fn search_with(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
+    let (zero, qmax) = (grid.zero(), grid.qmax());
+    let half = zero as f32 - 0.5;
+    let width = half / 7.5;
+    let (lo, span) = (half - width, 2.0 * width);
+    let mut best = (error_and_fit(w, imp, base, zero, qmax).0, base);
     for i in 0..CANDIDATES {
-        let c = 6.5 + 2.0 * i as f32 / (CANDIDATES - 1) as f32;
-        if let Some(r) = consider(w, imp, amax / c, &mut best) {
-            consider(w, imp, r, &mut best);
+        let c = lo + span * i as f32 / (CANDIDATES - 1) as f32;
+        if let Some(r) = consider(grid, w, imp, amax / c, d, &mut best) {
+            consider(grid, w, imp, r, d, &mut best);
         }
     }
     best.1
 }
 
-/// Evaluate stored scale `stored_scale(s)`, keep it in `best` if it wins
+/// Evaluate the stored scale nearest `s`, keep it in `best` if it wins
 /// (ties to the smaller scale); returns its least-squares refit.
 #[inline(always)]
-fn consider(w: &[f32], imp: &[f32], s: f32, best: &mut (f64, f32)) -> Option<f32> {
-    let s = stored_scale(s);
-    let (e, num, den) = error_and_fit(w, imp, s);
+fn consider(
+    grid: &Grid,
+    w: &[f32],
+    imp: &[f32],
+    s: f32,
+    d: f32,
+    best: &mut (f64, f32),
+) -> Option<f32> {
+    let s = grid.stored(s, d);
+    let (e, num, den) = error_and_fit(w, imp, s, grid.zero(), grid.qmax());
     if e < best.0 || (e == best.0 && s < best.1) {
         *best = (e, s);
     }
@@ -193,6 +325,114 @@ mod tests {
         assert_eq!(dequant(0, 0.5), -4.0);
     }
 
+    /// Q4_0, Q8_0, Q4_K and Q6_K as grids.
+    fn gguf_grids() -> [Grid; 4] {
+        [
+            Grid {
+                bits: 4,
+                lattice: Lattice::Fp16,
+            },
+            Grid {
+                bits: 8,
+                lattice: Lattice::Fp16,
+            },
+            Grid {
+                bits: 4,
+                lattice: Lattice::Tiered {
+                    tier: 256,
+                    kmax: 63,
+                },
+            },
+            Grid {
+                bits: 6,
+                lattice: Lattice::Tiered {
+                    tier: 256,
+                    kmax: 127,
+                },
+            },
+        ]
+    }
+
+    #[test]
+    fn wider_grids_pin_their_zero_point_and_clamp() {
+        let g8 = Grid {
+            bits: 8,
+            lattice: Lattice::Fp16,
+        };
+        assert_eq!((g8.zero(), g8.qmax()), (128, 255));
+        assert_eq!(g8.code(0.0, 1.0), 128);
+        assert_eq!(g8.code(-1e9, 1.0), 0);
+        assert_eq!(g8.code(1e9, 1.0), 255);
+        assert_eq!(g8.dequant(0, 0.5), -64.0);
+        let g6 = Grid {
+            bits: 6,
+            lattice: Lattice::Fp16,
+        };
+        assert_eq!(
+            (g6.zero(), g6.code(31.5, 1.0), g6.code(-40.0, 1.0)),
+            (32, 63, 0)
+        );
+    }
+
+    #[test]
+    fn tiered_scales_are_integer_multiples_of_an_fp16() {
+        let g = Grid {
+            bits: 4,
+            lattice: Lattice::Tiered {
+                tier: 256,
+                kmax: 63,
+            },
+        };
+        let d = g.tier_scale(&[0.013, 0.2, 0.05]);
+        assert_eq!(f16::from_f32(d).to_f32(), d);
+        assert_eq!(
+            f16::from_f32(8.0 * d).to_f32(),
+            8.0 * d,
+            "dmin = 8d must be an fp16"
+        );
+        for s in [1e-9f32, 0.003, 0.05, 0.2, 0.21, 5.0, f32::INFINITY] {
+            let r = g.stored(s, d);
+            let k = r / d;
+            assert_eq!(k, k.round(), "{s} → {r} is not d·k");
+            assert!((1.0..=63.0).contains(&k));
+        }
+        // The largest free scale is representable to within one step.
+        assert!((g.stored(0.2, d) - 0.2).abs() <= d / 2.0 + 1e-7);
+    }
+
+    #[test]
+    fn search_on_every_lattice_beats_max_over_half_range() {
+        let mut seed = 7u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        for g in gguf_grids() {
+            let (mut base, mut searched) = (0.0, 0.0);
+            for _ in 0..100 {
+                let w: Vec<f32> = (0..32).map(|_| rnd() * rnd().abs() * 4.0).collect();
+                let imp: Vec<f32> = (0..32).map(|_| rnd().abs() + 0.01).collect();
+                let free = g.untiered().group_scale(&w, &imp, ScaleRule::Search, 0.0);
+                let d = g.tier_scale(&[free * 1.7]);
+                let b = g.group_scale(&w, &imp, ScaleRule::MaxOver7_5, d);
+                let s = g.group_scale(&w, &imp, ScaleRule::Search, d);
+                assert_eq!(
+                    g.stored(s, d),
+                    s,
+                    "{g:?}: the search returned an unstored scale"
+                );
+                let (eb, es) = (
+                    weighted_error(&g, &w, &imp, b),
+                    weighted_error(&g, &w, &imp, s),
+                );
+                assert!(es <= eb, "{g:?}: search {es} worse than baseline {eb}");
+                base += eb;
+                searched += es;
+            }
+            assert!(searched < base, "{g:?}: search {searched} vs base {base}");
+        }
+    }
+
     #[test]
     fn search_never_loses_to_the_baseline_on_its_own_objective() {
         let mut seed = 1u64;
@@ -206,7 +446,10 @@ mod tests {
             let imp: Vec<f32> = (0..64).map(|_| rnd().abs() + 0.01).collect();
             let b = group_scale(&w, &imp, ScaleRule::MaxOver7_5);
             let s = group_scale(&w, &imp, ScaleRule::Search);
-            let (eb, es) = (weighted_error(&w, &imp, b), weighted_error(&w, &imp, s));
+            let (eb, es) = (
+                weighted_error(&Grid::VLLM, &w, &imp, b),
+                weighted_error(&Grid::VLLM, &w, &imp, s),
+            );
             assert!(es <= eb, "search {es} worse than baseline {eb}");
             sum_base += eb;
             sum_search += es;

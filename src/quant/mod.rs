@@ -11,6 +11,6 @@ pub use gptq::{
     gptq, output_error_parts, relative_output_error, relative_output_error_with, rtn, GptqConfig,
     GptqError, GptqResult, GptqSolver, Order, QuantizedWeight,
 };
-pub use grid::ScaleRule;
+pub use grid::{Grid, Lattice, ScaleRule};
 pub use hessian::Hessian;
 pub use refit::refit_scales;

@@ -168,6 +168,7 @@ mod tests {
             block_size: 128,
             damp: 0.01,
             rule: ScaleRule::Search,
+            grid: crate::quant::Grid::VLLM,
         };
         let solver = GptqSolver::new("t", &h, 0.01).unwrap();
         let q = solver.quantize(&w, n, &cfg).unwrap();

@@ -25,12 +25,13 @@ use crate::checkpoint::layout::layer_prefix;
 use crate::checkpoint::SparkConfig;
 use crate::checkpoint::{Checkpoint, QkvLayout};
 use crate::device::{WeightFormat, WeightPath};
+use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
 use crate::model::block::residual_add;
 use crate::model::{DecoderLayer, DenseLinear, Linear, Proj, SparkModel};
 use crate::quant::timing::Clock;
 use crate::quant::{
-    output_error_parts, refit_scales, rtn, GptqConfig, GptqSolver, Hessian, Order, QuantizedWeight,
-    ScaleRule,
+    output_error_parts, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian, Order,
+    QuantizedWeight, ScaleRule,
 };
 use crate::tokenizer::SparkTokenizer;
 use phases::{Phase, PhaseReport, Phases};
@@ -88,6 +89,57 @@ pub struct QuantizeOptions {
     pub dump_dequantized: Option<PathBuf>,
     /// Stop with [`QuantizeError::Interrupted`] after this many layers (tests of `--resume`).
     pub stop_after_layers: Option<usize>,
+    /// Write one GGUF file of this type (`out_dir` is then the file) instead of a GPTQ
+    /// checkpoint: every tensor is solved on the grid of its GGML type.
+    pub gguf: Option<FileType>,
+}
+
+impl QuantizeOptions {
+    /// Whether the head is solved: on request, and always for GGUF (where the tied embedding
+    /// is quantized, as llama.cpp does).
+    pub fn solves_head(&self) -> bool {
+        self.quantize_head || self.gguf.is_some()
+    }
+
+    /// The projections of a layer that are quantized: GGUF quantizes the head gate `g_proj`
+    /// too, as llama.cpp does; a GPTQ checkpoint keeps it 16-bit.
+    pub fn projs(&self) -> &'static [Proj] {
+        if self.gguf.is_some() {
+            &Proj::ALL
+        } else {
+            &Proj::QUANTIZED
+        }
+    }
+
+    /// The grid and group size projection `proj` of layer `li` (`None`: the head) is solved on.
+    pub fn grid_of(&self, li: Option<usize>, proj: Proj, layers: usize) -> (Grid, usize) {
+        grid_for(self.gguf, self.group_size, li, proj, layers)
+    }
+}
+
+/// [`QuantizeOptions::grid_of`] from the two options it depends on.
+pub fn grid_for(
+    gguf: Option<FileType>,
+    group_size: usize,
+    li: Option<usize>,
+    proj: Proj,
+    layers: usize,
+) -> (Grid, usize) {
+    let Some(ft) = gguf else {
+        return (Grid::VLLM, group_size);
+    };
+    crate::formats::gguf::quantized::grid_of(ft.type_of(gguf_tensor(li, proj), layers))
+        .expect("every file type assigns solvable block types")
+}
+
+/// What the GGUF type rule calls projection `proj` of layer `li` (`None`: the head).
+pub fn gguf_tensor(li: Option<usize>, proj: Proj) -> GgufTensor {
+    match (li, proj) {
+        (None, _) => GgufTensor::Head,
+        (Some(layer), Proj::Q | Proj::K | Proj::V) => GgufTensor::AttnQkv { layer },
+        (Some(layer), Proj::Down) => GgufTensor::FfnDown { layer },
+        _ => GgufTensor::Other,
+    }
 }
 
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
@@ -150,6 +202,8 @@ pub struct QuantReport {
     /// What the run planned to hold at its peak, before it started.
     pub memory_plan: plan::MemoryPlan,
     pub resumed_from_layer: Option<usize>,
+    /// The GGUF file type written, when the output is GGUF.
+    pub gguf: Option<FileType>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -162,6 +216,8 @@ pub enum QuantizeError {
     Gptq(#[from] crate::quant::GptqError),
     #[error(transparent)]
     Format(#[from] crate::formats::gptq::GptqFormatError),
+    #[error(transparent)]
+    Gguf(#[from] crate::formats::gguf::GgufError),
     #[error(transparent)]
     Model(#[from] crate::model::ModelError),
     #[error(transparent)]
@@ -252,21 +308,24 @@ struct Solved {
     seconds: f64,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn solve_linear(
     solver: &GptqSolver,
     hm: &[f32],
     h: &Hessian,
     w: &[f32],
     n: usize,
+    (grid, group_size): (Grid, usize),
     opts: &QuantizeOptions,
     phases: &mut Phases,
 ) -> Result<Solved, QuantizeError> {
-    let (k, group_size, method) = (h.dim(), opts.group_size, opts.method);
+    let (k, method) = (h.dim(), opts.method);
     let cfg = |rule| GptqConfig {
         group_size,
         block_size: 128,
         damp: opts.damp,
         rule,
+        grid,
     };
     let variants: Vec<Method> = if opts.compare {
         vec![Method::Rtn, Method::Gptq, Method::GptqSearch]
@@ -280,7 +339,7 @@ fn solve_linear(
         let mut clock = Clock::start();
         let (q, times) = match v {
             Method::Rtn => (
-                rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5),
+                rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5, grid),
                 Default::default(),
             ),
             Method::Gptq | Method::GptqSearch => {
@@ -408,6 +467,7 @@ fn quantize_group(
     names: &[String],
     weights: &[Vec<f32>],
     outs: &[usize],
+    grids: &[(Grid, usize)],
     h: &Hessian,
     opts: &QuantizeOptions,
     phases: &mut Phases,
@@ -421,8 +481,8 @@ fn quantize_group(
     let hm = phases.time(Phase::Compare, || h.matrix_f32());
     let mut kept = Vec::new();
     let mut reports = Vec::new();
-    for ((name, w), &n) in names.iter().zip(weights).zip(outs) {
-        let s = solve_linear(&solver, &hm, h, w, n, opts, phases)?;
+    for (((name, w), &n), &grid) in names.iter().zip(weights).zip(outs).zip(grids) {
+        let s = solve_linear(&solver, &hm, h, w, n, grid, opts, phases)?;
         reports.push(linear_report(
             name,
             n,
@@ -470,13 +530,19 @@ impl LayerSolve<'_> {
             .map(|p| format!("{}{}", layer_prefix(self.li), p.module()))
             .collect();
         let outs: Vec<usize> = projs.iter().map(|p| p.shape(cfg)[0]).collect();
+        let layers = cfg.num_hidden_layers;
+        let grids: Vec<(Grid, usize)> = projs
+            .iter()
+            .map(|&p| self.opts.grid_of(Some(self.li), p, layers))
+            .collect();
         let weights: Vec<Vec<f32>> = self.phases.time(Phase::Install, || {
             projs
                 .iter()
                 .map(|&p| layer.linear(p).dequantize())
                 .collect()
         });
-        let (qs, reports) = quantize_group(&names, &weights, &outs, &h, self.opts, self.phases)?;
+        let (qs, reports) =
+            quantize_group(&names, &weights, &outs, &grids, &h, self.opts, self.phases)?;
         drop((h, weights));
         self.reports.extend(reports);
         let clock = Clock::start();
@@ -523,8 +589,13 @@ fn quantize_layer(
     let h = solve
         .phases
         .time(Phase::Forward, || layer.input_layernorm.forward(x));
-    let qkv = [Proj::Q, Proj::K, Proj::V];
-    solve.step(layer, &qkv, &h)?;
+    // GGUF also quantizes the head gate g_proj, which reads the same input.
+    let qkv: &[Proj] = if opts.gguf.is_some() {
+        &[Proj::Q, Proj::K, Proj::V, Proj::G]
+    } else {
+        &[Proj::Q, Proj::K, Proj::V]
+    };
+    solve.step(layer, qkv, &h)?;
 
     // gated attention over each sample → a ─ out_proj, x += out(a)
     bar.set_message(format!("layer {li}: out_proj"));
@@ -616,7 +687,8 @@ fn quantize_head(
             let w = crate::model::DenseWeight::load(ck, tensor, Some(r0..r1))?;
             Ok(DenseLinear::from_weight(w, r1 - r0, hidden).dequantize())
         })?;
-        let s = solve_linear(&solver, &hm, &h, &w, r1 - r0, opts, phases)?;
+        let grid = opts.grid_of(None, Proj::Q, cfg.num_hidden_layers);
+        let s = solve_linear(&solver, &hm, &h, &w, r1 - r0, grid, opts, phases)?;
         parts.push(s.parts);
         seconds += s.seconds;
         blocks.push(s.q);
@@ -629,6 +701,40 @@ fn quantize_head(
     Ok((q, report))
 }
 
+/// Every solved tensor's rows must be whole blocks of its GGML type: refused before the solve.
+fn check_gguf_shapes(
+    opts: &QuantizeOptions,
+    cfg: &SparkConfig,
+    ft: FileType,
+) -> Result<(), QuantizeError> {
+    let layers = cfg.num_hidden_layers;
+    let mut solved: Vec<(String, Option<usize>, Proj, usize)> =
+        vec![("the head".into(), None, Proj::Q, cfg.hidden_size)];
+    for li in 0..layers {
+        for &p in opts.projs() {
+            solved.push((
+                format!("{}{}", layer_prefix(li), p.module()),
+                Some(li),
+                p,
+                p.shape(cfg)[1],
+            ));
+        }
+    }
+    for (name, li, p, k) in solved {
+        let (grid, gs) = grid_for(opts.gguf, opts.group_size, li, p, layers);
+        let block = grid.tier().unwrap_or(gs);
+        if k % block != 0 {
+            return Err(QuantizeError::Invalid(format!(
+                "{name}: {k} inputs are not a multiple of {block}, the block of its {} type; \
+                 this model cannot be written as {}",
+                ft.type_of(gguf_tensor(li, p), layers).name(),
+                ft.llama_name()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Settings no run can succeed with, refused before anything is read.
 fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
     use crate::setting::Setting;
@@ -639,6 +745,12 @@ fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
             "{} {} must be a number in (0, 1] (a fraction of the mean Hessian diagonal)",
             Setting::Damp,
             opts.damp
+        )));
+    }
+    if opts.gguf.is_some() && opts.refit_rounds > 0 {
+        return Err(QuantizeError::Invalid(format!(
+            "{} works on the bf16 scale lattice of GPTQ checkpoints only, not on GGUF block scales",
+            Setting::RefitRounds
         )));
     }
     for (s, v) in [
@@ -659,7 +771,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     let t0 = Clock::start();
     let private = crate::resources::PrivatePeak::start();
     check_options(opts)?;
-    if ![32, 64, 128].contains(&opts.group_size) {
+    if opts.gguf.is_none() && ![32, 64, 128].contains(&opts.group_size) {
         return Err(QuantizeError::Invalid(format!(
             "{} {}: vLLM's GPTQ loader accepts 32, 64 or 128",
             crate::setting::Setting::GroupSize,
@@ -674,12 +786,15 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         )));
     }
     let cfg = ck.config.clone();
+    if let Some(ft) = opts.gguf {
+        check_gguf_shapes(opts, &cfg, ft)?;
+    }
     for (what, dim) in [
         ("hidden_size", cfg.hidden_size),
         ("q_dim", cfg.q_dim()),
         ("intermediate_size", cfg.intermediate_size),
     ] {
-        if dim % opts.group_size != 0 || dim % 32 != 0 {
+        if opts.gguf.is_none() && (dim % opts.group_size != 0 || dim % 32 != 0) {
             return Err(QuantizeError::Invalid(format!(
                 "{what} = {dim} is not a multiple of the group size {} and of 32 (vLLM CPU needs K % 32 == 0)",
                 opts.group_size
@@ -757,7 +872,7 @@ fn run(
         &ck.config,
         opts.samples.saturating_mul(opts.seq_len),
         widened,
-        opts.quantize_head,
+        opts.solves_head(),
     );
     let have = crate::resources::memory_budget().map(|b| b.min(u64::MAX as u128) as u64);
     if opts.progress {
@@ -836,7 +951,7 @@ fn run(
             return Err(QuantizeError::Interrupted(li + 1));
         }
     }
-    let head = if opts.quantize_head {
+    let head = if opts.solves_head() {
         bar.set_message("lm_head");
         let (q, r) = quantize_head(&model, ck, &x, rows, opts, &mut phases, plan::HEAD_ROWS)?;
         reports.push(r);
@@ -890,12 +1005,16 @@ fn run(
         peak_private_bytes: None,
         memory_plan,
         resumed_from_layer,
+        gguf: opts.gguf,
     };
     let write = Clock::start();
     if let Some(path) = &opts.dump_dequantized {
         out.dump_dequantized(path, &ck.config, layers, head.as_ref())?;
     }
-    let (bytes, params) = out.write(ck, layers, opts.group_size, head.as_ref(), &mut report)?;
+    let (bytes, params) = match (opts.gguf, &head) {
+        (Some(ft), Some(head)) => out.write_gguf(ck, ft, head, &report)?,
+        _ => out.write(ck, layers, opts.group_size, head.as_ref(), &mut report)?,
+    };
     phases.add(Phase::Write, write.elapsed());
     report.output_bytes = bytes;
     report.bits_per_weight = bytes as f64 * 8.0 / params as f64;
@@ -940,6 +1059,7 @@ mod tests {
             compare,
             dump_dequantized: None,
             stop_after_layers: None,
+            gguf: None,
         }
     }
 
@@ -972,6 +1092,7 @@ mod tests {
             &names,
             &ws,
             &[48, 16],
+            &[(Grid::VLLM, 32); 2],
             &h,
             &options(Method::GptqSearch, true),
             &mut Phases::default(),
@@ -1000,6 +1121,7 @@ mod tests {
             &["a".into()],
             &ws[..1],
             &[48],
+            &[(Grid::VLLM, 32)],
             &h,
             &options(Method::Rtn, false),
             &mut Phases::default(),

@@ -12,24 +12,66 @@ use safetensors::Dtype;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::{LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
+use super::{grid_for, LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
 use crate::artifact::{self, io_err, Staging};
 use crate::checkpoint::layout::{layer_prefix, stored_linears};
 use crate::checkpoint::write::{
     write_safetensors_atomic, write_safetensors_streamed, OwnedTensor, TensorSpec,
 };
 use crate::checkpoint::{Checkpoint, Proj, QkvLayout, SparkConfig, TensorStore};
+use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
+use crate::formats::gguf::{
+    self as ggufmt, spark, spark::Slot, GgmlType, GgufFile, GgufWriter, TensorInfo,
+};
 use crate::formats::gptq::{self, concat_outputs, GPTQ_PARTS};
+use crate::quant::Grid;
 use crate::quant::QuantizedWeight;
 
 pub struct Output {
     staging: Staging,
     partial: PathBuf,
     qkv_layout: QkvLayout,
+    /// The projections each layer quantizes, and what decides their grids.
+    projs: &'static [Proj],
+    gguf: Option<FileType>,
+    group_size: usize,
+    layers: usize,
+    tied: bool,
 }
 
 /// What `crate::artifact` records a quantized checkpoint folder as.
 pub const ARTIFACT_KIND: &str = "gptq checkpoint";
+/// What a GGUF output is called in messages.
+pub const GGUF_KIND: &str = "GGUF file";
+
+/// Whether `path` is a GGUF file spark-tool wrote (it carries our producer key).
+pub fn is_our_gguf(path: &Path) -> bool {
+    GgufFile::open(path).is_ok_and(|f| f.kv(spark::PRODUCER_KEY).is_some())
+}
+
+/// The GGUF name of a stored linear (HF module path of layer `li`), `None` for the head.
+fn gguf_linear_name(li: Option<usize>, stored: &str, tied: bool) -> String {
+    let Some(li) = li else {
+        return if tied {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        }
+        .into();
+    };
+    let module = stored.rsplit_once("layers.").map_or(stored, |(_, m)| m);
+    let module = module.split_once('.').map_or(module, |(_, m)| m);
+    let g = match module {
+        "self_attn.q_k_v_proj" => "attn_qkv",
+        "self_attn.g_proj" => "attn_gate",
+        "self_attn.out_proj" => "attn_output",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        other => unreachable!("GGUF output fuses q/k/v; no linear {other}"),
+    };
+    format!("blk.{li}.{g}.weight")
+}
 
 /// Where an interrupted run stopped: its finished layers stay in the staging folder, read
 /// back only when the checkpoint is written.
@@ -68,7 +110,7 @@ pub fn settings_fingerprint(
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} gguf{:?}",
         opts.format,
         opts.group_size,
         opts.samples,
@@ -78,7 +120,8 @@ pub fn settings_fingerprint(
         opts.damp,
         opts.method,
         opts.order,
-        opts.refit_rounds
+        opts.refit_rounds,
+        opts.gguf
     ));
     Ok(format!("{:x}", h.finalize()))
 }
@@ -92,17 +135,25 @@ fn u8_tensor(name: &str, shape: Vec<usize>, v: &[u8]) -> OwnedTensor {
     }
 }
 
-fn read_q(store: &TensorStore, prefix: &str) -> Option<QuantizedWeight> {
+fn read_q(store: &TensorStore, prefix: &str, grid: Grid) -> Option<QuantizedWeight> {
     let c = store.get(&format!("{prefix}.codes"))?;
     let s = store.get(&format!("{prefix}.scales"))?;
     let (k, n) = (c.shape[0], c.shape[1]);
     let groups = s.shape[0];
+    let tier_scales = match grid.tier() {
+        Some(_) => store
+            .to_f32(store.get(&format!("{prefix}.tier_scales"))?)
+            .ok()?,
+        None => Vec::new(),
+    };
     Some(QuantizedWeight {
         in_features: k,
         out_features: n,
         group_size: k / groups,
         codes: store.bytes(c).to_vec(),
         scales: store.to_f32(s).ok()?,
+        grid,
+        tier_scales,
     })
 }
 
@@ -112,8 +163,9 @@ fn stored_owned(
     li: usize,
     mut r: LayerResult,
     layout: QkvLayout,
+    projs: &[Proj],
 ) -> Vec<(String, QuantizedWeight)> {
-    stored_linears(li, layout, &Proj::QUANTIZED)
+    stored_linears(li, layout, projs)
         .into_iter()
         .map(|(name, projs)| {
             let q = match projs.as_slice() {
@@ -148,7 +200,12 @@ impl<'a> LayerCache<'a> {
     fn get(&mut self, li: usize, prefix: &str) -> Result<&QuantizedWeight, QuantizeError> {
         if self.layer != Some(li) {
             self.linears.clear();
-            self.linears = stored_owned(li, self.out.load_layer(li)?, self.out.qkv_layout);
+            self.linears = stored_owned(
+                li,
+                self.out.load_layer(li)?,
+                self.out.qkv_layout,
+                self.out.projs,
+            );
             self.layer = Some(li);
         }
         Ok(self
@@ -190,7 +247,11 @@ impl Output {
     pub fn prepare(opts: &QuantizeOptions, ck: &Checkpoint) -> Result<Self, QuantizeError> {
         let mut inputs: Vec<&Path> = vec![&ck.dir];
         inputs.extend(opts.calibration.iter().map(PathBuf::as_path));
-        let staging = Staging::plan(&opts.out_dir, ARTIFACT_KIND, &inputs, opts.force)?;
+        let staging = if opts.gguf.is_some() {
+            Staging::plan_file(&opts.out_dir, GGUF_KIND, &inputs, opts.force, is_our_gguf)?
+        } else {
+            Staging::plan(&opts.out_dir, ARTIFACT_KIND, &inputs, opts.force)?
+        };
         // Every output path is checked before hours of compute, not when it is written.
         if let Some(dump) = &opts.dump_dequantized {
             artifact::check_output_file(
@@ -212,7 +273,17 @@ impl Output {
         Ok(Output {
             partial: staging.root().to_path_buf(),
             staging,
-            qkv_layout: opts.qkv_layout,
+            projs: opts.projs(),
+            // GGUF has one attn_qkv tensor per layer.
+            qkv_layout: if opts.gguf.is_some() {
+                QkvLayout::Fused
+            } else {
+                opts.qkv_layout
+            },
+            gguf: opts.gguf,
+            group_size: opts.group_size,
+            layers: ck.config.num_hidden_layers,
+            tied: ck.layout.tied,
         })
     }
 
@@ -298,9 +369,10 @@ impl Output {
         let p = self.layer_path(li);
         let store = TensorStore::open_file(&p)?;
         let mut r = LayerResult::default();
-        for proj in Proj::QUANTIZED {
+        for &proj in self.projs {
             let part = proj.key();
-            let q = read_q(&store, part).ok_or_else(|| {
+            let grid = grid_for(self.gguf, self.group_size, Some(li), proj, self.layers).0;
+            let q = read_q(&store, part, grid).ok_or_else(|| {
                 QuantizeError::Invalid(format!("{}: missing {part}", p.display()))
             })?;
             r.insert(proj, q);
@@ -320,10 +392,13 @@ impl Output {
         let mut specs = Vec::new();
         let mut sources = HashMap::new();
         for li in 0..layers {
-            for (name, projs) in stored_linears(li, self.qkv_layout, &Proj::QUANTIZED) {
+            for (name, projs) in stored_linears(li, self.qkv_layout, self.projs) {
                 let n = projs.iter().map(|p| p.shape(cfg)[0]).sum();
                 let k = projs[0].shape(cfg)[1];
-                let t = format!("{name}.weight");
+                let t = match self.gguf {
+                    Some(_) => gguf_linear_name(Some(li), &name, true),
+                    None => format!("{name}.weight"),
+                };
                 specs.push(TensorSpec {
                     name: t.clone(),
                     dtype: Dtype::F32,
@@ -333,12 +408,16 @@ impl Output {
             }
         }
         if head.is_some() {
+            let t = match self.gguf {
+                Some(_) => gguf_linear_name(None, "", self.tied),
+                None => "lm_head.weight".into(),
+            };
             specs.push(TensorSpec {
-                name: "lm_head.weight".into(),
+                name: t.clone(),
                 dtype: Dtype::F32,
                 shape: vec![cfg.vocab_size, cfg.hidden_size],
             });
-            sources.insert("lm_head.weight".into(), (None, "lm_head".into()));
+            sources.insert(t, (None, "lm_head".into()));
         }
         // The producer marks the file as ours, so a later run may replace it.
         let meta = BTreeMap::from([(
@@ -369,7 +448,7 @@ impl Output {
         settings: &str,
     ) -> Result<(), QuantizeError> {
         let mut t = Vec::new();
-        for proj in Proj::QUANTIZED {
+        for &proj in self.projs {
             let (part, q) = (proj.key(), r.get(proj));
             t.push(u8_tensor(
                 &format!("{part}.codes"),
@@ -381,6 +460,13 @@ impl Output {
                 vec![q.scales.len() / q.out_features, q.out_features],
                 &q.scales,
             ));
+            if !q.tier_scales.is_empty() {
+                t.push(OwnedTensor::f32(
+                    &format!("{part}.tier_scales"),
+                    vec![q.tier_scales.len() / q.out_features, q.out_features],
+                    &q.tier_scales,
+                ));
+            }
         }
         write_safetensors_atomic(&self.layer_path(li), &t, None)?;
         // The residual stream after layer `li`, under its own name: state.json, written last, is
@@ -554,6 +640,170 @@ impl Output {
         Ok((bytes, params))
     }
 
+    fn staged_gguf(&self) -> PathBuf {
+        self.partial.join("model.gguf")
+    }
+
+    /// Write the finished GGUF file into the staging folder, one tensor at a time (a layer's
+    /// linears are read back from its staged result; the head in row blocks). Returns (bytes of
+    /// tensor data, parameter count).
+    pub fn write_gguf(
+        &self,
+        ck: &Checkpoint,
+        ft: FileType,
+        head: &QuantizedWeight,
+        report: &QuantReport,
+    ) -> Result<(u64, u64), QuantizeError> {
+        let cfg = &ck.config;
+        let path = self.staged_gguf();
+        let tok_dir = ck
+            .tokenizer_path()
+            .and_then(|p| p.parent().map(Path::to_path_buf))
+            .unwrap_or_else(|| ck.dir.clone());
+        let name = ck
+            .dir
+            .canonicalize()
+            .ok()
+            .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "spark".into());
+        let mut kv = spark::metadata(cfg, &tok_dir, &name, ft)?;
+        let provenance = json!({
+            "method": report.method,
+            "scale_rule": report.scale_rule,
+            "order": report.order,
+            "calibration_sha256": report.calibration_sha256,
+            "samples": report.samples,
+            "seq_len": report.seq_len,
+            "mean_output_error": report.mean_error,
+        });
+        kv.push((
+            "spark_tool.quantization".into(),
+            ggufmt::Value::String(provenance.to_string()),
+        ));
+        let plan = spark::tensor_plan(cfg, self.tied);
+        let layers = cfg.num_hidden_layers;
+        let type_of = |slot: &Slot| -> GgmlType {
+            match slot {
+                Slot::Norm { .. } => GgmlType::F32,
+                Slot::Embedding if !self.tied => GgmlType::BF16,
+                Slot::Embedding | Slot::Head => ft.type_of(GgufTensor::Head, layers),
+                Slot::Linear { layer, gguf } => {
+                    let proj = match *gguf {
+                        "attn_qkv" => Proj::Q,
+                        "attn_gate" => Proj::G,
+                        "attn_output" => Proj::Out,
+                        "ffn_gate" => Proj::Gate,
+                        "ffn_up" => Proj::Up,
+                        _ => Proj::Down,
+                    };
+                    ft.type_of(super::gguf_tensor(Some(*layer), proj), layers)
+                }
+            }
+        };
+        let hf_of = |slot: &Slot| -> Option<(usize, String)> {
+            let Slot::Linear { layer, gguf } = slot else {
+                return None;
+            };
+            let p = layer_prefix(*layer);
+            let m = match *gguf {
+                "attn_qkv" => crate::checkpoint::layout::FUSED_QKV.to_string(),
+                "attn_gate" => Proj::G.module().into(),
+                "attn_output" => Proj::Out.module().into(),
+                "ffn_gate" => Proj::Gate.module().into(),
+                "ffn_up" => Proj::Up.module().into(),
+                _ => Proj::Down.module().into(),
+            };
+            Some((*layer, format!("{p}{m}")))
+        };
+        let dims = |slot: &Slot| -> Vec<u64> {
+            let (n, k) = match slot {
+                Slot::Norm { hf } => return vec![ck.entry(hf).map_or(0, |e| e.numel()) as u64],
+                Slot::Embedding | Slot::Head => (cfg.vocab_size, cfg.hidden_size),
+                Slot::Linear { gguf, .. } => {
+                    let projs: &[Proj] = match *gguf {
+                        "attn_qkv" => &[Proj::Q, Proj::K, Proj::V],
+                        "attn_gate" => &[Proj::G],
+                        "attn_output" => &[Proj::Out],
+                        "ffn_gate" => &[Proj::Gate],
+                        "ffn_up" => &[Proj::Up],
+                        _ => &[Proj::Down],
+                    };
+                    let n = projs.iter().map(|p| p.shape(cfg)[0]).sum();
+                    (n, projs[0].shape(cfg)[1])
+                }
+            };
+            vec![k as u64, n as u64]
+        };
+        let infos: Vec<TensorInfo> = plan
+            .iter()
+            .map(|(name, slot)| TensorInfo {
+                name: name.clone(),
+                dims: dims(slot),
+                ty: type_of(slot),
+            })
+            .collect::<Vec<_>>();
+        for t in &infos {
+            t.ty.row_bytes(t.dims[0] as usize).map_err(|_| {
+                QuantizeError::Invalid(format!(
+                    "{}: rows of {} inputs are not whole {} blocks of {}; {} cannot hold this model",
+                    t.name,
+                    t.dims[0],
+                    t.ty.name(),
+                    t.ty.block_len(),
+                    ft.llama_name()
+                ))
+            })?;
+        }
+        let bytes: u64 = infos.iter().map(|t| t.nbytes() as u64).sum();
+        let params: u64 = infos.iter().map(|t| t.dims.iter().product::<u64>()).sum();
+        let mut cache = LayerCache::new(self);
+        artifact::write_file(&path, |file| {
+            let fail = |e: QuantizeError| std::io::Error::other(e.to_string());
+            let mut w = GgufWriter::new(file, &kv, &infos, 32).map_err(std::io::Error::other)?;
+            let mut buf = Vec::new();
+            for ((name, slot), info) in plan.iter().zip(&infos) {
+                buf.clear();
+                match slot {
+                    Slot::Norm { hf } => {
+                        let v = ck.tensor_f32(hf).map_err(|e| fail(e.into()))?;
+                        buf.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+                        w.write_tensor(name, &buf).map_err(std::io::Error::other)?;
+                    }
+                    Slot::Embedding if !self.tied => {
+                        let v = bf16_copy(ck, "model.embedding.weight").map_err(fail)?;
+                        w.write_tensor(name, &v).map_err(std::io::Error::other)?;
+                    }
+                    Slot::Embedding | Slot::Head => {
+                        // The head is the largest tensor: encoded and written in row blocks.
+                        for r0 in (0..head.out_features).step_by(4096) {
+                            buf.clear();
+                            let r1 = (r0 + 4096).min(head.out_features);
+                            ggufmt::quantized::encode_rows(head, info.ty, r0..r1, name, &mut buf)
+                                .map_err(std::io::Error::other)?;
+                            w.write_tensor_part(name, &buf)
+                                .map_err(std::io::Error::other)?;
+                        }
+                    }
+                    Slot::Linear { .. } => {
+                        let (li, stored) = hf_of(slot).expect("a linear slot");
+                        let q = cache.get(li, &stored).map_err(fail)?;
+                        ggufmt::quantized::encode_rows(
+                            q,
+                            info.ty,
+                            0..q.out_features,
+                            name,
+                            &mut buf,
+                        )
+                        .map_err(std::io::Error::other)?;
+                        w.write_tensor(name, &buf).map_err(std::io::Error::other)?;
+                    }
+                }
+            }
+            w.finish().map(drop).map_err(std::io::Error::other)
+        })?;
+        Ok((bytes, params))
+    }
+
     /// docs/GPTQ_FORMAT.md §4, with the q/k/v aliases vLLM needs for the fused QKV (§5).
     fn quantization_config(&self, r: &QuantReport, head: bool) -> serde_json::Value {
         gptq::quantization_config(
@@ -577,6 +827,10 @@ impl Output {
 
     /// Write the report, move the finished checkpoint onto `--out`, drop the staging folder.
     pub fn finish(&self, report: &QuantReport) -> Result<(), QuantizeError> {
+        if self.gguf.is_some() {
+            // The report's essentials are in the file's metadata; the whole report is printed.
+            return Ok(self.staging.commit_file(&self.staged_gguf())?);
+        }
         let dir = self.staged();
         artifact::write_json(&dir.join("quant_report.json"), report)?;
         Ok(self.staging.commit(&dir)?)

@@ -141,6 +141,7 @@ pub fn quantize_options(
         compare: true,
         dump_dequantized: None,
         stop_after_layers: None,
+        gguf: None,
     }
 }
 

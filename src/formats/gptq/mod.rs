@@ -145,33 +145,7 @@ pub fn tensors_for(prefix: &str, q: &QuantizedWeight) -> Result<Vec<OwnedTensor>
 
 /// Concatenate linears that share an input along N (q | k | v → `q_k_v_proj`).
 pub fn concat_outputs(parts: &[&QuantizedWeight]) -> QuantizedWeight {
-    let k = parts[0].in_features;
-    let g = parts[0].group_size;
-    let n: usize = parts.iter().map(|p| p.out_features).sum();
-    let groups = k / g;
-    let mut codes = vec![0u8; k * n];
-    let mut scales = vec![0f32; groups * n];
-    let mut off = 0;
-    for p in parts {
-        assert_eq!((p.in_features, p.group_size), (k, g));
-        let pn = p.out_features;
-        for kk in 0..k {
-            codes[kk * n + off..kk * n + off + pn]
-                .copy_from_slice(&p.codes[kk * pn..(kk + 1) * pn]);
-        }
-        for gg in 0..groups {
-            scales[gg * n + off..gg * n + off + pn]
-                .copy_from_slice(&p.scales[gg * pn..(gg + 1) * pn]);
-        }
-        off += pn;
-    }
-    QuantizedWeight {
-        in_features: k,
-        out_features: n,
-        group_size: g,
-        codes,
-        scales,
-    }
+    QuantizedWeight::concat_outputs(parts)
 }
 
 #[cfg(test)]
@@ -209,6 +183,8 @@ mod tests {
             group_size: 8,
             codes,
             scales: scales.clone(),
+            grid: crate::quant::Grid::VLLM,
+            tier_scales: Vec::new(),
         };
         let t = tensors_for("x", &q).unwrap();
         let qz: Vec<i32> = t[1]
@@ -237,6 +213,8 @@ mod tests {
             group_size: 8,
             codes: (0..8 * n).map(|i| (i as u8 + base) % 16).collect(),
             scales: (0..n).map(|i| (i + base as usize) as f32).collect(),
+            grid: crate::quant::Grid::VLLM,
+            tier_scales: Vec::new(),
         };
         let (a, b) = (mk(8, 1), mk(16, 5));
         let c = concat_outputs(&[&a, &b]);

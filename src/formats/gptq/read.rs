@@ -169,6 +169,8 @@ pub(crate) mod tests {
             group_size: g,
             codes: (0..k * n).map(|i| ((i * 7 + i / 16) % 16) as u8).collect(),
             scales: (0..k / g * n).map(|i| 0.01 * (1 + i % 13) as f32).collect(),
+            grid: crate::quant::Grid::VLLM,
+            tier_scales: Vec::new(),
         }
     }
 

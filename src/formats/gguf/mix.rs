@@ -1,0 +1,118 @@
+//! Which GGML type each Spark tensor gets in a GGUF file: llama.cpp's own per-tensor rule for the
+//! file types we write (docs/GGUF.md §3), so our file and `llama-quantize`'s hold the same types
+//! and differ only in how the codes were chosen.
+
+use super::GgmlType;
+
+/// A GGUF file type (llama.cpp's `ftype`), i.e. a rule giving every tensor its type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileType {
+    /// Q4_0 everywhere; the head (tied embedding) Q6_K.
+    Q4_0,
+    /// Q4_K, with Q6_K for the head and for `attn_qkv` / `ffn_down` in the layers llama.cpp
+    /// gives more bits.
+    Q4KM,
+    /// Q8_0 everywhere, the head included.
+    Q8_0,
+}
+
+/// The weight tensors of a Spark GGUF whose type the rule decides (norms are always F32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tensor {
+    /// `output.weight`, or `token_embd.weight` when the head is tied to it.
+    Head,
+    /// `token_embd.weight` of an untied model.
+    Embedding,
+    /// `blk.{layer}.attn_qkv`.
+    AttnQkv { layer: usize },
+    /// `blk.{layer}.ffn_down`.
+    FfnDown { layer: usize },
+    /// Every other 2-D weight of a layer (attn_gate, attn_output, ffn_gate, ffn_up).
+    Other,
+}
+
+impl FileType {
+    /// llama.cpp's `general.file_type` value (`LLAMA_FTYPE_MOSTLY_*`).
+    pub fn id(self) -> u32 {
+        match self {
+            FileType::Q4_0 => 2,
+            FileType::Q8_0 => 7,
+            FileType::Q4KM => 15,
+        }
+    }
+
+    /// The name `llama-quantize` takes for it.
+    pub fn llama_name(self) -> &'static str {
+        match self {
+            FileType::Q4_0 => "Q4_0",
+            FileType::Q4KM => "Q4_K_M",
+            FileType::Q8_0 => "Q8_0",
+        }
+    }
+
+    fn base(self) -> GgmlType {
+        match self {
+            FileType::Q4_0 => GgmlType::Q4_0,
+            FileType::Q4KM => GgmlType::Q4_K,
+            FileType::Q8_0 => GgmlType::Q8_0,
+        }
+    }
+
+    /// The type of `tensor` in a model of `layers` layers (llama.cpp `llama_tensor_get_type_impl`
+    /// without an imatrix, for these three file types). Row lengths must be a multiple of the
+    /// type's block; callers check with [`GgmlType::row_bytes`].
+    pub fn type_of(self, tensor: Tensor, layers: usize) -> GgmlType {
+        // llama.cpp's use_more_bits: the first and last eighth, and every third layer between.
+        let more_bits = |i: usize| {
+            let n = layers;
+            i < n / 8 || i >= 7 * n / 8 || (i as isize - (n / 8) as isize).rem_euclid(3) == 2
+        };
+        match (self, tensor) {
+            (FileType::Q8_0, _) => GgmlType::Q8_0,
+            (_, Tensor::Head) => GgmlType::Q6_K,
+            (FileType::Q4KM, Tensor::AttnQkv { layer } | Tensor::FfnDown { layer })
+                if more_bits(layer) =>
+            {
+                GgmlType::Q6_K
+            }
+            _ => self.base(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q4_k_m_gives_more_bits_where_llama_cpp_does() {
+        // 36 layers (the 4B): n/8 = 4, 7n/8 = 31; between, (i − 4) % 3 == 2 → 6, 9, …, 30.
+        let six: Vec<usize> = (0..36)
+            .filter(|&i| FileType::Q4KM.type_of(Tensor::FfnDown { layer: i }, 36) == GgmlType::Q6_K)
+            .collect();
+        let want: Vec<usize> = (0..4).chain((6..31).step_by(3)).chain(31..36).collect();
+        assert_eq!(six, want);
+        // 8 layers (the fixture): 0, 3, 6, 7.
+        let six: Vec<usize> = (0..8)
+            .filter(|&i| FileType::Q4KM.type_of(Tensor::AttnQkv { layer: i }, 8) == GgmlType::Q6_K)
+            .collect();
+        assert_eq!(six, [0, 3, 6, 7]);
+        assert_eq!(FileType::Q4KM.type_of(Tensor::Other, 8), GgmlType::Q4_K);
+        assert_eq!(FileType::Q4KM.type_of(Tensor::Head, 8), GgmlType::Q6_K);
+    }
+
+    #[test]
+    fn q4_0_and_q8_0_are_uniform_but_for_the_head() {
+        for t in [
+            Tensor::AttnQkv { layer: 0 },
+            Tensor::FfnDown { layer: 0 },
+            Tensor::Other,
+        ] {
+            assert_eq!(FileType::Q4_0.type_of(t, 28), GgmlType::Q4_0);
+            assert_eq!(FileType::Q8_0.type_of(t, 28), GgmlType::Q8_0);
+        }
+        assert_eq!(FileType::Q4_0.type_of(Tensor::Head, 28), GgmlType::Q6_K);
+        assert_eq!(FileType::Q8_0.type_of(Tensor::Head, 28), GgmlType::Q8_0);
+    }
+}

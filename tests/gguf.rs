@@ -1,0 +1,187 @@
+//! `quantize --format gguf-*` on the trained fixture: the file holds llama.cpp's tensor types,
+//! dequantizes bit-exactly to the weights the solve produced (our reader here; the pip `gguf`
+//! package's dequantizer through tools/gguf_check.py), carries the same metadata as the
+//! converter-equivalent tools/gguf_from_hf.py, and is written like every artifact of ours.
+//! With `SPARK_REQUIRE_GGUF=1` (tools/test.sh) a missing `gguf` package is a failure, not a skip.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use spark_tool::checkpoint::TensorStore;
+use spark_tool::device::WeightFormat;
+use spark_tool::formats::gguf::mix::FileType;
+use spark_tool::formats::gguf::{GgmlType, GgufFile, Value};
+use spark_tool::quantize::{quantize, QuantizeOptions};
+
+fn options(out: &Path, ft: FileType) -> QuantizeOptions {
+    let mut o =
+        common::quantize_options(&common::fixture("spark-tiny"), out, WeightFormat::W4A16, 32);
+    (o.samples, o.seq_len, o.compare, o.gguf) = (8, 128, false, Some(ft));
+    o
+}
+
+/// Whether Python with the `gguf` package is there; a failure when the test script requires it.
+fn have_gguf() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import gguf"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        assert!(
+            std::env::var_os("SPARK_REQUIRE_GGUF").is_none(),
+            "SPARK_REQUIRE_GGUF is set but python3 cannot import gguf"
+        );
+        eprintln!("skipped: python3 with the `gguf` package is not available");
+    }
+    ok
+}
+
+fn python(args: &[&str]) {
+    let out = Command::new("python3").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "python3 {args:?} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprint!("{}", String::from_utf8_lossy(&out.stdout));
+}
+
+/// Quantize to `ft`, then check types, exact decode and the file's bookkeeping.
+fn round_trip(ft: FileType, want: &[(&str, GgmlType)]) {
+    let d = tempfile::tempdir().unwrap();
+    let (path, dump) = (
+        d.path().join("m.gguf"),
+        d.path().join("m.dequant.safetensors"),
+    );
+    let mut o = options(&path, ft);
+    o.dump_dequantized = Some(dump.clone());
+    let report = quantize(&o).unwrap();
+    assert_eq!(report.gguf, Some(ft));
+    let f = GgufFile::open(&path).unwrap();
+    for (name, ty) in want {
+        let t = f.tensors().iter().find(|t| t.name == *name).unwrap();
+        assert_eq!(t.ty, *ty, "{name}");
+    }
+    assert_eq!(f.tensors().len(), 2 + 8 * 8, "tied: no output.weight");
+    // Every solved tensor decodes to exactly what the solve computed with.
+    let store = TensorStore::open_file(&dump).unwrap();
+    let mut checked = 0;
+    for t in f.tensors() {
+        let Some(e) = store.get(&t.name) else {
+            assert!(t.name.ends_with("norm.weight"), "{} was not dumped", t.name);
+            assert_eq!(t.ty, GgmlType::F32);
+            continue;
+        };
+        let want = store.to_f32(e).unwrap();
+        let got = f.dequantize(&t.name).unwrap();
+        assert_eq!(got.len(), want.len(), "{}", t.name);
+        let diff = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(diff, 0, "{}: {diff} values differ from the solve", t.name);
+        checked += 1;
+    }
+    assert_eq!(checked, 1 + 8 * 6, "the head and six linears per layer");
+    assert!(matches!(
+        f.kv("general.file_type"),
+        Some(Value::U32(v)) if *v == ft.id()
+    ));
+    assert!(f.kv("spark_tool.quantization").is_some());
+    if have_gguf() {
+        let (p, dp) = (path.to_str().unwrap(), dump.to_str().unwrap());
+        python(&["tools/gguf_check.py", p, dp]);
+        // The metadata equals the converter-equivalent script's, but for the file type.
+        let reference = d.path().join("ref.gguf");
+        python(&[
+            "tools/gguf_from_hf.py",
+            common::fixture("spark-tiny").to_str().unwrap(),
+            reference.to_str().unwrap(),
+            "--outtype",
+            "f32",
+        ]);
+        python(&[
+            "tools/gguf_check.py",
+            p,
+            "--same-metadata",
+            reference.to_str().unwrap(),
+        ]);
+    }
+}
+
+#[test]
+fn q4_k_m_has_llama_cpp_types_and_decodes_to_the_solved_weights() {
+    round_trip(
+        FileType::Q4KM,
+        &[
+            ("token_embd.weight", GgmlType::Q6_K),
+            ("blk.0.attn_qkv.weight", GgmlType::Q6_K),
+            ("blk.1.attn_qkv.weight", GgmlType::Q4_K),
+            ("blk.3.ffn_down.weight", GgmlType::Q6_K),
+            ("blk.4.ffn_down.weight", GgmlType::Q4_K),
+            ("blk.2.attn_gate.weight", GgmlType::Q4_K),
+            ("blk.2.ffn_up.weight", GgmlType::Q4_K),
+            ("output_norm.weight", GgmlType::F32),
+        ],
+    );
+}
+
+#[test]
+fn q4_0_and_q8_0_decode_to_the_solved_weights() {
+    round_trip(
+        FileType::Q4_0,
+        &[
+            ("token_embd.weight", GgmlType::Q6_K),
+            ("blk.0.attn_qkv.weight", GgmlType::Q4_0),
+            ("blk.7.ffn_down.weight", GgmlType::Q4_0),
+        ],
+    );
+    round_trip(
+        FileType::Q8_0,
+        &[
+            ("token_embd.weight", GgmlType::Q8_0),
+            ("blk.0.attn_gate.weight", GgmlType::Q8_0),
+        ],
+    );
+}
+
+#[test]
+fn a_file_that_is_not_ours_is_never_replaced() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("m.gguf");
+    std::fs::write(&path, b"a user's file").unwrap();
+    let mut o = options(&path, FileType::Q8_0);
+    o.force = true;
+    let e = quantize(&o).unwrap_err().to_string();
+    assert!(e.contains("not a previous output"), "{e}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"a user's file");
+    assert_eq!(
+        std::fs::read_dir(d.path()).unwrap().count(),
+        1,
+        "nothing left behind"
+    );
+}
+
+#[test]
+fn our_previous_file_is_replaced_only_with_force() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("m.gguf");
+    let mut o = options(&path, FileType::Q8_0);
+    (o.samples, o.seq_len) = (2, 32);
+    quantize(&o).unwrap();
+    let first = std::fs::read(&path).unwrap();
+    let e = quantize(&o).unwrap_err().to_string();
+    assert!(e.contains("--force") || e.contains("force"), "{e}");
+    assert_eq!(std::fs::read(&path).unwrap(), first);
+    o.force = true;
+    o.gguf = Some(FileType::Q4_0);
+    quantize(&o).unwrap();
+    let f = GgufFile::open(&path).unwrap();
+    assert!(matches!(f.kv("general.file_type"), Some(Value::U32(2))));
+    let left: Vec<_> = std::fs::read_dir(d.path()).unwrap().collect();
+    assert_eq!(left.len(), 1, "the staging folder is gone");
+}
