@@ -69,6 +69,12 @@ pub enum OpenError {
         #[source]
         source: crate::phone::PhoneError,
     },
+    #[error("opening GGUF file {path}")]
+    Gguf {
+        path: String,
+        #[source]
+        source: crate::formats::gguf::GgufError,
+    },
     #[error("listing {dir}")]
     Io {
         dir: String,
@@ -86,6 +92,28 @@ pub fn open(
 ) -> Result<Opened, OpenError> {
     use crate::phone::{self, PhoneModel};
     let name = || dir.display().to_string();
+    if dir.is_file() && is_gguf(dir) {
+        use crate::formats::gguf::GgufFile;
+        let gguf = |source| OpenError::Gguf {
+            path: name(),
+            source,
+        };
+        let f = GgufFile::open(dir).map_err(gguf)?;
+        let model = SparkModel::from_gguf(&f, false).map_err(gguf)?;
+        let bytes: u64 = f.tensors().iter().map(|t| t.nbytes() as u64).sum();
+        let params = crate::inspect::parameters(model.config()) as f64;
+        return Ok(Opened {
+            bpw: bytes as f64 * 8.0 / params,
+            // A GGUF carries its vocabulary, not a tokenizer.json; parity tokenizes with the reference's.
+            tokenizer: None,
+            engine: Box::new(model),
+            warnings: vec![
+                "GGUF runs with every tensor dequantized to f32 and f32 activations (llama.cpp's CPU kernels \
+                 quantize activations to 8 bits for its quantized types)"
+                    .into(),
+            ],
+        });
+    }
     if phone::is_phone_export(dir) {
         let m = PhoneModel::open(dir, threads).map_err(|source| OpenError::Phone {
             dir: name(),
@@ -125,4 +153,14 @@ pub fn open(
         bpw: r.bytes as f64 * 8.0 / r.parameters.max(1) as f64,
         warnings: ck.layout.warnings.clone(),
     })
+}
+
+/// Whether `path` starts with the GGUF magic.
+pub fn is_gguf(path: &std::path::Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
 }

@@ -2,6 +2,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use spark_tool::engine;
 use spark_tool::parity::{self, ParityInputs, ParityReport, Policy};
 use spark_tool::tokenizer::SparkTokenizer;
 
@@ -110,10 +111,22 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         max_new_tokens: a.max_new_tokens,
         eval_windows,
         policy,
-        tokenizer_difference: parity::tokenizer_difference(
-            reference.tokenizer.as_deref(),
-            candidate.tokenizer.as_deref(),
-        )?,
+        tokenizer_difference: match (&reference.tokenizer, engine::is_gguf(&a.candidate)) {
+            // A GGUF carries its vocabulary: compared with what the reference's tokenizer gives.
+            (Some(t), true) => {
+                let f = spark_tool::formats::gguf::GgufFile::open(&a.candidate)?;
+                let dir = t.parent().unwrap_or(std::path::Path::new("."));
+                spark_tool::formats::gguf::spark::vocabulary_difference(
+                    &f,
+                    dir,
+                    candidate.engine.config().vocab_size,
+                )?
+            }
+            _ => parity::tokenizer_difference(
+                reference.tokenizer.as_deref(),
+                candidate.tokenizer.as_deref(),
+            )?,
+        },
     };
     println!(
         "{:<24} {:>6} {:>7} {:>6} {:>6} {:>9} {:>9} {:>8} {:>7}",

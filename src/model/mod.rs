@@ -212,6 +212,115 @@ impl SparkModel {
         })
     }
 
+    /// Build the model from a Spark GGUF file (llama.cpp's, or ours): every tensor dequantized to
+    /// f32 exactly as ggml's dequantizers compute it, activations in f32. Holds 4 bytes per
+    /// parameter.
+    pub fn from_gguf(
+        f: &crate::formats::gguf::GgufFile,
+        progress: bool,
+    ) -> Result<Self, crate::formats::gguf::GgufError> {
+        use crate::formats::gguf::GgufError;
+        let cfg = crate::formats::gguf::spark::config_of(f)?;
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let get = |name: &str, n: usize, k: usize| -> Result<Vec<f32>, GgufError> {
+            let t = f
+                .tensors()
+                .iter()
+                .find(|t| t.name == name)
+                .ok_or_else(|| GgufError::Input(format!("tensor {name} is missing")))?;
+            let want: Vec<u64> = if n == 1 {
+                vec![k as u64]
+            } else {
+                vec![k as u64, n as u64]
+            };
+            if t.dims != want {
+                return Err(GgufError::Input(format!(
+                    "tensor {name} has dims {:?}, the metadata implies {want:?}",
+                    t.dims
+                )));
+            }
+            f.dequantize(name)
+        };
+        let dense = |w: Vec<f32>, n: usize, k: usize| -> Box<dyn Linear> {
+            Box::new(DenseLinear::new(w.into(), n, k))
+        };
+        let bar =
+            crate::artifact::progress_bar(progress, cfg.num_hidden_layers as u64 + 2, "loading");
+        let embedding = DenseWeight::F32(get("token_embd.weight", cfg.vocab_size, h)?.into());
+        bar.inc(1);
+        let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
+            let t = |n: &str| format!("blk.{i}.{n}.weight");
+            let mut qkv = get(&t("attn_qkv"), q + 2 * kv, h)?;
+            let v = qkv.split_off((q + kv) * h);
+            let k = qkv.split_off(q * h);
+            let mut parts = [Some(qkv), Some(k), Some(v)];
+            let mut lin = |p: Proj| -> Result<Box<dyn Linear>, GgufError> {
+                let [n, kk] = p.shape(&cfg);
+                let w = match p {
+                    Proj::Q => parts[0].take(),
+                    Proj::K => parts[1].take(),
+                    Proj::V => parts[2].take(),
+                    Proj::G => Some(get(&t("attn_gate"), n, kk)?),
+                    Proj::Out => Some(get(&t("attn_output"), n, kk)?),
+                    Proj::Gate => Some(get(&t("ffn_gate"), n, kk)?),
+                    Proj::Up => Some(get(&t("ffn_up"), n, kk)?),
+                    Proj::Down => Some(get(&t("ffn_down"), n, kk)?),
+                };
+                Ok(dense(w.expect("each projection is taken once"), n, kk))
+            };
+            let mut attn = Vec::new();
+            for p in [Proj::Q, Proj::K, Proj::V, Proj::G, Proj::Out] {
+                attn.push(Some(lin(p)?));
+            }
+            let mut mlp = Vec::new();
+            for p in [Proj::Gate, Proj::Up, Proj::Down] {
+                mlp.push(Some(lin(p)?));
+            }
+            let take = |v: &mut Vec<Option<Box<dyn Linear>>>, i: usize| v[i].take().expect("once");
+            layers.push(DecoderLayer {
+                kind: *kind,
+                input_layernorm: RmsNorm::new(get(&t("attn_norm"), 1, h)?, eps),
+                self_attn: SelfAttention {
+                    q_proj: take(&mut attn, 0),
+                    k_proj: take(&mut attn, 1),
+                    v_proj: take(&mut attn, 2),
+                    g_proj: take(&mut attn, 3),
+                    out_proj: take(&mut attn, 4),
+                },
+                post_attention_layernorm: RmsNorm::new(get(&t("ffn_norm"), 1, h)?, eps),
+                mlp: Mlp {
+                    gate_proj: take(&mut mlp, 0),
+                    up_proj: take(&mut mlp, 1),
+                    down_proj: take(&mut mlp, 2),
+                },
+            });
+            bar.inc(1);
+        }
+        let norm = RmsNorm::new(get("output_norm.weight", 1, h)?, eps);
+        let lm_head: Box<dyn Linear> = if cfg.tie_word_embeddings == Some(false) {
+            dense(get("output.weight", cfg.vocab_size, h)?, cfg.vocab_size, h)
+        } else {
+            Box::new(DenseLinear::from_weight(
+                embedding.clone(),
+                cfg.vocab_size,
+                h,
+            ))
+        };
+        bar.finish_and_clear();
+        let ropes = cfg.rope.iter().map(|(t, s)| (*t, Rope::new(*s))).collect();
+        Ok(SparkModel {
+            config: cfg,
+            embedding,
+            layers,
+            norm,
+            lm_head,
+            ropes,
+            timers: StageTimers::default(),
+        })
+    }
+
     pub fn config(&self) -> &SparkConfig {
         &self.config
     }

@@ -265,3 +265,111 @@ fn vocabulary(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Value)>, Ggu
     }
     Ok(kv)
 }
+
+/// The model configuration of a Spark GGUF, from the keys [`metadata`] writes (llama.cpp's
+/// converter writes the same ones).
+pub fn config_of(f: &super::GgufFile) -> Result<SparkConfig, GgufError> {
+    use crate::checkpoint::RopeSpec;
+    let arch = f.get_str("general.architecture")?;
+    if arch != ARCH {
+        return Err(GgufError::Input(format!(
+            "general.architecture is {arch:?}; spark-tool runs {ARCH:?} files"
+        )));
+    }
+    let u = |k: &str| f.get_u32(&format!("{ARCH}.{k}")).map(|v| v as usize);
+    let pattern = f.get_array(&format!("{ARCH}.attention.sliding_window_pattern"))?;
+    let layer_types = pattern
+        .iter()
+        .map(|v| match v {
+            Value::Bool(true) => Ok(LayerType::Sliding),
+            Value::Bool(false) => Ok(LayerType::Full),
+            other => Err(GgufError::Input(format!(
+                "{ARCH}.attention.sliding_window_pattern holds {other:?}, expected booleans"
+            ))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let layers = u("block_count")?;
+    if layer_types.len() != layers {
+        return Err(GgufError::Input(format!(
+            "{ARCH}.attention.sliding_window_pattern has {} entries for {layers} layers",
+            layer_types.len()
+        )));
+    }
+    let rope = [
+        (LayerType::Full, "rope.freq_base", "rope.dimension_count"),
+        (
+            LayerType::Sliding,
+            "rope.freq_base_swa",
+            "rope.dimension_count_swa",
+        ),
+    ]
+    .into_iter()
+    .map(|(t, theta, dims)| {
+        Ok((
+            t,
+            RopeSpec {
+                theta: f.get_f32(&format!("{ARCH}.{theta}"))? as f64,
+                rotary_dims: u(dims)?,
+            },
+        ))
+    })
+    .collect::<Result<_, GgufError>>()?;
+    let id = |k: &str| f.get_u32(&format!("tokenizer.ggml.{k}_token_id")).ok();
+    let tied = !f.tensors().iter().any(|t| t.name == "output.weight");
+    Ok(SparkConfig {
+        hidden_size: u("embedding_length")?,
+        intermediate_size: u("feed_forward_length")?,
+        num_hidden_layers: layers,
+        num_attention_heads: u("attention.head_count")?,
+        num_key_value_heads: u("attention.head_count_kv")?,
+        head_dim: u("attention.key_length")?,
+        vocab_size: u("vocab_size")?,
+        max_position_embeddings: u("context_length")?,
+        sliding_window: u("attention.sliding_window")?,
+        layer_types,
+        rope,
+        rms_norm_eps: f.get_f32(&format!("{ARCH}.attention.layer_norm_rms_epsilon"))?,
+        tie_word_embeddings: Some(tied),
+        bos_token_id: id("bos"),
+        eos_token_ids: id("eos").into_iter().collect(),
+        pad_token_id: id("padding"),
+        gptq: None,
+    })
+}
+
+/// How the vocabulary of GGUF `f` differs from the one [`metadata`] would write for the
+/// tokenizer in `tok_dir` (`None`: the same tokens, types and merges, so both sides map text to
+/// the same ids).
+pub fn vocabulary_difference(
+    f: &super::GgufFile,
+    tok_dir: &Path,
+    vocab_size: usize,
+) -> Result<Option<String>, GgufError> {
+    let ours = vocabulary(tok_dir, vocab_size)?;
+    for key in [
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.pre",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+    ] {
+        let want = ours.iter().find(|(k, _)| k == key).map(|(_, v)| v);
+        let got = f.kv(key);
+        if want != got {
+            let what = match (want, got) {
+                (Some(Value::Array(a)), Some(Value::Array(b))) => {
+                    match a.iter().zip(b).position(|(x, y)| x != y) {
+                        Some(i) => format!("entry {i}: {:?} vs {:?}", b[i], a[i]),
+                        None => format!("{} entries vs {}", b.len(), a.len()),
+                    }
+                }
+                _ => format!("{got:?} vs {want:?}"),
+            };
+            return Ok(Some(format!(
+                "the GGUF's {key} differs from the reference's {}: {what}",
+                tok_dir.join("tokenizer.json").display()
+            )));
+        }
+    }
+    Ok(None)
+}
