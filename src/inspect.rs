@@ -368,3 +368,95 @@ mod tests {
         assert_eq!(commas(1707657216), "1,707,657,216");
     }
 }
+
+/// What `inspect` reports for a GGUF file.
+#[derive(Debug, serde::Serialize)]
+pub struct GgufReport {
+    pub file: String,
+    pub architecture: String,
+    pub layers: usize,
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    pub tied_head: bool,
+    /// llama.cpp's `general.file_type`.
+    pub file_type: Option<u32>,
+    /// Written by spark-tool (and how), when it was.
+    pub producer: Option<String>,
+    pub quantization: Option<serde_json::Value>,
+    /// Tensors per GGML type.
+    pub tensor_types: BTreeMap<String, usize>,
+    pub parameters: u64,
+    pub tensor_bytes: u64,
+    pub bits_per_weight: f64,
+}
+
+/// Inspect a Spark GGUF file: its config (from the metadata), tensor types and size.
+pub fn inspect_gguf(path: &std::path::Path) -> Result<GgufReport, crate::formats::gguf::GgufError> {
+    use crate::formats::gguf::{spark, GgufFile, Value};
+    let f = GgufFile::open(path)?;
+    let cfg = spark::config_of(&f)?;
+    let mut tensor_types = BTreeMap::new();
+    for t in f.tensors() {
+        *tensor_types.entry(t.ty.name().to_string()).or_insert(0) += 1;
+    }
+    let parameters: u64 = f.tensors().iter().map(|t| t.elements()).sum();
+    let tensor_bytes: u64 = f.tensors().iter().map(|t| t.nbytes() as u64).sum();
+    let text = |k: &str| match f.kv(k) {
+        Some(Value::String(s)) => Some(s.clone()),
+        _ => None,
+    };
+    Ok(GgufReport {
+        file: path.display().to_string(),
+        architecture: f.get_str("general.architecture")?.to_string(),
+        layers: cfg.num_hidden_layers,
+        hidden_size: cfg.hidden_size,
+        vocab_size: cfg.vocab_size,
+        tied_head: cfg.tie_word_embeddings != Some(false),
+        file_type: f.get_u32("general.file_type").ok(),
+        producer: text(spark::PRODUCER_KEY),
+        quantization: text("spark_tool.quantization").and_then(|s| serde_json::from_str(&s).ok()),
+        tensor_types,
+        parameters,
+        tensor_bytes,
+        bits_per_weight: tensor_bytes as f64 * 8.0 / parameters.max(1) as f64,
+    })
+}
+
+impl std::fmt::Display for GgufReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "GGUF {} ({})", self.file, self.architecture)?;
+        writeln!(
+            f,
+            "  {} layers, hidden {}, vocab {}, head {}",
+            self.layers,
+            self.hidden_size,
+            self.vocab_size,
+            if self.tied_head {
+                "tied to the embedding"
+            } else {
+                "untied"
+            }
+        )?;
+        let types: Vec<String> = self
+            .tensor_types
+            .iter()
+            .map(|(t, n)| format!("{n} {t}"))
+            .collect();
+        writeln!(f, "  tensors: {}", types.join(", "))?;
+        writeln!(
+            f,
+            "  {} parameters, {} of tensor data, {:.3} bits per weight",
+            self.parameters,
+            crate::resources::human(self.tensor_bytes as u128),
+            self.bits_per_weight
+        )?;
+        match &self.producer {
+            Some(p) => writeln!(f, "  written by {p}")?,
+            None => writeln!(f, "  not written by spark-tool")?,
+        }
+        if let Some(q) = &self.quantization {
+            writeln!(f, "  quantization: {q}")?;
+        }
+        Ok(())
+    }
+}

@@ -92,6 +92,10 @@ fn round_trip(ft: FileType, want: &[(&str, GgmlType)]) {
         Some(Value::U32(v)) if *v == ft.id()
     ));
     assert!(f.kv("spark_tool.quantization").is_some());
+    let r = spark_tool::inspect::inspect_gguf(&path).unwrap();
+    assert_eq!((r.layers, r.hidden_size, r.tied_head), (8, 256, true));
+    assert!(r.producer.is_some() && r.quantization.is_some());
+    assert_eq!(r.tensor_types.values().sum::<usize>(), f.tensors().len());
     if have_gguf() {
         let (p, dp) = (path.to_str().unwrap(), dump.to_str().unwrap());
         python(&["tools/gguf_check.py", p, dp]);

@@ -7,7 +7,7 @@ use spark_tool::checkpoint::Checkpoint;
 
 #[derive(Args)]
 pub struct InspectArgs {
-    /// Checkpoint folder (default: the bundled fixture).
+    /// Checkpoint folder or GGUF file (default: the bundled fixture).
     model_dir: Option<PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
@@ -19,6 +19,16 @@ pub struct InspectArgs {
 
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let dir = a.model_dir.unwrap_or_else(spark_tool::bundled_fixture);
+    if spark_tool::engine::is_gguf(&dir) {
+        let report = spark_tool::inspect::inspect_gguf(&dir)
+            .with_context(|| format!("inspecting {}", dir.display()))?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{report}");
+        }
+        return Ok(());
+    }
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     let report = spark_tool::inspect::inspect(&ck, a.context);
     if a.json {
