@@ -22,22 +22,6 @@ fn options(out: &Path, ft: FileType) -> QuantizeOptions {
     o
 }
 
-/// Whether Python with the `gguf` package is there; a failure when the test script requires it.
-fn have_gguf() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import gguf"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        assert!(
-            std::env::var_os("SPARK_REQUIRE_GGUF").is_none(),
-            "SPARK_REQUIRE_GGUF is set but python3 cannot import gguf"
-        );
-        eprintln!("skipped: python3 with the `gguf` package is not available");
-    }
-    ok
-}
-
 fn python(args: &[&str]) {
     let out = Command::new("python3").args(args).output().unwrap();
     assert!(
@@ -96,7 +80,7 @@ fn round_trip(ft: FileType, want: &[(&str, GgmlType)]) {
     assert_eq!((r.layers, r.hidden_size, r.tied_head), (8, 256, true));
     assert!(r.producer.is_some() && r.quantization.is_some());
     assert_eq!(r.tensor_types.values().sum::<usize>(), f.tensors().len());
-    if have_gguf() {
+    if common::have_gguf() {
         let (p, dp) = (path.to_str().unwrap(), dump.to_str().unwrap());
         python(&["tools/gguf_check.py", p, dp]);
         // The metadata equals the converter-equivalent script's, but for the file type.
@@ -224,7 +208,7 @@ fn run_and_parity_read_gguf_files() {
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(worst > 0.0 && worst < 0.5, "Q8_0 logits off by {worst}");
-    if have_gguf() {
+    if common::have_gguf() {
         // The converter-equivalent F32 file holds the checkpoint's weights exactly: only the
         // kernels differ (the bf16 checkpoint runs the bf16 kernel, the file the f32 GEMM), so
         // the logits agree to f32 summation-order noise.

@@ -4,6 +4,8 @@
 //! decoder gives, and our decoder must give each type's value formula. With `SPARK_REQUIRE_GGUF=1`
 //! (tools/test.sh) a missing `gguf` package is a failure, not a skip.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -13,22 +15,6 @@ use rand_chacha::ChaCha8Rng;
 
 use spark_tool::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use spark_tool::formats::gguf::{blocks, GgmlType, GgufFile, GgufWriter, TensorInfo, Value};
-
-/// Whether Python with the `gguf` package is there; a failure when the test script requires it.
-fn have_gguf() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import gguf"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        assert!(
-            std::env::var_os("SPARK_REQUIRE_GGUF").is_none(),
-            "SPARK_REQUIRE_GGUF is set but python3 cannot import gguf"
-        );
-        eprintln!("skipped: python3 with the `gguf` package is not available");
-    }
-    ok
-}
 
 fn gguf_check(args: &[&Path]) -> Output {
     let tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/gguf_check.py");
@@ -235,7 +221,7 @@ fn every_block_type_dequantizes_bit_exactly_in_llama_cpps_python_reader() {
     for alignment_key in [None, Some(64)] {
         let d = tempfile::tempdir().unwrap();
         let (gguf, st, _) = build(d.path(), alignment_key);
-        if !have_gguf() {
+        if !common::have_gguf() {
             return;
         }
         assert_success(&gguf_check(&[&gguf, &st]));
@@ -246,7 +232,7 @@ fn every_block_type_dequantizes_bit_exactly_in_llama_cpps_python_reader() {
 fn the_check_fails_on_a_changed_bit_and_on_a_missing_tensor() {
     let d = tempfile::tempdir().unwrap();
     let (gguf, st, cases) = build(d.path(), None);
-    if !have_gguf() {
+    if !common::have_gguf() {
         return;
     }
     let bad = d.path().join("corrupt.gguf");

@@ -200,16 +200,7 @@ impl SparkModel {
         };
         bar.inc(1);
         bar.finish_and_clear();
-        let ropes = cfg.rope.iter().map(|(t, s)| (*t, Rope::new(*s))).collect();
-        Ok(SparkModel {
-            config: cfg,
-            embedding,
-            layers,
-            norm,
-            lm_head,
-            ropes,
-            timers: StageTimers::default(),
-        })
+        Ok(Self::assemble(cfg, embedding, layers, norm, lm_head))
     }
 
     /// Build the model from a Spark GGUF file (llama.cpp's, or ours): every tensor dequantized to
@@ -309,8 +300,18 @@ impl SparkModel {
             ))
         };
         bar.finish_and_clear();
+        Ok(Self::assemble(cfg, embedding, layers, norm, lm_head))
+    }
+
+    fn assemble(
+        cfg: SparkConfig,
+        embedding: DenseWeight,
+        layers: Vec<DecoderLayer>,
+        norm: RmsNorm,
+        lm_head: Box<dyn Linear>,
+    ) -> Self {
         let ropes = cfg.rope.iter().map(|(t, s)| (*t, Rope::new(*s))).collect();
-        Ok(SparkModel {
+        SparkModel {
             config: cfg,
             embedding,
             layers,
@@ -318,7 +319,7 @@ impl SparkModel {
             lm_head,
             ropes,
             timers: StageTimers::default(),
-        })
+        }
     }
 
     pub fn config(&self) -> &SparkConfig {

@@ -963,17 +963,9 @@ pub(crate) mod tests {
 
     #[test]
     fn every_gguf_grid_solves_onto_its_lattice_and_beats_rounding() {
-        use crate::quant::grid::Lattice;
         let (n, k) = (24, 512);
         let (w, h) = case(n, k, 1024);
-        let tiered = |bits, kmax| Grid {
-            bits,
-            lattice: Lattice::Tiered { tier: 256, kmax },
-        };
-        let fp16 = |bits| Grid {
-            bits,
-            lattice: Lattice::Fp16,
-        };
+        let (fp16, tiered) = (Grid::fp16, Grid::tiered);
         for (grid, gs) in [
             (fp16(4), 32),
             (fp16(8), 32),

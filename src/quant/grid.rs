@@ -47,6 +47,22 @@ impl Grid {
         lattice: Lattice::Bf16,
     };
 
+    /// Free normal-fp16 scales (GGUF Q4_0, Q8_0).
+    pub const fn fp16(bits: u32) -> Grid {
+        Grid {
+            bits,
+            lattice: Lattice::Fp16,
+        }
+    }
+
+    /// Scales d·k per group, one fp16 `d` per 256 inputs (GGUF Q4_K, Q6_K).
+    pub const fn tiered(bits: u32, kmax: u32) -> Grid {
+        Grid {
+            bits,
+            lattice: Lattice::Tiered { tier: 256, kmax },
+        }
+    }
+
     pub fn zero(&self) -> i32 {
         1 << (self.bits - 1)
     }

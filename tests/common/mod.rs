@@ -162,3 +162,19 @@ pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     out.sort();
     out
 }
+
+/// Whether Python with the `gguf` package is there; a failure when the test script requires it.
+pub fn have_gguf() -> bool {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import gguf"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        assert!(
+            std::env::var_os("SPARK_REQUIRE_GGUF").is_none(),
+            "SPARK_REQUIRE_GGUF is set but python3 cannot import gguf"
+        );
+        eprintln!("skipped: python3 with the `gguf` package is not available");
+    }
+    ok
+}

@@ -6,23 +6,15 @@ use half::f16;
 
 use super::blocks;
 use super::{GgmlType, GgufError};
-use crate::quant::{Grid, Lattice, QuantizedWeight};
+use crate::quant::{Grid, QuantizedWeight};
 
 /// The grid and group size a block type holds with no rounding.
 pub fn grid_of(t: GgmlType) -> Option<(Grid, usize)> {
-    let tiered = |bits, kmax| Grid {
-        bits,
-        lattice: Lattice::Tiered { tier: 256, kmax },
-    };
-    let fp16 = |bits| Grid {
-        bits,
-        lattice: Lattice::Fp16,
-    };
     Some(match t {
-        GgmlType::Q4_0 => (fp16(4), 32),
-        GgmlType::Q8_0 => (fp16(8), 32),
-        GgmlType::Q4_K => (tiered(4, 63), 32),
-        GgmlType::Q6_K => (tiered(6, 127), 16),
+        GgmlType::Q4_0 => (Grid::fp16(4), 32),
+        GgmlType::Q8_0 => (Grid::fp16(8), 32),
+        GgmlType::Q4_K => (Grid::tiered(4, 63), 32),
+        GgmlType::Q6_K => (Grid::tiered(6, 127), 16),
         _ => return None,
     })
 }
