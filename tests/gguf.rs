@@ -233,3 +233,29 @@ fn run_and_parity_read_gguf_files() {
         );
     }
 }
+
+#[test]
+fn a_model_without_one_layer_type_is_refused_before_the_solve() {
+    // llama.cpp reads both layer types' rope keys; a config keeps only the types its layers use.
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("all-sliding");
+    common::copy_dir(&common::fixture("spark-tiny"), &model);
+    let cfg_path = model.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["layer_types"] = serde_json::json!(vec!["sliding_attention"; 8]);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let out = d.path().join("m.gguf");
+    let mut o = options(&out, FileType::Q4_0);
+    o.model_dir = model;
+    let e = quantize(&o).unwrap_err().to_string();
+    assert!(
+        e.contains("rope parameters") && e.contains("full_attention"),
+        "{e}"
+    );
+    assert!(!out.exists());
+    assert!(
+        !d.path().join(".m.gguf.partial").exists(),
+        "nothing left behind"
+    );
+}

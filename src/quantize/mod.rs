@@ -707,6 +707,8 @@ fn check_gguf_shapes(
     cfg: &SparkConfig,
     ft: FileType,
 ) -> Result<(), QuantizeError> {
+    // The metadata needs both layer types' rope parameters: refused now, not after the solve.
+    crate::formats::gguf::spark::rope_pair(cfg)?;
     let layers = cfg.num_hidden_layers;
     let mut solved: Vec<(String, Option<usize>, Proj, usize)> =
         vec![("the head".into(), None, Proj::Q, cfg.hidden_size)];

@@ -70,6 +70,21 @@ pub fn tensor_plan(cfg: &SparkConfig, tied: bool) -> Vec<(String, Slot)> {
     out
 }
 
+/// The full and sliding rope parameters: llama.cpp's loader reads both keys even when every
+/// layer is of one type, and a config only keeps the types its layers use.
+pub fn rope_pair(cfg: &SparkConfig) -> Result<[crate::checkpoint::RopeSpec; 2], GgufError> {
+    let get = |t: LayerType| {
+        cfg.rope.get(&t).copied().ok_or_else(|| {
+            GgufError::Input(format!(
+                "no layer is {}, so the config carries no rope parameters for it; a Spark GGUF needs \
+                 both layer types' rope parameters",
+                t.config_name()
+            ))
+        })
+    };
+    Ok([get(LayerType::Full)?, get(LayerType::Sliding)?])
+}
+
 fn u32v(v: usize) -> Value {
     Value::U32(v as u32)
 }
@@ -82,8 +97,7 @@ pub fn metadata(
     ft: FileType,
 ) -> Result<Vec<(String, Value)>, GgufError> {
     let a = |k: &str| format!("{ARCH}.{k}");
-    let full = cfg.rope_for(LayerType::Full);
-    let sliding = cfg.rope_for(LayerType::Sliding);
+    let [full, sliding] = rope_pair(cfg)?;
     let mut kv = vec![
         (
             "general.architecture".to_string(),
