@@ -49,28 +49,13 @@ pub fn is_our_gguf(path: &Path) -> bool {
     GgufFile::open(path).is_ok_and(|f| f.kv(spark::PRODUCER_KEY).is_some())
 }
 
-/// The GGUF name of a stored linear (HF module path of layer `li`), `None` for the head.
-fn gguf_linear_name(li: Option<usize>, stored: &str, tied: bool) -> String {
-    let Some(li) = li else {
-        return if tied {
-            "token_embd.weight"
-        } else {
-            "output.weight"
-        }
-        .into();
-    };
-    let module = stored.rsplit_once("layers.").map_or(stored, |(_, m)| m);
-    let module = module.split_once('.').map_or(module, |(_, m)| m);
-    let g = match module {
-        "self_attn.q_k_v_proj" => "attn_qkv",
-        "self_attn.g_proj" => "attn_gate",
-        "self_attn.out_proj" => "attn_output",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
-        other => unreachable!("GGUF output fuses q/k/v; no linear {other}"),
-    };
-    format!("blk.{li}.{g}.weight")
+/// The GGUF name of the head.
+fn gguf_head_name(tied: bool) -> &'static str {
+    if tied {
+        "token_embd.weight"
+    } else {
+        "output.weight"
+    }
 }
 
 /// Where an interrupted run stopped: its finished layers stay in the staging folder, read
@@ -396,7 +381,7 @@ impl Output {
                 let n = projs.iter().map(|p| p.shape(cfg)[0]).sum();
                 let k = projs[0].shape(cfg)[1];
                 let t = match self.gguf {
-                    Some(_) => gguf_linear_name(Some(li), &name, true),
+                    Some(_) => spark::linear_name(li, &projs),
                     None => format!("{name}.weight"),
                 };
                 specs.push(TensorSpec {
@@ -408,8 +393,8 @@ impl Output {
             }
         }
         if head.is_some() {
-            let t = match self.gguf {
-                Some(_) => gguf_linear_name(None, "", self.tied),
+            let t: String = match self.gguf {
+                Some(_) => gguf_head_name(self.tied).into(),
                 None => "lm_head.weight".into(),
             };
             specs.push(TensorSpec {
@@ -687,47 +672,23 @@ impl Output {
                 Slot::Norm { .. } => GgmlType::F32,
                 Slot::Embedding if !self.tied => GgmlType::BF16,
                 Slot::Embedding | Slot::Head => ft.type_of(GgufTensor::Head, layers),
-                Slot::Linear { layer, gguf } => {
-                    let proj = match *gguf {
-                        "attn_qkv" => Proj::Q,
-                        "attn_gate" => Proj::G,
-                        "attn_output" => Proj::Out,
-                        "ffn_gate" => Proj::Gate,
-                        "ffn_up" => Proj::Up,
-                        _ => Proj::Down,
-                    };
-                    ft.type_of(super::gguf_tensor(Some(*layer), proj), layers)
+                Slot::Linear { layer, projs } => {
+                    ft.type_of(super::gguf_tensor(Some(*layer), projs[0]), layers)
                 }
             }
         };
         let hf_of = |slot: &Slot| -> Option<(usize, String)> {
-            let Slot::Linear { layer, gguf } = slot else {
+            let Slot::Linear { layer, projs } = slot else {
                 return None;
             };
-            let p = layer_prefix(*layer);
-            let m = match *gguf {
-                "attn_qkv" => crate::checkpoint::layout::FUSED_QKV.to_string(),
-                "attn_gate" => Proj::G.module().into(),
-                "attn_output" => Proj::Out.module().into(),
-                "ffn_gate" => Proj::Gate.module().into(),
-                "ffn_up" => Proj::Up.module().into(),
-                _ => Proj::Down.module().into(),
-            };
-            Some((*layer, format!("{p}{m}")))
+            let (stored, _) = stored_linears(*layer, QkvLayout::Fused, projs).remove(0);
+            Some((*layer, stored))
         };
         let dims = |slot: &Slot| -> Vec<u64> {
             let (n, k) = match slot {
                 Slot::Norm { hf } => return vec![ck.entry(hf).map_or(0, |e| e.numel()) as u64],
                 Slot::Embedding | Slot::Head => (cfg.vocab_size, cfg.hidden_size),
-                Slot::Linear { gguf, .. } => {
-                    let projs: &[Proj] = match *gguf {
-                        "attn_qkv" => &[Proj::Q, Proj::K, Proj::V],
-                        "attn_gate" => &[Proj::G],
-                        "attn_output" => &[Proj::Out],
-                        "ffn_gate" => &[Proj::Gate],
-                        "ffn_up" => &[Proj::Up],
-                        _ => &[Proj::Down],
-                    };
+                Slot::Linear { projs, .. } => {
                     let n = projs.iter().map(|p| p.shape(cfg)[0]).sum();
                     (n, projs[0].shape(cfg)[1])
                 }

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use super::mix::FileType;
 use super::{GgufError, Value};
-use crate::checkpoint::{LayerType, SparkConfig};
+use crate::checkpoint::{LayerType, Proj, SparkConfig};
 
 pub const ARCH: &str = "spark2_5";
 /// Our own key: marks a file as written by spark-tool (so only ours are ever replaced).
@@ -30,8 +30,31 @@ pub enum Slot {
     Head,
     /// A final or per-layer RMSNorm weight: `model.norm.weight` or `{layer prefix}{name}`.
     Norm { hf: String },
-    /// A layer's linear under its GGUF name, from its HF module(s).
-    Linear { layer: usize, gguf: &'static str },
+    /// A layer's linear: the projections it stacks along its rows (q | k | v for attn_qkv).
+    Linear {
+        layer: usize,
+        projs: &'static [Proj],
+    },
+}
+
+/// Each GGUF linear of a layer and the projections it holds, in the converter's order.
+const LINEARS: [(&str, &[Proj]); 6] = [
+    ("attn_qkv", &[Proj::Q, Proj::K, Proj::V]),
+    ("attn_gate", &[Proj::G]),
+    ("attn_output", &[Proj::Out]),
+    ("ffn_gate", &[Proj::Gate]),
+    ("ffn_up", &[Proj::Up]),
+    ("ffn_down", &[Proj::Down]),
+];
+
+/// The GGUF name of the layer linear that holds `projs` (as [`Slot::Linear`] or
+/// `stored_linears` of a fused layout groups them).
+pub fn linear_name(layer: usize, projs: &[Proj]) -> String {
+    let (name, _) = LINEARS
+        .iter()
+        .find(|(_, p)| *p == projs)
+        .expect("every layer linear of a fused layout has a GGUF name");
+    format!("blk.{layer}.{name}.weight")
 }
 
 /// `(gguf name, slot)` in the order the converter writes them.
@@ -53,18 +76,18 @@ pub fn tensor_plan(cfg: &SparkConfig, tied: bool) -> Vec<(String, Slot)> {
         let norm = |n: &str| Slot::Norm {
             hf: format!("{p}{n}"),
         };
-        let lin = |gguf| Slot::Linear { layer: i, gguf };
-        for (name, slot) in [
-            ("attn_norm", norm("input_layernorm.weight")),
-            ("attn_qkv", lin("attn_qkv")),
-            ("attn_gate", lin("attn_gate")),
-            ("attn_output", lin("attn_output")),
-            ("ffn_norm", norm("post_attention_layernorm.weight")),
-            ("ffn_gate", lin("ffn_gate")),
-            ("ffn_up", lin("ffn_up")),
-            ("ffn_down", lin("ffn_down")),
-        ] {
-            out.push((format!("blk.{i}.{name}.weight"), slot));
+        out.push((
+            format!("blk.{i}.attn_norm.weight"),
+            norm("input_layernorm.weight"),
+        ));
+        for (j, &(_, projs)) in LINEARS.iter().enumerate() {
+            if j == 3 {
+                out.push((
+                    format!("blk.{i}.ffn_norm.weight"),
+                    norm("post_attention_layernorm.weight"),
+                ));
+            }
+            out.push((linear_name(i, projs), Slot::Linear { layer: i, projs }));
         }
     }
     out
