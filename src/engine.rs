@@ -83,11 +83,22 @@ pub enum OpenError {
     },
 }
 
-/// Open an original or GPTQ checkpoint (executed with `options(&checkpoint)`) or an exported
-/// phone graph (on `threads` ONNX Runtime threads).
+/// How a GGUF file's activations are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgufNumerics {
+    /// As llama.cpp's CPU backend: each linear's input converted to its weight type's
+    /// `vec_dot_type` (8-bit blocks for the quantized types), so figures predict llama.cpp's.
+    Ggml,
+    /// f32 activations: the weights' own error alone.
+    F32,
+}
+
+/// Open an original or GPTQ checkpoint (executed with `options(&checkpoint)`), a GGUF file (with
+/// `numerics`) or an exported phone graph (on `threads` ONNX Runtime threads).
 pub fn open(
     dir: &std::path::Path,
     options: impl FnOnce(&crate::checkpoint::Checkpoint) -> crate::model::LoadOptions,
+    numerics: GgufNumerics,
     threads: usize,
 ) -> Result<Opened, OpenError> {
     use crate::phone::{self, PhoneModel};
@@ -99,7 +110,8 @@ pub fn open(
             source,
         };
         let f = GgufFile::open(dir).map_err(gguf)?;
-        let model = SparkModel::from_gguf(&f, false).map_err(gguf)?;
+        let ggml = numerics == GgufNumerics::Ggml;
+        let model = SparkModel::from_gguf(&f, ggml, false).map_err(gguf)?;
         let bytes: u64 = f.tensors().iter().map(|t| t.nbytes() as u64).sum();
         let params = crate::inspect::parameters(model.config()) as f64;
         return Ok(Opened {
@@ -107,11 +119,15 @@ pub fn open(
             // A GGUF carries its vocabulary, not a tokenizer.json; parity tokenizes with the reference's.
             tokenizer: None,
             engine: Box::new(model),
-            warnings: vec![
-                "GGUF runs with every tensor dequantized to f32 and f32 activations (llama.cpp's CPU kernels \
-                 quantize activations to 8 bits for its quantized types)"
-                    .into(),
-            ],
+            warnings: if ggml {
+                Vec::new()
+            } else {
+                vec![
+                    "GGUF runs with f32 activations (llama.cpp's CPU kernels quantize activations to 8 \
+                     bits for its quantized types; drop --act-dtype f32 to match them)"
+                        .into(),
+                ]
+            },
         });
     }
     if phone::is_phone_export(dir) {

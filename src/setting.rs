@@ -57,6 +57,8 @@ pub enum Setting {
     DumpDequantized,
     /// Rounds of output-error scale refit after GPTQ.
     RefitRounds,
+    /// The numerics of a phone export.
+    Precision,
 }
 
 impl Setting {
@@ -74,6 +76,7 @@ impl Setting {
             Setting::Resume => "resume",
             Setting::W4Numerics => "w4_numerics",
             Setting::Format => "format",
+            Setting::Precision => "precision",
             Setting::Priority => "priority",
             Setting::Out => "out",
             Setting::LogitsOut => "logits_out",

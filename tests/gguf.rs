@@ -11,6 +11,7 @@ use std::process::Command;
 
 use spark_tool::checkpoint::TensorStore;
 use spark_tool::device::WeightFormat;
+use spark_tool::engine::GgufNumerics;
 use spark_tool::formats::gguf::mix::FileType;
 use spark_tool::formats::gguf::{GgmlType, GgufFile, Value};
 use spark_tool::quantize::{quantize, QuantizeOptions};
@@ -174,11 +175,17 @@ fn our_previous_file_is_replaced_only_with_force() {
     assert_eq!(left.len(), 1, "the staging folder is gone");
 }
 
-/// Logits of `path` (any artifact `engine::open` takes) for a few tokens.
+/// Logits of `path` (any artifact `engine::open` takes) for a few tokens, a GGUF run as
+/// llama.cpp's CPU backend runs it.
 fn logits(path: &Path) -> Vec<f32> {
+    logits_with(path, GgufNumerics::Ggml)
+}
+
+fn logits_with(path: &Path, numerics: GgufNumerics) -> Vec<f32> {
     let opened = spark_tool::engine::open(
         path,
         |ck| spark_tool::model::LoadOptions::for_checkpoint(ck, false),
+        numerics,
         1,
     )
     .unwrap();
@@ -208,6 +215,18 @@ fn run_and_parity_read_gguf_files() {
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(worst > 0.0 && worst < 0.5, "Q8_0 logits off by {worst}");
+    // With f32 activations only the weights differ from the reference; llama.cpp's 8-bit
+    // activation blocks move the logits further, by a small amount.
+    let w_only = logits_with(&path, GgufNumerics::F32);
+    let moved = q
+        .iter()
+        .zip(&w_only)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 0.0 && moved < 0.5,
+        "q8_0 activations moved the logits by {moved}"
+    );
     if common::have_gguf() {
         // The converter-equivalent F32 file holds the checkpoint's weights exactly: only the
         // kernels differ (the bf16 checkpoint runs the bf16 kernel, the file the f32 GEMM), so
@@ -221,6 +240,8 @@ fn run_and_parity_read_gguf_files() {
             "f32",
         ]);
         let exact = logits(&f32_file);
+        // An F32 tensor's vec_dot type is F32: both numerics run the same arithmetic.
+        assert_eq!(exact, logits_with(&f32_file, GgufNumerics::F32));
         let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
         let off = exact
             .iter()

@@ -44,6 +44,7 @@ fn exported(precision: Precision, parts: usize) -> PathBuf {
         Precision::F32 => &F32,
         Precision::F16 => &F16,
         Precision::W8A16 => &W8,
+        Precision::W4A16 => unreachable!("tests/phone_w4a16.rs exports GPTQ checkpoints"),
     };
     cell.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap().keep().join("export");

@@ -629,6 +629,13 @@ def llama_study(a, binary: str) -> int:
             j["numerics"] = numerics
             ours.append(j)
 
+    # The same quantized files through spark-tool's own GGUF engine (llama.cpp's activation numerics):
+    # its figures should predict llama.cpp's (docs/GGUF.md §6).
+    predicted = {}
+    if not a.no_spark_gguf:
+        for t in kinds[2:]:
+            predicted[t] = parity_json(a, binary, ggufs[t], "auto", work / f"parity-gguf-{Path(ggufs[t]).stem}.json")
+
     labels = {t: ("ours " + t[5:] + " in llama.cpp") if t.startswith("ours:")
               else "llama.cpp " + t.upper().replace("-IMAT", " + imatrix") for t in kinds}
     lines = [HEADER]
@@ -636,8 +643,16 @@ def llama_study(a, binary: str) -> int:
         lines.append(row(f"ours {Path(j['candidate']).name} {j['numerics'].upper()}", "ours f32", j["bpw"], j["overall"]))
     for res, (r, t) in zip(results, pairs):
         lines.append(row(labels[t], "ours f32" if r is ref else "llama.cpp F16", bpw[t], res["overall"]))
+    for t, j in predicted.items():
+        lines.append(row(labels[t].replace(" in llama.cpp", "") + " in spark-tool", "ours f32", bpw[t], j["overall"]))
     table = "\n".join(lines)
     print(table)
+    if predicted:
+        print("\nspark-tool's GGUF engine vs llama.cpp on the same file (KL mean, vs ours f32):")
+        for (r, t), res in zip(pairs, results):
+            if r is ref and t in predicted:
+                ll, st = res["overall"]["kl_mean"], predicted[t]["overall"]["kl_mean"]
+                print(f"  {labels[t]}: llama.cpp {ll:.3e}, spark-tool {st:.3e}, ratio {st / ll:.3f}")
     print("\ntensor types:")
     for t in kinds[2:]:
         print(f"  {t}: {bpw[t]['tensor_types']}; {bpw[t]['types_by_tensor']}")
@@ -653,7 +668,7 @@ def llama_study(a, binary: str) -> int:
             llama_cpp_python=llama_cpp.__version__, system_info=llama_cpp.llama_print_system_info().decode(),
             n_ctx=n_ctx, threads=a.threads, flash_attn=a.flash_attn, extra_bufts=a.extra_bufts, files={t: str(p) for t, p in ggufs.items()},
             imatrix=imatrix_info, type_checks=type_checks,
-            bpw=bpw, results=results, ours=ours, table=table), indent=1) + "\n")
+            bpw=bpw, results=results, ours=ours, spark_tool_gguf=predicted, table=table), indent=1) + "\n")
     return 0
 
 
@@ -673,6 +688,8 @@ def main() -> int:
     ap.add_argument("--ours-numerics", default="w4a8,w4a16", help="numerics for --ours rows (comma list)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flash-attn", choices=["on", "off"], default="on")
+    ap.add_argument("--no-spark-gguf", action="store_true",
+                    help="skip running the quantized GGUF files through spark-tool parity as well")
     ap.add_argument("--extra-bufts", choices=["on", "off"], default="off",
                     help="llama.cpp's weight repacking (off: it faults on AMX machines in this build)")
     ap.add_argument("--n-ctx", type=int, default=0, help="llama.cpp context (default: longest sequence)")

@@ -12,6 +12,8 @@ enum PrecisionArg {
     /// float16 weights cast to float32 in the graph (half the size of f32).
     F16,
     W8a16,
+    /// A GPTQ checkpoint's int4 codes as QNN LPBQ (from `quantize --target phone`), 16-bit activations.
+    W4a16,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -40,7 +42,8 @@ fn range_margin(s: &str) -> Result<f32, String> {
 
 #[derive(Args)]
 pub struct ExportArgs {
-    /// The original checkpoint folder (bf16/f16/f32 safetensors).
+    /// The original checkpoint folder (bf16/f16/f32 safetensors), or for w4a16 a GPTQ checkpoint
+    /// from `spark-tool quantize --target phone`.
     model: PathBuf,
     /// Output folder (parts, manifest, encodings, embedding table).
     #[arg(long)]
@@ -50,7 +53,7 @@ pub struct ExportArgs {
     context: usize,
     #[arg(long, value_enum, default_value = "w8a16")]
     precision: PrecisionArg,
-    /// KV-cache integer type of w8a16 exports.
+    /// KV-cache integer type of w8a16/w4a16 exports.
     #[arg(long, value_enum, default_value = "int16")]
     kv_dtype: KvArg,
     /// Split into N parts at residual boundaries (balanced by parameters; the head counts as a unit).
@@ -88,6 +91,7 @@ pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
             PrecisionArg::F32 => Precision::F32,
             PrecisionArg::F16 => Precision::F16,
             PrecisionArg::W8a16 => Precision::W8A16,
+            PrecisionArg::W4a16 => Precision::W4A16,
         },
         kv: match a.kv_dtype {
             KvArg::Int16 => QType::Int16,

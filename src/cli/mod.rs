@@ -76,14 +76,21 @@ pub fn flag(s: Setting) -> &'static str {
         Setting::Damp => "--damp",
         Setting::DumpDequantized => "--dump-dequantized",
         Setting::RefitRounds => "--refit-rounds",
+        Setting::Precision => "--precision",
     }
 }
 
 /// Open a checkpoint (original or GPTQ, executed as `exec` says) or an exported phone graph.
 pub fn load(dir: &Path, exec: &run::ExecArgs, progress: bool) -> anyhow::Result<Opened> {
+    let gguf = if dir.is_file() && engine::is_gguf(dir) {
+        exec.gguf_numerics()?
+    } else {
+        engine::GgufNumerics::Ggml
+    };
     Ok(engine::open(
         dir,
         |ck| exec.options(ck, progress),
+        gguf,
         rayon::current_num_threads(),
     )?)
 }

@@ -211,9 +211,6 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         .unwrap_or_else(spark_tool::bundled_fixture);
     let features = device::detect();
     let mut path = device::decide(&features, a.target.into(), a.priority.into());
-    if path.format == WeightFormat::W8A16 {
-        bail!("--target phone: phones do not run GPTQ checkpoints; use `spark-tool export-phone` (calibrated w8a16 graph)");
-    }
     let (explicit, gguf) = match a.format {
         FormatArg::Auto => (None, None),
         FormatArg::W4a8 => (Some(WeightFormat::W4A8), None),

@@ -31,7 +31,8 @@ pub struct ExecArgs {
     /// 4-bit numerics: auto = what the checkpoint records (spark-tool writes w4a8/w4a16; others W4A16).
     #[arg(long, value_enum, default_value = "auto")]
     w4_numerics: NumericsArg,
-    /// Activation dtype between linears: auto = bf16 for GPTQ (vLLM) artifacts, f32 for the original.
+    /// Activation dtype between linears: auto = bf16 for GPTQ (vLLM) artifacts, f32 for the
+    /// original, llama.cpp's 8-bit blocks for a GGUF's quantized tensors.
     #[arg(long, value_enum, default_value = "auto")]
     act_dtype: ActDtypeArg,
 }
@@ -43,6 +44,21 @@ impl ExecArgs {
             w4_numerics: NumericsArg::Auto,
             act_dtype: ActDtypeArg::Auto,
         }
+    }
+
+    /// A GGUF runs as llama.cpp's CPU backend does unless f32 activations are asked for.
+    pub fn gguf_numerics(&self) -> anyhow::Result<spark_tool::engine::GgufNumerics> {
+        use spark_tool::engine::GgufNumerics;
+        if !matches!(self.w4_numerics, NumericsArg::Auto) {
+            bail!("--w4-numerics applies to GPTQ checkpoints, not to a GGUF file");
+        }
+        Ok(match self.act_dtype {
+            ActDtypeArg::Auto => GgufNumerics::Ggml,
+            ActDtypeArg::F32 => GgufNumerics::F32,
+            ActDtypeArg::Bf16 => bail!(
+                "--act-dtype bf16 does not apply to a GGUF file (auto: llama.cpp's activation numerics; f32)"
+            ),
+        })
     }
 
     pub fn options(&self, ck: &Checkpoint, progress: bool) -> LoadOptions {

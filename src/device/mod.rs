@@ -58,8 +58,6 @@ pub enum Priority {
 pub enum WeightFormat {
     W4A8,
     W4A16,
-    /// int8 weights, 16-bit activations in the phone graph (export-phone).
-    W8A16,
 }
 
 impl WeightFormat {
@@ -69,7 +67,6 @@ impl WeightFormat {
         match self {
             WeightFormat::W4A8 => 128,
             WeightFormat::W4A16 => 64,
-            WeightFormat::W8A16 => 0,
         }
     }
 }
@@ -85,6 +82,10 @@ pub struct WeightPath {
     pub kernel: Option<&'static str>,
     /// False when the path has not been verified on a real consumer.
     pub verified: bool,
+    /// Scales on QNN's LPBQ lattice (γ per output channel × k ∈ 1…16 per group), so
+    /// `export-phone --precision w4a16` writes the same codes the checkpoint holds.
+    #[serde(default)]
+    pub lpbq: bool,
     pub reasons: Vec<String>,
 }
 
@@ -205,18 +206,22 @@ pub fn decide(f: &CpuFeatures, target: Target, priority: Priority) -> WeightPath
     match resolved {
         Target::Phone => WeightPath {
             target: "phone",
-            format: WeightFormat::W8A16,
-            group_size: 0,
-            runs_in_vllm: false,
-            kernel: Some("QNN HTP (export-phone graph)"),
+            format: WeightFormat::W4A16,
+            group_size: 64,
+            runs_in_vllm: true,
+            kernel: Some("QNN HTP LPBQ MatMul (export-phone --precision w4a16)"),
             verified: false,
+            lpbq: true,
             reasons: vec![
-                "phones do not run vLLM; the deliverable is the export-phone ONNX graph with calibrated w8a16".into(),
+                "phones run the export-phone graph: W4A16 GPTQ with LPBQ scales (γ per channel × k ∈ 1…16 \
+                 per group of 64), which the QNN HTP executes as block-quantized int4; the checkpoint is \
+                 ordinary GPTQ v1 and runs in vLLM too. Checked on the HTP simulator, not on a phone"
+                    .into(),
             ],
         },
         Target::X86Amx if priority == Priority::Speed => {
             reasons.push("AMX int8 tiles: vLLM CPU runs GPTQ sym through int4_scaled_mm_cpu (W4A8, per-token int8 activations)".into());
-            WeightPath { target: "x86-amx", format: WeightFormat::W4A8, group_size: 128, runs_in_vllm: true, kernel: Some("vLLM int4_scaled_mm_cpu"), verified: true, reasons }
+            WeightPath { target: "x86-amx", format: WeightFormat::W4A8, group_size: 128, runs_in_vllm: true, kernel: Some("vLLM int4_scaled_mm_cpu"), verified: true, lpbq: false, reasons }
         }
         Target::X86Amx | Target::X86 => {
             let amx = resolved == Target::X86Amx;
@@ -240,12 +245,13 @@ pub fn decide(f: &CpuFeatures, target: Target, priority: Priority) -> WeightPath
                 runs_in_vllm: avx512,
                 kernel: avx512.then_some(if amx { "vLLM cpu_gemm_wna16 (amx)" } else { "vLLM cpu_gemm_wna16 (vec)" }),
                 verified: avx512,
+                lpbq: false,
                 reasons,
             }
         }
         Target::Arm | Target::Auto => {
             reasons.push("aarch64: vLLM compiles neither cpu_gemm_wna16 nor int4_scaled_mm_cpu for ARM, so GPTQ fails there (docs/GPTQ_FORMAT.md §7); W4A16 g64 is the format for spark-tool and other GPTQ runtimes on ARM".into());
-            WeightPath { target: "arm", format: WeightFormat::W4A16, group_size: 64, runs_in_vllm: false, kernel: None, verified: false, reasons }
+            WeightPath { target: "arm", format: WeightFormat::W4A16, group_size: 64, runs_in_vllm: false, kernel: None, verified: false, lpbq: false, reasons }
         }
     }
 }
@@ -383,9 +389,12 @@ mod tests {
     }
 
     #[test]
-    fn phone_does_not_run_in_vllm() {
+    fn phone_is_w4a16_on_the_lpbq_lattice() {
         let p = decide(&spr(), Target::Phone, Priority::Speed);
-        assert_eq!((p.format, p.runs_in_vllm), (WeightFormat::W8A16, false));
+        assert_eq!(
+            (p.format, p.group_size, p.lpbq),
+            (WeightFormat::W4A16, 64, true)
+        );
     }
 
     #[test]

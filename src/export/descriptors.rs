@@ -17,6 +17,7 @@ pub(super) fn dtype_name(d: DType) -> &'static str {
         DType::U8 => "uint8",
         DType::I16 => "int16",
         DType::U16 => "uint16",
+        DType::I4 => "int4",
         DType::I32 => "int32",
         DType::I64 => "int64",
     }
@@ -84,7 +85,7 @@ pub(super) fn build_manifest(
     let all_full = (cfg.num_hidden_layers * 2 * kvh * hd * (opts.context - 1) * kv_elem) as u64;
     let mask_value = match opts.precision {
         Precision::F32 | Precision::F16 => -1000.0,
-        Precision::W8A16 => -50.0,
+        Precision::W8A16 | Precision::W4A16 => -50.0,
     };
     Manifest {
         format: manifest::FORMAT.into(),
@@ -127,7 +128,30 @@ pub(super) fn build_manifest(
 pub(super) fn aimet_encodings(
     enc: &HashMap<String, Encoding>,
     weights: &BTreeMap<String, Vec<f32>>,
+    lpbq: &BTreeMap<String, super::weights::LpbqEncoding>,
 ) -> serde_json::Value {
+    // LPBQ in AIMET's 1.0.0 schema: `scale` the per-channel γ, `per_block_int_scale` the k of
+    // each channel's blocks (channel-major), decompressed to 8 bits from 4.
+    let lpbq_entries = lpbq.iter().map(|(name, e)| {
+        let n = e.gamma.len();
+        let blocks = e.kblock.len() / n.max(1);
+        let per_block: Vec<u8> = (0..n)
+            .flat_map(|j| (0..blocks).map(move |b| (b, j)))
+            .map(|(b, j)| e.kblock[b * n + j])
+            .collect();
+        serde_json::json!({
+            "name": name,
+            "dtype": "INT",
+            "enc_type": "LPBQ",
+            "bw": 8,
+            "compressed_bw": 4,
+            "block_size": e.block,
+            "is_sym": true,
+            "scale": e.gamma,
+            "offset": vec![-128; n],
+            "per_block_int_scale": per_block,
+        })
+    });
     let mut acts: Vec<_> = enc.iter().collect();
     acts.sort_by(|a, b| a.0.cmp(b.0));
     serde_json::json!({
@@ -149,6 +173,6 @@ pub(super) fn aimet_encodings(
             "is_sym": true,
             "scale": s,
             "offset": vec![-128; s.len()],
-        })).collect::<Vec<_>>(),
+        })).chain(lpbq_entries).collect::<Vec<_>>(),
     })
 }

@@ -34,10 +34,17 @@ pub enum Repr {
     Q8Scale,
     /// IEEE half `[K, N]` (rounded to nearest even).
     F16,
+    /// LPBQ codes `q − 8` as INT4 `[K, N]` (a GPTQ linear, `super::lpbq`).
+    Int4,
+    /// LPBQ block multipliers k ∈ 1…16, uint8 `[K/B, N]`.
+    LpbqK,
+    /// LPBQ per-channel γ, f32 `[N]`.
+    LpbqGamma,
 }
 
 /// A MatMul weight `[K, N]` = (rows `rows` of checkpoint tensor `[N_all, K]`)ᵀ,
-/// each input column scaled by the folded norm weight and by `mul`.
+/// each input column scaled by the folded norm weight and by `mul`. For a GPTQ linear
+/// (`gptq_group`: its group size) `tensor` is the linear's prefix and `rows` its output columns.
 #[derive(Debug, Clone)]
 pub struct WeightSpec {
     pub tensor: String,
@@ -46,6 +53,7 @@ pub struct WeightSpec {
     pub fold: Option<String>,
     pub mul: f32,
     pub repr: Repr,
+    pub gptq_group: Option<usize>,
 }
 
 /// Which layers (and whether the head) one exported part holds.
@@ -164,6 +172,13 @@ pub struct StepBuilder<'a> {
     pub qkv: &'a [QkvLayout],
     pub tied: bool,
     pub context: usize,
+    /// The checkpoint's GPTQ linears (prefixes) and their group size: their codes are written
+    /// as they are, so no norm can be folded into them.
+    pub gptq: &'a std::collections::BTreeSet<String>,
+    pub gptq_group: usize,
+    /// The norm weights, when norms are applied as their own `Mul` instead of folded into the
+    /// following weights (exports of GPTQ checkpoints).
+    pub norms: Option<&'a std::collections::HashMap<String, Vec<f32>>>,
 }
 
 impl StepBuilder<'_> {
@@ -179,6 +194,16 @@ impl StepBuilder<'_> {
         mul: f32,
     ) -> String {
         let n = rows.len();
+        // A GPTQ linear is addressed by its prefix; a folded norm is never asked of it.
+        let gptq_group = tensor
+            .strip_suffix(".weight")
+            .filter(|p| self.gptq.contains(*p))
+            .map(|_| self.gptq_group);
+        let tensor = match gptq_group {
+            Some(_) => tensor.trim_end_matches(".weight").to_string(),
+            None => tensor,
+        };
+        let fold = if self.norms.is_some() { None } else { fold };
         g.init(
             name,
             DType::F32,
@@ -190,6 +215,7 @@ impl StepBuilder<'_> {
                 fold,
                 mul,
                 repr: Repr::F32,
+                gptq_group,
             }),
         )
     }
@@ -211,8 +237,27 @@ impl StepBuilder<'_> {
         self.weight(g, name, format!("{prefix}.weight"), rows, k, fold, mul)
     }
 
-    /// `x / sqrt(mean(x²) + eps)` over the last axis of `[1, 1, H]`.
-    fn norm(&self, g: &mut Graph<WeightSpec>, p: &str, x: &str) -> String {
+    /// `x / sqrt(mean(x²) + eps)` over the last axis of `[1, 1, H]`, times the norm weight
+    /// `weight` unless it is folded into the following MatMuls.
+    fn norm(&self, g: &mut Graph<WeightSpec>, p: &str, x: &str, weight: &str) -> String {
+        let n = self.unit_norm(g, p, x);
+        match self.norms {
+            None => n,
+            Some(norms) => {
+                let w = &norms[weight];
+                let bytes = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let c = g.init(
+                    &format!("{p}_w"),
+                    DType::F32,
+                    &[w.len()],
+                    super::onnx::Source::Bytes(bytes),
+                );
+                g.f("Mul", &format!("{p}_scaled"), &[&n, &c], &[1, 1, w.len()])
+            }
+        }
+    }
+
+    fn unit_norm(&self, g: &mut Graph<WeightSpec>, p: &str, x: &str) -> String {
         let h = self.cfg.hidden_size;
         let axes = g.const_i64("axes_last", &[-1]);
         let eps = g.const_f32("rms_eps", &[self.cfg.rms_norm_eps], &[]);
@@ -306,7 +351,12 @@ impl StepBuilder<'_> {
         let ln1 = Some(format!("{pre}input_layernorm.weight"));
         let ln2 = Some(format!("{pre}post_attention_layernorm.weight"));
 
-        let n = self.norm(g, &format!("{p}_ln1"), x);
+        let n = self.norm(
+            g,
+            &format!("{p}_ln1"),
+            x,
+            ln1.as_deref().expect("set above"),
+        );
         let scale = 1.0 / (hd as f32).sqrt();
         let wq = self.proj_weight(g, &format!("{p}_wq"), l, Proj::Q, ln1.clone(), scale);
         let wk = self.proj_weight(g, &format!("{p}_wk"), l, Proj::K, ln1.clone(), 1.0);
@@ -377,7 +427,12 @@ impl StepBuilder<'_> {
         let a = g.f("MatMul", &format!("{p}_o"), &[&o2, &wo], &[1, 1, h]);
         let x1 = g.f("Add", &format!("{p}_resid1"), &[x, &a], &[1, 1, h]);
 
-        let n2 = self.norm(g, &format!("{p}_ln2"), &x1);
+        let n2 = self.norm(
+            g,
+            &format!("{p}_ln2"),
+            &x1,
+            ln2.as_deref().expect("set above"),
+        );
         let wgate = self.proj_weight(g, &format!("{p}_wgate"), l, Proj::Gate, ln2.clone(), 1.0);
         let wup = self.proj_weight(g, &format!("{p}_wup"), l, Proj::Up, ln2, 1.0);
         let wdown = self.proj_weight(g, &format!("{p}_wdown"), l, Proj::Down, None, 1.0);
@@ -431,7 +486,7 @@ impl StepBuilder<'_> {
             x = self.layer(&mut g, l, &x);
         }
         if plan.head {
-            let n = self.norm(&mut g, "final_norm", &x);
+            let n = self.norm(&mut g, "final_norm", &x, "model.norm.weight");
             let (tensor, fold) = if self.tied {
                 ("model.embedding.weight", "model.norm.weight")
             } else {
@@ -511,6 +566,9 @@ pub(crate) mod tests {
             qkv: &qkv,
             tied: true,
             context: 256,
+            gptq: &std::collections::BTreeSet::new(),
+            gptq_group: 0,
+            norms: None,
         };
         let g = b.build(&plan_parts(&cfg, 1)[0]);
         let names: Vec<&str> = g.inputs.iter().map(|i| i.name.as_str()).collect();

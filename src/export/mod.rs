@@ -10,6 +10,7 @@
 mod calibrate;
 mod descriptors;
 pub mod graph;
+pub mod lpbq;
 pub mod onnx;
 pub mod qdq;
 mod weights;
@@ -35,6 +36,16 @@ pub enum Precision {
     /// float16 weights (half the bytes), cast to float32 in the graph; float activations.
     F16,
     W8A16,
+    /// The GPTQ checkpoint's int4 codes as QNN LPBQ (γ per channel × k per block), 16-bit
+    /// activations; g_proj and the head int8 as in w8a16.
+    W4A16,
+}
+
+impl Precision {
+    /// Whether activations are calibrated and quantized (w8a16, w4a16).
+    pub fn quantized(self) -> bool {
+        matches!(self, Precision::W8A16 | Precision::W4A16)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -175,7 +186,7 @@ fn plan_memory(
     let rot = cfg.rope.values().map(|r| r.rotary_dims).max().unwrap_or(0) as u128;
     let host = 3 * crate::resources::kv_cache_bytes(cfg, opts.context)
         + opts.context as u128 * (2 * rot + 4) * 4 * 2;
-    let (part, streams) = if opts.precision == Precision::W8A16 {
+    let (part, streams) = if opts.precision.quantized() {
         let largest = graph::plan_parts(cfg, opts.parts)
             .iter()
             .map(|p| p.params(cfg))
@@ -228,11 +239,25 @@ pub fn export_phone(
     let t0 = Instant::now();
     let ck = Checkpoint::open(model_dir)?;
     let cfg = &ck.config;
-    if !ck.layout.gptq.is_empty() {
-        return Err(ExportError::Invalid(format!(
-            "{} is a GPTQ checkpoint, but export-phone needs the original (bf16/f16/f32) checkpoint: it quantizes it itself",
-            model_dir.display()
-        )));
+    match (ck.layout.gptq.is_empty(), opts.precision) {
+        (false, Precision::W4A16) => check_lpbq(&ck)?,
+        (false, _) => {
+            return Err(ExportError::Invalid(format!(
+                "{} is a GPTQ checkpoint: export it with {} w4a16 (its int4 codes as LPBQ), or export the \
+                 original checkpoint for f32/f16/w8a16",
+                model_dir.display(),
+                crate::setting::Setting::Precision
+            )))
+        }
+        (true, Precision::W4A16) => {
+            return Err(ExportError::Invalid(format!(
+                "{} w4a16 exports a GPTQ checkpoint's codes: first run `spark-tool quantize {} --target phone \
+                 --out DIR` (GPTQ on the LPBQ lattice), then `spark-tool export-phone DIR --precision w4a16`",
+                crate::setting::Setting::Precision,
+                model_dir.display()
+            )))
+        }
+        (true, _) => {}
     }
     if opts.context < 2 || opts.context > cfg.max_position_embeddings {
         return Err(ExportError::Invalid(format!(
@@ -258,7 +283,7 @@ pub fn export_phone(
             cfg.num_hidden_layers + 1
         )));
     }
-    if opts.precision == Precision::W8A16 {
+    if opts.precision.quantized() {
         for (s, v) in [
             (crate::setting::Setting::Samples, opts.calib_samples),
             (crate::setting::Setting::SeqLen, opts.calib_seq_len),
@@ -288,6 +313,26 @@ pub fn export_phone(
     r
 }
 
+/// Every GPTQ linear of `ck` must be writable as LPBQ (symmetric, static groups, scales γ·k with
+/// k ∈ 1…16 per channel), checked before anything is written.
+fn check_lpbq(ck: &Checkpoint) -> Result<(), ExportError> {
+    let info = ck.config.gptq.as_ref().ok_or_else(|| {
+        ExportError::Invalid(format!(
+            "{}: GPTQ tensors but no quantization_config",
+            ck.dir.join("config.json").display()
+        ))
+    })?;
+    for prefix in &ck.layout.gptq {
+        let d = crate::formats::gptq::read_linear(&ck.store, info, prefix, 0..n_all(ck, prefix)?)?;
+        lpbq::Lpbq::from_gptq(prefix, &d, 0..d.n_all, 1.0).map_err(ExportError::Invalid)?;
+    }
+    Ok(())
+}
+
+fn n_all(ck: &Checkpoint, prefix: &str) -> Result<usize, ExportError> {
+    Ok(ck.entry(&format!("{prefix}.qweight"))?.shape[1])
+}
+
 /// What `crate::artifact` records an export folder as.
 pub const ARTIFACT_KIND: &str = "phone export";
 
@@ -300,11 +345,32 @@ fn export_staged(
     t0: Instant,
 ) -> Result<ExportReport, ExportError> {
     let cfg = &ck.config;
+    // GPTQ codes are written as they are: the norms become their own Mul.
+    let norms = if ck.layout.gptq.is_empty() {
+        None
+    } else {
+        let mut m = HashMap::new();
+        for l in 0..cfg.num_hidden_layers {
+            let p = crate::checkpoint::layout::layer_prefix(l);
+            for n in ["input_layernorm.weight", "post_attention_layernorm.weight"] {
+                let name = format!("{p}{n}");
+                m.insert(name.clone(), ck.tensor_f32(&name)?);
+            }
+        }
+        m.insert(
+            "model.norm.weight".into(),
+            ck.tensor_f32("model.norm.weight")?,
+        );
+        Some(m)
+    };
     let builder = StepBuilder {
         cfg,
         qkv: &ck.layout.qkv,
         tied: ck.layout.tied,
         context: opts.context,
+        gptq: &ck.layout.gptq,
+        gptq_group: cfg.gptq.as_ref().map_or(0, |g| g.group_size),
+        norms: norms.as_ref(),
     };
     let plans = graph::plan_parts(cfg, opts.parts);
     let graphs: Vec<Graph<WeightSpec>> = plans.iter().map(|p| builder.build(p)).collect();
@@ -336,11 +402,7 @@ fn export_staged(
     if let Some(b) = cfg.bos_token_id {
         metadata.insert("bos_token_id".into(), b.to_string());
     }
-    let mut reader = weights::WeightReader {
-        ck,
-        norms: HashMap::new(),
-        scales: BTreeMap::new(),
-    };
+    let mut reader = weights::WeightReader::new(ck);
     write_safetensors_atomic(
         &stage.join("embed_tokens.safetensors"),
         &[weights::embedding_tensor(ck)?],
@@ -361,7 +423,7 @@ fn export_staged(
             graphs.into_iter().map(weights::half_weights).collect(),
             None,
         ),
-        Precision::W8A16 => {
+        Precision::W8A16 | Precision::W4A16 => {
             let tc = Instant::now();
             let ranges = calibrate::calibrate(
                 ck,
@@ -430,10 +492,17 @@ fn export_staged(
     let (precision, kv_dtype, kv_elem) = match opts.precision {
         Precision::F32 => ("f32", "float32", 4),
         Precision::F16 => ("f16", "float32", 4),
-        Precision::W8A16 => match opts.kv {
-            QType::Uint8 => ("w8a16", "uint8", 1),
-            _ => ("w8a16", "int16", 2),
-        },
+        Precision::W8A16 | Precision::W4A16 => {
+            let name = if opts.precision == Precision::W4A16 {
+                "w4a16"
+            } else {
+                "w8a16"
+            };
+            match opts.kv {
+                QType::Uint8 => (name, "uint8", 1),
+                _ => (name, "int16", 2),
+            }
+        }
     };
     let m = descriptors::build_manifest(
         ck,
@@ -452,7 +521,7 @@ fn export_staged(
         }
         artifact::write_json(
             &stage.join("model.encodings"),
-            &descriptors::aimet_encodings(&all, &reader.scales),
+            &descriptors::aimet_encodings(&all, &reader.scales, &reader.lpbq),
         )?;
     }
     Ok(ExportReport {

@@ -155,6 +155,93 @@ fn enc_is_kv(t: &str) -> bool {
     t.starts_with("past_")
 }
 
+/// A float constant as uint16 codes: min(0, ·)…max(0, ·) over 65535 steps (a positive scalar
+/// is exactly code 65535).
+fn uint16_constant(v: &[f32]) -> (Encoding, Vec<u16>) {
+    let lo = v.iter().fold(0f32, |m, &x| m.min(x));
+    let hi = v.iter().fold(0f32, |m, &x| m.max(x));
+    let scale = if hi > lo { (hi - lo) / 65535.0 } else { 1.0 };
+    let zero_point = (-lo / scale).round() as i32;
+    let codes = v
+        .iter()
+        .map(|&x| ((x / scale).round() as i32 + zero_point).clamp(0, 65535) as u16)
+        .collect();
+    let e = Encoding {
+        dtype: QType::Uint16,
+        scale,
+        zero_point,
+        min: lo,
+        max: hi,
+    };
+    (e, codes)
+}
+
+/// The LPBQ pattern QNN's EP fuses into one block-quantized MatMul weight (docs/PHONE_EXPORT.md
+/// §8): `DQ1(k uint8 [K/B, N], γ [N], uint8 zero point, axis 1)` gives the block scales, `DQ2(INT4
+/// codes [K, N], those scales, INT4 zero point [K/B, N], axis 0, block_size B)` the weight. Both
+/// zero points are explicit (an omitted INT4 zero point is read as int8 by the EP) and the
+/// result feeds MatMul only (into Gemm it runs wrong). Returns the weight's name.
+fn lpbq_weight(q: &mut Graph<WeightSpec>, name: &str, shape: &[usize], spec: WeightSpec) -> String {
+    let [k, n] = [shape[0], shape[1]];
+    let b = spec.gptq_group.expect("a GPTQ weight");
+    let blocks = k / b;
+    let codes = q.init(
+        &format!("{name}_q4"),
+        DType::I4,
+        &[k, n],
+        Source::Deferred(WeightSpec {
+            repr: Repr::Int4,
+            ..spec.clone()
+        }),
+    );
+    let kb = q.init(
+        &format!("{name}_kblock"),
+        DType::U8,
+        &[blocks, n],
+        Source::Deferred(WeightSpec {
+            repr: Repr::LpbqK,
+            ..spec.clone()
+        }),
+    );
+    let gamma = q.init(
+        &format!("{name}_gamma"),
+        DType::F32,
+        &[n],
+        Source::Deferred(WeightSpec {
+            repr: Repr::LpbqGamma,
+            ..spec
+        }),
+    );
+    let kzp = q.init(
+        &format!("{name}_kblock_zp"),
+        DType::U8,
+        &[n],
+        Source::Bytes(vec![0; n]),
+    );
+    let bscale = q.node(
+        "DequantizeLinear",
+        &format!("{name}_block_scale"),
+        &[&kb, &gamma, &kzp],
+        DType::F32,
+        &[blocks, n],
+        vec![("axis", Attr::Int(1))],
+    );
+    let zp = q.init(
+        &format!("{name}_q4_zp"),
+        DType::I4,
+        &[blocks, n],
+        Source::Bytes(vec![0; DType::I4.byte_len(blocks * n)]),
+    );
+    q.node(
+        "DequantizeLinear",
+        &format!("{name}_dq"),
+        &[&codes, &bscale, &zp],
+        DType::F32,
+        &[k, n],
+        vec![("axis", Attr::Int(0)), ("block_size", Attr::Int(b as i64))],
+    )
+}
+
 /// Rewrite `g` into QDQ form with `enc` (from [`plan_encodings`]).
 pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantized {
     let outputs: HashSet<String> = g.outputs.iter().map(|o| o.name.clone()).collect();
@@ -225,6 +312,10 @@ pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantiz
     for init in g.inits {
         let name = init.info.name.clone();
         match init.source {
+            Source::Deferred(spec) if spec.gptq_group.is_some() => {
+                let dq = lpbq_weight(&mut q, &name, &init.info.shape, spec);
+                weights.insert(name, dq);
+            }
             Source::Deferred(spec) => {
                 let [k, n] = [init.info.shape[0], init.info.shape[1]];
                 let wq = q.init(
@@ -262,20 +353,18 @@ pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantiz
                 weights.insert(name, dq);
             }
             Source::Bytes(b) if init.info.dtype == DType::F32 => {
-                // A float constant (the RMSNorm epsilon): exact uint16 code 65535.
-                let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                let e = Encoding {
-                    dtype: QType::Uint16,
-                    scale: v / 65535.0,
-                    zero_point: 0,
-                    min: 0.0,
-                    max: v,
-                };
+                // A float constant (the RMSNorm epsilon: exact uint16 code 65535; a norm weight
+                // applied on its own: uint16 over its range).
+                let v: Vec<f32> = b
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                let (e, codes) = uint16_constant(&v);
                 let c = q.init(
                     &format!("{name}_q"),
                     DType::U16,
                     &init.info.shape,
-                    Source::Bytes(65535u16.to_le_bytes().to_vec()),
+                    Source::Bytes(codes.iter().flat_map(|c| c.to_le_bytes()).collect()),
                 );
                 let sc = q.const_f32(&format!("{name}_scale"), &[e.scale], &[]);
                 let zp = q.init(
@@ -366,6 +455,9 @@ mod tests {
             qkv: &qkv,
             tied: true,
             context: 128,
+            gptq: &std::collections::BTreeSet::new(),
+            gptq_group: 0,
+            norms: None,
         }
         .build(&plan_parts(&cfg, 1)[0]);
         (cfg, g)

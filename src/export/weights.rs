@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::graph::{Repr, WeightSpec};
+use super::lpbq::Lpbq;
 use super::onnx::{self, DType, Graph, TensorInfo};
 use super::ExportError;
 use crate::checkpoint::write::OwnedTensor;
@@ -15,11 +16,62 @@ pub(super) struct WeightReader<'a> {
     pub(super) norms: HashMap<String, Vec<f32>>,
     /// Per-channel scales of every int8 weight written (for `.encodings`).
     pub(super) scales: BTreeMap<String, Vec<f32>>,
+    /// Every LPBQ weight written: its γ and k (for `.encodings`).
+    pub(super) lpbq: BTreeMap<String, LpbqEncoding>,
+    /// The GPTQ linear last decoded (its three initializers are resolved one after another).
+    last: Option<(String, std::ops::Range<usize>, u32, Lpbq)>,
 }
 
-impl WeightReader<'_> {
+/// What AIMET's `.encodings` says of one LPBQ weight.
+pub(super) struct LpbqEncoding {
+    pub block: usize,
+    pub gamma: Vec<f32>,
+    /// `[K/B, N]`.
+    pub kblock: Vec<u8>,
+}
+
+/// A GPTQ linear the export cannot write as LPBQ, named.
+fn refused(msg: String) -> CheckpointError {
+    CheckpointError::Tensors {
+        problems: vec![msg],
+    }
+}
+
+impl<'a> WeightReader<'a> {
+    pub(super) fn new(ck: &'a Checkpoint) -> Self {
+        WeightReader {
+            ck,
+            norms: HashMap::new(),
+            scales: BTreeMap::new(),
+            lpbq: BTreeMap::new(),
+            last: None,
+        }
+    }
+
+    /// The LPBQ form of GPTQ weight `s`.
+    pub(super) fn lpbq_of(&mut self, s: &WeightSpec) -> Result<&Lpbq, CheckpointError> {
+        let hit = matches!(&self.last, Some((t, r, m, _))
+            if *t == s.tensor && *r == s.rows && *m == s.mul.to_bits());
+        if !hit {
+            let info = self.ck.config.gptq.as_ref().ok_or_else(|| {
+                refused(format!(
+                    "`{}` is GPTQ but config.json has no quantization_config",
+                    s.tensor
+                ))
+            })?;
+            let d =
+                crate::formats::gptq::read_linear(&self.ck.store, info, &s.tensor, s.rows.clone())?;
+            let l = Lpbq::from_gptq(&s.tensor, &d, s.rows.clone(), s.mul).map_err(refused)?;
+            self.last = Some((s.tensor.clone(), s.rows.clone(), s.mul.to_bits(), l));
+        }
+        Ok(&self.last.as_ref().expect("just set").3)
+    }
+
     /// `[K, N]` = (rows of `[N_all, K]`)ᵀ with the folded norm and multiplier.
     pub(super) fn matrix(&mut self, s: &WeightSpec) -> Result<Vec<f32>, CheckpointError> {
+        if s.gptq_group.is_some() {
+            return Ok(self.lpbq_of(s)?.dequantize());
+        }
         let e = self.ck.entry(&s.tensor)?;
         let w = self.ck.store.rows_to_f32(e, s.rows.start, s.rows.end)?;
         let fold = match &s.fold {
@@ -48,7 +100,25 @@ impl WeightReader<'_> {
         info: &TensorInfo,
         s: &WeightSpec,
     ) -> std::io::Result<Vec<u8>> {
-        let m = self.matrix(s).map_err(std::io::Error::other)?;
+        let io = std::io::Error::other;
+        match s.repr {
+            Repr::Int4 => return Ok(self.lpbq_of(s).map_err(io)?.int4_bytes()),
+            Repr::LpbqK => return Ok(self.lpbq_of(s).map_err(io)?.kblock.clone()),
+            Repr::LpbqGamma => {
+                let l = self.lpbq_of(s).map_err(io)?;
+                let bytes = l.gamma.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let enc = LpbqEncoding {
+                    block: l.block,
+                    gamma: l.gamma.clone(),
+                    kblock: l.kblock.clone(),
+                };
+                let weight = info.name.trim_end_matches("_gamma").to_string();
+                self.lpbq.insert(weight, enc);
+                return Ok(bytes);
+            }
+            _ => {}
+        }
+        let m = self.matrix(s).map_err(io)?;
         let n = s.rows.len();
         let scales = || -> Vec<f32> {
             let mut absmax = vec![0f32; n];
@@ -88,6 +158,7 @@ impl WeightReader<'_> {
                 self.scales.insert(weight, sc);
                 bytes
             }
+            Repr::Int4 | Repr::LpbqK | Repr::LpbqGamma => unreachable!("returned above"),
         })
     }
 }

@@ -164,3 +164,43 @@ impl Linear for DenseLinear {
         self.weight.to_f32()
     }
 }
+
+/// A linear fed as llama.cpp's CPU backend feeds it: the activations converted to the weight
+/// type's `vec_dot_type` first (GGUF files; `formats::gguf::activations`).
+pub struct GgmlActivations {
+    pub inner: Box<dyn Linear>,
+    pub act: crate::formats::gguf::activations::ActQuant,
+}
+
+impl GgmlActivations {
+    /// `inner` fed with activations `act` (f32 needs no wrapper).
+    pub fn wrap(
+        inner: Box<dyn Linear>,
+        act: crate::formats::gguf::activations::ActQuant,
+    ) -> Box<dyn Linear> {
+        match act {
+            crate::formats::gguf::activations::ActQuant::F32 => inner,
+            act => Box::new(GgmlActivations { inner, act }),
+        }
+    }
+}
+
+impl Linear for GgmlActivations {
+    fn in_features(&self) -> usize {
+        self.inner.in_features()
+    }
+    fn out_features(&self) -> usize {
+        self.inner.out_features()
+    }
+    fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        let mut xr = x.to_vec();
+        self.act.round(&mut xr);
+        self.inner.forward(&xr, m, y);
+    }
+    fn kind(&self) -> String {
+        format!("{} ({} activations)", self.inner.kind(), self.act.name())
+    }
+    fn dequantize(&self) -> Vec<f32> {
+        self.inner.dequantize()
+    }
+}

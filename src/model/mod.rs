@@ -204,13 +204,23 @@ impl SparkModel {
     }
 
     /// Build the model from a Spark GGUF file (llama.cpp's, or ours): every tensor dequantized to
-    /// f32 exactly as ggml's dequantizers compute it, activations in f32. Holds 4 bytes per
+    /// f32 exactly as ggml's dequantizers compute it. With `ggml_activations` each linear's input
+    /// is first converted to its weight type's `vec_dot_type`, as llama.cpp's CPU backend does
+    /// (8-bit blocks for the quantized types); otherwise activations stay f32. Holds 4 bytes per
     /// parameter.
     pub fn from_gguf(
         f: &crate::formats::gguf::GgufFile,
+        ggml_activations: bool,
         progress: bool,
     ) -> Result<Self, crate::formats::gguf::GgufError> {
+        use crate::formats::gguf::activations::ActQuant;
         use crate::formats::gguf::GgufError;
+        let act_of = |name: &str| -> ActQuant {
+            match f.tensors().iter().find(|t| t.name == name) {
+                Some(t) if ggml_activations => ActQuant::for_weights(t.ty),
+                _ => ActQuant::F32,
+            }
+        };
         let cfg = crate::formats::gguf::spark::config_of(f)?;
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let get = |name: &str, n: usize, k: usize| -> Result<Vec<f32>, GgufError> {
@@ -232,8 +242,8 @@ impl SparkModel {
             }
             f.dequantize(name)
         };
-        let dense = |w: Vec<f32>, n: usize, k: usize| -> Box<dyn Linear> {
-            Box::new(DenseLinear::new(w.into(), n, k))
+        let dense = |w: Vec<f32>, n: usize, k: usize, act: ActQuant| -> Box<dyn Linear> {
+            linear::GgmlActivations::wrap(Box::new(DenseLinear::new(w.into(), n, k)), act)
         };
         let bar =
             crate::artifact::progress_bar(progress, cfg.num_hidden_layers as u64 + 2, "loading");
@@ -249,6 +259,14 @@ impl SparkModel {
             let mut parts = [Some(qkv), Some(k), Some(v)];
             let mut lin = |p: Proj| -> Result<Box<dyn Linear>, GgufError> {
                 let [n, kk] = p.shape(&cfg);
+                let name = match p {
+                    Proj::Q | Proj::K | Proj::V => t("attn_qkv"),
+                    Proj::G => t("attn_gate"),
+                    Proj::Out => t("attn_output"),
+                    Proj::Gate => t("ffn_gate"),
+                    Proj::Up => t("ffn_up"),
+                    Proj::Down => t("ffn_down"),
+                };
                 let w = match p {
                     Proj::Q => parts[0].take(),
                     Proj::K => parts[1].take(),
@@ -259,7 +277,12 @@ impl SparkModel {
                     Proj::Up => Some(get(&t("ffn_up"), n, kk)?),
                     Proj::Down => Some(get(&t("ffn_down"), n, kk)?),
                 };
-                Ok(dense(w.expect("each projection is taken once"), n, kk))
+                Ok(dense(
+                    w.expect("each projection is taken once"),
+                    n,
+                    kk,
+                    act_of(&name),
+                ))
             };
             let mut attn = Vec::new();
             for p in [Proj::Q, Proj::K, Proj::V, Proj::G, Proj::Out] {
@@ -291,13 +314,15 @@ impl SparkModel {
         }
         let norm = RmsNorm::new(get("output_norm.weight", 1, h)?, eps);
         let lm_head: Box<dyn Linear> = if cfg.tie_word_embeddings == Some(false) {
-            dense(get("output.weight", cfg.vocab_size, h)?, cfg.vocab_size, h)
-        } else {
-            Box::new(DenseLinear::from_weight(
-                embedding.clone(),
+            dense(
+                get("output.weight", cfg.vocab_size, h)?,
                 cfg.vocab_size,
                 h,
-            ))
+                act_of("output.weight"),
+            )
+        } else {
+            let l = DenseLinear::from_weight(embedding.clone(), cfg.vocab_size, h);
+            linear::GgmlActivations::wrap(Box::new(l), act_of("token_embd.weight"))
         };
         bar.finish_and_clear();
         Ok(Self::assemble(cfg, embedding, layers, norm, lm_head))

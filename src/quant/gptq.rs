@@ -113,7 +113,7 @@ impl QuantizedWeight {
             }
             off += pn;
         }
-        let tiers = grid.tier().map_or(0, |t| k / t);
+        let tiers = grid.tier_of(k).map_or(0, |t| k / t);
         QuantizedWeight {
             in_features: k,
             out_features: n,
@@ -167,11 +167,11 @@ pub fn rtn(
         }
     };
     // A tier's d from its groups' free scales, as the solve chooses it.
-    let tier = grid.tier().unwrap_or(k);
+    let tier = grid.tier_of(k).unwrap_or(k);
     let per_tier = tier / group_size;
     let mut tier_scales = vec![
         0f32;
-        if grid.tier().is_some() {
+        if grid.tier_of(k).is_some() {
             k / tier * n
         } else {
             0
@@ -471,7 +471,7 @@ impl GptqSolver {
         if k % gs != 0 || bs % gs != 0 || w.len() != n * k {
             return Err(GptqError::Shape(self.name.clone(), k, gs));
         }
-        if let Some(t) = cfg.grid.tier() {
+        if let Some(t) = cfg.grid.tier_of(k) {
             if t % gs != 0 || k % t != 0 {
                 return Err(GptqError::Shape(self.name.clone(), k, t));
             }
@@ -487,7 +487,7 @@ impl GptqSolver {
         // not per input), so both cores stay busy through the column loop as well as the flush.
         let threads = rayon::current_num_threads().max(1);
         let width = n.div_ceil(4 * threads).max(64).min(n);
-        let sched = Schedule::new(self.perm.as_deref(), k, gs, cfg.grid.tier());
+        let sched = Schedule::new(self.perm.as_deref(), k, gs, cfg.grid.tier_of(k));
         let mut chunks: Vec<RowChunk> = (0..n)
             .step_by(width)
             .map(|r0| {
@@ -560,7 +560,7 @@ impl GptqSolver {
             }
         };
         rows_of(&mut scales, |c| &c.scales);
-        let mut tier_scales = vec![0f32; cfg.grid.tier().map_or(0, |t| k / t * n)];
+        let mut tier_scales = vec![0f32; cfg.grid.tier_of(k).map_or(0, |t| k / t * n)];
         rows_of(&mut tier_scales, |c| &c.tier_d);
         let q = QuantizedWeight {
             in_features: k,
@@ -694,7 +694,7 @@ impl RowChunk {
         for i in i1..i2 {
             let g = sched.group[i];
             let tier = sched.input[i] / sched.tier;
-            if grid.tier().is_some() && sched.tier_first[tier] == i {
+            if grid.tier_of(sched.tier).is_some() && sched.tier_first[tier] == i {
                 // A tier's d when its first member is reached: from the free scales its groups
                 // would choose on the weights as updated by then.
                 let t = std::time::Instant::now();
@@ -962,7 +962,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn every_gguf_grid_solves_onto_its_lattice_and_beats_rounding() {
+    fn every_gguf_and_lpbq_grid_solves_onto_its_lattice_and_beats_rounding() {
         let (n, k) = (24, 512);
         let (w, h) = case(n, k, 1024);
         let (fp16, tiered) = (Grid::fp16, Grid::tiered);
@@ -971,7 +971,10 @@ pub(crate) mod tests {
             (fp16(8), 32),
             (tiered(4, 63), 32),
             (tiered(6, 127), 16),
+            (Grid::LPBQ, 64),
+            (Grid::LPBQ, 128),
         ] {
+            let tier = grid.tier_of(k).unwrap_or(k);
             for order in [Order::Natural, Order::ActStatic] {
                 let solver = GptqSolver::with_order("t", &h, 0.01, order).unwrap();
                 let cfg = GptqConfig {
@@ -987,7 +990,7 @@ pub(crate) mod tests {
                     let (g, nn) = (i / n, i % n);
                     let d = q
                         .tier_scales
-                        .get((g * gs / 256) * n + nn)
+                        .get((g * gs / tier) * n + nn)
                         .copied()
                         .unwrap_or(0.0);
                     assert_eq!(
@@ -996,7 +999,16 @@ pub(crate) mod tests {
                         "{grid:?}: scale {s} is off its lattice"
                     );
                 }
-                assert_eq!(q.tier_scales.len(), grid.tier().map_or(0, |t| k / t * n));
+                assert_eq!(
+                    q.tier_scales.len(),
+                    grid.tier_of(k).map_or(0, |t| k / t * n)
+                );
+                if grid == Grid::LPBQ {
+                    assert!(q
+                        .tier_scales
+                        .iter()
+                        .all(|&g| crate::quant::grid::is_lpbq_gamma(g)));
+                }
                 let r = rtn(&w, n, k, &h, gs, ScaleRule::Search, grid);
                 let e = |q: &QuantizedWeight| relative_output_error(&w, &q.dequantize(), n, k, &h);
                 assert!(

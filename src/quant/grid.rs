@@ -31,7 +31,14 @@ pub enum Lattice {
     /// s = d·k: one fp16 `d` per `tier` inputs of a row, integer k ∈ 1…`kmax` per group
     /// (GGUF Q4_K: 256 and 63; Q6_K: 256 and 127).
     Tiered { tier: usize, kmax: u32 },
+    /// QNN's low-power block quantization (phone w4a16): s = γ·k with one γ per output row over
+    /// all its inputs and integer k ∈ 1…16 per group. γ has 4 significant bits, so every γ·k
+    /// (≤ 8 significant bits) is exact in bf16 and fp16 and the same checkpoint runs in vLLM.
+    Lpbq,
 }
+
+/// Largest LPBQ block multiplier: the HTP reads k ∈ 1…16 (docs/PHONE_EXPORT.md).
+pub const LPBQ_KMAX: u32 = 16;
 
 /// A b-bit zero-point-2^(b−1) grid and its scale lattice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -71,11 +78,26 @@ impl Grid {
         (1 << self.bits) - 1
     }
 
-    /// Inputs per tier scale, for a tiered lattice.
-    pub fn tier(&self) -> Option<usize> {
+    /// The LPBQ grid of phone w4a16 checkpoints.
+    pub const LPBQ: Grid = Grid {
+        bits: 4,
+        lattice: Lattice::Lpbq,
+    };
+
+    /// Inputs per tier scale of a row of `k` inputs, for a tiered lattice (LPBQ: the whole row).
+    pub fn tier_of(&self, k: usize) -> Option<usize> {
         match self.lattice {
             Lattice::Tiered { tier, .. } => Some(tier),
+            Lattice::Lpbq => Some(k),
             _ => None,
+        }
+    }
+
+    fn kmax(&self) -> u32 {
+        match self.lattice {
+            Lattice::Tiered { kmax, .. } => kmax,
+            Lattice::Lpbq => LPBQ_KMAX,
+            _ => 1,
         }
     }
 
@@ -95,13 +117,14 @@ impl Grid {
         match self.lattice {
             Lattice::Bf16 => stored_scale(s),
             Lattice::Fp16 => fp16_scale(s),
-            Lattice::Tiered { kmax, .. } => {
+            Lattice::Tiered { .. } | Lattice::Lpbq => {
+                let kmax = self.kmax() as f32;
                 let k = if s.is_finite() {
-                    (s / d).round().clamp(1.0, kmax as f32)
+                    (s / d).round().clamp(1.0, kmax)
                 } else {
-                    kmax as f32
+                    kmax
                 };
-                // d has 11 significant bits and k at most 7: the product is exact in f32.
+                // d has at most 11 significant bits and k at most 7: the product is exact in f32.
                 d * k
             }
         }
@@ -110,11 +133,11 @@ impl Grid {
     /// A tier's `d` from the free (fp16) scales its groups would choose: the largest maps to
     /// `kmax`, so every group is reachable and the largest gets the finest step.
     pub fn tier_scale(&self, free: &[f32]) -> f32 {
-        let kmax = match self.lattice {
-            Lattice::Tiered { kmax, .. } => kmax as f32,
-            _ => 1.0,
-        };
+        let kmax = self.kmax() as f32;
         let top = free.iter().fold(0f32, |m, &s| m.max(s));
+        if self.lattice == Lattice::Lpbq {
+            return lpbq_gamma(top / kmax);
+        }
         // Q4_K stores dmin = 8·d, which must be an fp16 too.
         fp16_scale(top / kmax).min(F16_MAX / 8.0)
     }
@@ -126,6 +149,7 @@ impl Grid {
                 bits: self.bits,
                 lattice: Lattice::Fp16,
             },
+            Lattice::Lpbq => Grid::VLLM,
             _ => *self,
         }
     }
@@ -161,6 +185,23 @@ pub fn stored_scale(s: f32) -> f32 {
         "bf16 scale {r} must be exact in fp16"
     );
     r
+}
+
+/// An LPBQ γ near `g`: 4 significant bits (mantissa rounded half up at its third fraction bit),
+/// within [2⁻¹⁴, S_MAX/16] so every γ·k, k ∈ 1…16, is a normal fp16 exact in bf16.
+pub fn lpbq_gamma(g: f32) -> f32 {
+    let g = if g.is_finite() {
+        g.clamp(S_MIN, S_MAX / LPBQ_KMAX as f32)
+    } else {
+        S_MAX / LPBQ_KMAX as f32
+    };
+    let r = f32::from_bits((g.to_bits() + (1 << 19)) & !((1 << 20) - 1));
+    r.min(S_MAX / LPBQ_KMAX as f32)
+}
+
+/// Whether `g` is an LPBQ γ (see [`lpbq_gamma`]).
+pub fn is_lpbq_gamma(g: f32) -> bool {
+    g.is_finite() && lpbq_gamma(g) == g
 }
 
 /// Round a positive scale to the nearest normal fp16.
@@ -414,6 +455,37 @@ mod tests {
         }
         // The largest free scale is representable to within one step.
         assert!((g.stored(0.2, d) - 0.2).abs() <= d / 2.0 + 1e-7);
+    }
+
+    #[test]
+    fn lpbq_scales_are_gamma_times_1_to_16_and_exact_in_bf16_and_fp16() {
+        let g = Grid::LPBQ;
+        assert_eq!(g.tier_of(768), Some(768));
+        let gamma = g.tier_scale(&[0.013, 0.2, 0.05]);
+        assert!(is_lpbq_gamma(gamma));
+        // 4 significant bits: γ = m·2^e with m an integer below 16.
+        let m = gamma / 2f32.powi(gamma.log2().floor() as i32 - 3);
+        assert_eq!(m, m.round(), "{gamma} has more than 4 significant bits");
+        assert!(
+            (gamma * 16.0 - 0.2).abs() <= 0.2 / 16.0,
+            "16γ ≈ the largest scale"
+        );
+        for s in [1e-9f32, 0.003, 0.05, 0.2, 0.26, 5.0, f32::INFINITY] {
+            let r = g.stored(s, gamma);
+            let k = r / gamma;
+            assert_eq!(k, k.round(), "{s} → {r} is not γ·k");
+            assert!((1.0..=16.0).contains(&k));
+            assert_eq!(bf16::from_f32(r).to_f32(), r);
+            assert_eq!(f16::from_f32(r).to_f32(), r);
+        }
+        for x in [1e-12f32, 7e-5, 0.0123, 3.3, 1e6, f32::NAN] {
+            let y = lpbq_gamma(x);
+            assert!(
+                is_lpbq_gamma(y) && y >= S_MIN && 16.0 * y <= S_MAX,
+                "{x} → {y}"
+            );
+        }
+        assert_eq!(g.untiered(), Grid::VLLM);
     }
 
     #[test]

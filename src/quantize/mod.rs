@@ -113,20 +113,39 @@ impl QuantizeOptions {
 
     /// The grid and group size projection `proj` of layer `li` (`None`: the head) is solved on.
     pub fn grid_of(&self, li: Option<usize>, proj: Proj, layers: usize) -> (Grid, usize) {
-        grid_for(self.gguf, self.group_size, li, proj, layers)
+        grid_for(
+            self.gguf,
+            self.gptq_grid(),
+            self.group_size,
+            li,
+            proj,
+            layers,
+        )
+    }
+
+    /// The grid of a GPTQ checkpoint's linears: vLLM's, or QNN's LPBQ lattice for the phone
+    /// (still exact in vLLM).
+    pub fn gptq_grid(&self) -> Grid {
+        if self.path.lpbq {
+            Grid::LPBQ
+        } else {
+            Grid::VLLM
+        }
     }
 }
 
-/// [`QuantizeOptions::grid_of`] from the two options it depends on.
+/// [`QuantizeOptions::grid_of`] from the options it depends on (`gptq`: the grid when the
+/// output is a GPTQ checkpoint).
 pub fn grid_for(
     gguf: Option<FileType>,
+    gptq: Grid,
     group_size: usize,
     li: Option<usize>,
     proj: Proj,
     layers: usize,
 ) -> (Grid, usize) {
     let Some(ft) = gguf else {
-        return (Grid::VLLM, group_size);
+        return (gptq, group_size);
     };
     crate::formats::gguf::quantized::grid_of(ft.type_of(gguf_tensor(li, proj), layers))
         .expect("every file type assigns solvable block types")
@@ -723,8 +742,8 @@ fn check_gguf_shapes(
         }
     }
     for (name, li, p, k) in solved {
-        let (grid, gs) = grid_for(opts.gguf, opts.group_size, li, p, layers);
-        let block = grid.tier().unwrap_or(gs);
+        let (grid, gs) = opts.grid_of(li, p, layers);
+        let block = grid.tier_of(k).unwrap_or(gs);
         if k % block != 0 {
             return Err(QuantizeError::Invalid(format!(
                 "{name}: {k} inputs are not a multiple of {block}, the block of its {} type; \
@@ -747,6 +766,12 @@ fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
             "{} {} must be a number in (0, 1] (a fraction of the mean Hessian diagonal)",
             Setting::Damp,
             opts.damp
+        )));
+    }
+    if opts.path.lpbq && opts.gguf.is_none() && opts.refit_rounds > 0 {
+        return Err(QuantizeError::Invalid(format!(
+            "{} works on the free bf16 scale lattice only, not on the phone's LPBQ lattice (γ·k per channel)",
+            Setting::RefitRounds
         )));
     }
     if opts.gguf.is_some() && opts.refit_rounds > 0 {

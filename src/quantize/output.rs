@@ -34,6 +34,7 @@ pub struct Output {
     /// The projections each layer quantizes, and what decides their grids.
     projs: &'static [Proj],
     gguf: Option<FileType>,
+    gptq_grid: Grid,
     group_size: usize,
     layers: usize,
     tied: bool,
@@ -125,7 +126,7 @@ fn read_q(store: &TensorStore, prefix: &str, grid: Grid) -> Option<QuantizedWeig
     let s = store.get(&format!("{prefix}.scales"))?;
     let (k, n) = (c.shape[0], c.shape[1]);
     let groups = s.shape[0];
-    let tier_scales = match grid.tier() {
+    let tier_scales = match grid.tier_of(k) {
         Some(_) => store
             .to_f32(store.get(&format!("{prefix}.tier_scales"))?)
             .ok()?,
@@ -266,6 +267,7 @@ impl Output {
                 opts.qkv_layout
             },
             gguf: opts.gguf,
+            gptq_grid: opts.gptq_grid(),
             group_size: opts.group_size,
             layers: ck.config.num_hidden_layers,
             tied: ck.layout.tied,
@@ -356,7 +358,15 @@ impl Output {
         let mut r = LayerResult::default();
         for &proj in self.projs {
             let part = proj.key();
-            let grid = grid_for(self.gguf, self.group_size, Some(li), proj, self.layers).0;
+            let grid = grid_for(
+                self.gguf,
+                self.gptq_grid,
+                self.group_size,
+                Some(li),
+                proj,
+                self.layers,
+            )
+            .0;
             let q = read_q(&store, part, grid).ok_or_else(|| {
                 QuantizeError::Invalid(format!("{}: missing {part}", p.display()))
             })?;

@@ -28,9 +28,22 @@ pub enum DType {
     U16,
     I32,
     I64,
+    /// Signed 4-bit, two per byte (low nibble first).
+    I4,
 }
 
 impl DType {
+    /// Bytes of `numel` packed elements.
+    pub fn byte_len(self, numel: usize) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4 * numel,
+            DType::I8 | DType::U8 => numel,
+            DType::I16 | DType::U16 | DType::F16 => 2 * numel,
+            DType::I64 => 8 * numel,
+            DType::I4 => numel.div_ceil(2),
+        }
+    }
+
     pub fn onnx(self) -> i32 {
         use pb::tensor_proto::DataType as D;
         (match self {
@@ -42,6 +55,7 @@ impl DType {
             DType::U16 => D::Uint16,
             DType::I32 => D::Int32,
             DType::I64 => D::Int64,
+            DType::I4 => D::Int4,
         }) as i32
     }
 }
@@ -311,14 +325,8 @@ pub fn write_model<W>(
                 &owned
             }
         };
-        let elem = match init.info.dtype {
-            DType::F32 | DType::I32 => 4,
-            DType::I8 | DType::U8 => 1,
-            DType::I16 | DType::U16 | DType::F16 => 2,
-            DType::I64 => 8,
-        };
         let numel: usize = init.info.shape.iter().product();
-        if bytes.len() != numel * elem {
+        if bytes.len() != init.info.dtype.byte_len(numel) {
             return Err(std::io::Error::other(format!(
                 "initializer `{}`: {} bytes for shape {:?}",
                 init.info.name,

@@ -7,6 +7,7 @@
 //! unwraps I/O errors while writing tensor infos, and its block crate `ggml-quants` 0.1 leaves
 //! the K-quants unimplemented.
 
+pub mod activations;
 pub mod blocks;
 pub mod mix;
 pub mod quantized;
