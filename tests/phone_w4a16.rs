@@ -308,7 +308,12 @@ fn checkpoints_qnn_would_misread_are_refused_and_nothing_is_written() {
         e.contains("model.layers.") && e.contains("--target phone"),
         "{e}"
     );
-    // A float checkpoint has no codes to write.
-    let e = err(&common::fixture("spark-tiny"));
-    assert!(e.contains("--target phone"), "{e}");
+    // The solve's output folder is checked before the solve: a folder of the user's is refused.
+    let user = tempfile::tempdir().unwrap();
+    std::fs::write(user.path().join("keep.txt"), "user data").unwrap();
+    let e = export_phone(&common::fixture("spark-tiny"), user.path(), &options())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("force") || e.contains("not"), "{e}");
+    assert!(user.path().join("keep.txt").is_file());
 }

@@ -9,7 +9,7 @@ For each of our files this
      official BF16 -> quant pipeline), then `llama-quantize BF16 OUT TYPE` (no imatrix: speed does not depend
      on the values, only on the tensor types);
   2. checks that every tensor has the same ggml type in both files (gguf reader), so the same kernels run;
-  3. runs `llama-bench -m FILE -p P -n N -t T -r 1 -o json` on both, interleaved (ours, theirs, theirs, ours, ...)
+  3. runs `llama-bench -m FILE -p P -n N -t T -r 1 --repack R -o json` on both, interleaved (ours, theirs, theirs, ours, ...)
      for --repeat rounds, and prints median prefill / decode tok/s and ours/theirs ratios.
 A file that llama.cpp cannot load makes llama-bench fail, and this script with it (exit 1).
 
@@ -36,7 +36,7 @@ class Fail(Exception):
 
 
 def run(cmd: list, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, errors="replace", **kw)
     if r.returncode != 0:
         raise Fail(f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n{(r.stderr or r.stdout)[-3000:]}")
     return r
@@ -54,7 +54,7 @@ def gguf_info(path: Path) -> tuple[str, dict[str, str], int]:
 
 def bench(a, path: Path) -> tuple[float, float]:
     r = run([a.llama_bin / "llama-bench", "-m", path, "-p", a.prompt_len, "-n", a.gen, "-t", a.threads, "-r", 1,
-             "-o", "json"])
+             "--repack", a.repack, "-o", "json"])
     text = r.stdout
     rows = json.loads(text[text.index("["):text.rindex("]") + 1])
     pp = [x["avg_ts"] for x in rows if x["n_prompt"] > 0 and x["n_gen"] == 0]
@@ -75,6 +75,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repack", choices=["0", "1"], default="0",
+                    help="llama-bench --repack (default 0: on an AMX machine the repacked AMX path of llama.cpp "
+                         "0.3.36 dies with SIGILL at its first tile instruction, for llama.cpp's own files too)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)

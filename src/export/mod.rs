@@ -249,14 +249,7 @@ pub fn export_phone(
                 crate::setting::Setting::Precision
             )))
         }
-        (true, Precision::W4A16) => {
-            return Err(ExportError::Invalid(format!(
-                "{} w4a16 exports a GPTQ checkpoint's codes: first run `spark-tool quantize {} --target phone \
-                 --out DIR` (GPTQ on the LPBQ lattice), then `spark-tool export-phone DIR --precision w4a16`",
-                crate::setting::Setting::Precision,
-                model_dir.display()
-            )))
-        }
+        (true, Precision::W4A16) => return export_through_gptq(model_dir, out, opts),
         (true, _) => {}
     }
     if opts.context < 2 || opts.context > cfg.max_position_embeddings {
@@ -310,6 +303,66 @@ pub fn export_phone(
         // Never leave a half-written export behind, not even the staging folder.
         staging.discard();
     }
+    r
+}
+
+/// w4a16 from the original checkpoint: the phone's GPTQ solve (`quantize --target phone`, its
+/// defaults, on the export's calibration text) into a private temporary folder, then the export
+/// of that checkpoint. The temporary checkpoint is removed either way.
+fn export_through_gptq(
+    model_dir: &Path,
+    out: &Path,
+    opts: &ExportOptions,
+) -> Result<ExportReport, ExportError> {
+    use crate::device::{self, Priority, Target};
+    use crate::quantize::{calibration, Method, QuantizeOptions};
+    // Refuse a bad output before the (long) solve.
+    Staging::plan(out, ARTIFACT_KIND, &[model_dir], opts.force)?;
+    let tmp = std::env::temp_dir().join(format!(
+        "spark-tool-w4a16-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    let path = device::decide(&device::detect(), Target::Phone, Priority::Speed);
+    let q = QuantizeOptions {
+        model_dir: model_dir.to_path_buf(),
+        out_dir: tmp.clone(),
+        format: path.format,
+        group_size: path.group_size,
+        method: Method::GptqSearch,
+        order: crate::quant::Order::ActStatic,
+        refit_rounds: 0,
+        path,
+        calibration: if opts.calibration.is_empty() {
+            vec![calibration::bundled()]
+        } else {
+            opts.calibration.clone()
+        },
+        samples: 128,
+        seq_len: 512,
+        qkv_layout: crate::checkpoint::QkvLayout::Fused,
+        quantize_head: false,
+        damp: 0.01,
+        resume: false,
+        force: false,
+        force_memory: opts.force_memory,
+        progress: opts.progress,
+        compare: false,
+        dump_dequantized: None,
+        stop_after_layers: None,
+        gguf: None,
+    };
+    let r = crate::quantize::quantize(&q)
+        .map_err(|e| {
+            ExportError::Invalid(format!(
+                "the w4a16 GPTQ solve of {}: {e}",
+                model_dir.display()
+            ))
+        })
+        .and_then(|_| export_phone(&tmp, out, opts));
+    let _ = std::fs::remove_dir_all(&tmp);
     r
 }
 
