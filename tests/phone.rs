@@ -13,27 +13,13 @@ use std::sync::OnceLock;
 use spark_tool::engine::Engine;
 use spark_tool::export::{export_phone, ExportOptions, Precision};
 use spark_tool::model::Logits;
-use spark_tool::phone::{Manifest, PhoneModel, QType};
+use spark_tool::phone::{Manifest, PhoneModel};
 use spark_tool::quantize::calibration;
 use spark_tool::setting::Setting;
 use spark_tool::tokenizer::SparkTokenizer;
 
 fn options(precision: Precision, context: usize) -> ExportOptions {
-    ExportOptions {
-        context,
-        precision,
-        kv: QType::Int16,
-        parts: 1,
-        calibration: Vec::new(),
-        // The CLI defaults: 2048 calibration tokens (4×128 clips the zh/de prompts' outliers).
-        calib_samples: 8,
-        calib_seq_len: 256,
-        range_margin: 2.0,
-        force: false,
-        force_memory: false,
-        progress: false,
-        threads: 2,
-    }
+    common::export_options(precision, context)
 }
 
 fn exported(precision: Precision, parts: usize) -> PathBuf {

@@ -16,24 +16,10 @@ use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::export::onnx::pb;
 use spark_tool::export::{export_phone, ExportOptions, Precision};
 use spark_tool::formats::gptq::unpack_qweight;
-use spark_tool::phone::QType;
 use spark_tool::quantize::quantize;
 
 fn options() -> ExportOptions {
-    ExportOptions {
-        context: 2048,
-        precision: Precision::W4A16,
-        kv: QType::Int16,
-        parts: 1,
-        calibration: Vec::new(),
-        calib_samples: 8,
-        calib_seq_len: 256,
-        range_margin: 2.0,
-        force: false,
-        force_memory: false,
-        progress: false,
-        threads: 2,
-    }
+    common::export_options(Precision::W4A16, 2048)
 }
 
 /// The fixture quantized on the phone's path (`--target phone`: LPBQ scales, g64).
@@ -112,6 +98,16 @@ fn int_attr(n: &pb::NodeProto, name: &str) -> Option<i64> {
 #[test]
 fn the_graph_holds_the_checkpoints_codes_as_lpbq_and_nothing_qnn_misreads() {
     let dir = exported();
+    let m = spark_tool::phone::Manifest::read(&dir).unwrap();
+    assert_eq!(m.precision, "w4a16");
+    assert_eq!(
+        (
+            m.weights[0].encoding.as_str(),
+            m.weights[0].bits,
+            m.weights[0].block_size
+        ),
+        ("lpbq", 4, Some(64))
+    );
     let (g, inits, data) = initializers(&dir);
     let int4 = pb::tensor_proto::DataType::Int4 as i32;
     let uint4 = pb::tensor_proto::DataType::Uint4 as i32;

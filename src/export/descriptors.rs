@@ -121,6 +121,41 @@ pub(super) fn build_manifest(
             "copy past_key_<l>_out [KVH,1,hd,1] into column `slot` of past_key_<l>_in and past_value_<l>_out [KVH,1,1,hd] into row `slot` of past_value_<l>_in (raw integers when quantized: inputs and outputs share one encoding)".into(),
         ],
         calibration_outputs: false,
+        weights: weight_encodings(ck, opts.precision),
+    }
+}
+
+fn weight_encodings(ck: &Checkpoint, p: Precision) -> Vec<manifest::WeightEncoding> {
+    let e = |which: &str, encoding: &str, bits: u32| manifest::WeightEncoding {
+        which: which.into(),
+        encoding: encoding.into(),
+        bits,
+        block_size: None,
+        decompressed_bits: None,
+    };
+    match p {
+        Precision::F32 => vec![e("every MatMul weight", "float32", 32)],
+        Precision::F16 => vec![e("every MatMul weight", "float16", 16)],
+        Precision::W8A16 => vec![e("every MatMul weight", "int8 per channel", 8)],
+        Precision::W4A16 => {
+            let group = ck.config.gptq.as_ref().map(|g| g.group_size);
+            vec![
+                manifest::WeightEncoding {
+                    block_size: group,
+                    decompressed_bits: Some(8),
+                    ..e(
+                        "the checkpoint's GPTQ linears (q, k, v, out, gate, up, down)",
+                        "lpbq",
+                        4,
+                    )
+                },
+                e(
+                    "g_proj and the head (16-bit in the GPTQ checkpoint)",
+                    "int8 per channel",
+                    8,
+                ),
+            ]
+        }
     }
 }
 

@@ -212,6 +212,24 @@ pub struct Manifest {
     /// Weights only used during export (calibration graphs).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub calibration_outputs: bool,
+    /// How the MatMul weights are stored (absent in manifests before w4a16).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub weights: Vec<WeightEncoding>,
+}
+
+/// One class of MatMul weights and its encoding.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WeightEncoding {
+    /// Which weights: e.g. `q, k, v, out, gate, up, down of every layer`.
+    pub which: String,
+    /// `float32`, `float16`, `int8 per channel`, or `lpbq`.
+    pub encoding: String,
+    pub bits: u32,
+    /// LPBQ: inputs per block, and the 8-bit decompressed scale (`γ · k`, k ∈ 1…16).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decompressed_bits: Option<u32>,
 }
 
 impl Manifest {

@@ -145,6 +145,28 @@ pub fn quantize_options(
     }
 }
 
+/// `export-phone` options for tests: the CLI's defaults, one part, 2 threads.
+pub fn export_options(
+    precision: spark_tool::export::Precision,
+    context: usize,
+) -> spark_tool::export::ExportOptions {
+    spark_tool::export::ExportOptions {
+        context,
+        precision,
+        kv: spark_tool::phone::QType::Int16,
+        parts: 1,
+        calibration: Vec::new(),
+        // The CLI defaults: 2048 calibration tokens (4×128 clips the zh/de prompts' outliers).
+        calib_samples: 8,
+        calib_seq_len: 256,
+        range_margin: 2.0,
+        force: false,
+        force_memory: false,
+        progress: false,
+        threads: 2,
+    }
+}
+
 /// Every file below `dir` with its bytes, to prove nothing changed.
 pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut out = Vec::new();
