@@ -243,9 +243,14 @@ pub fn export_phone(
         (false, Precision::W4A16) => check_lpbq(&ck)?,
         (false, _) => {
             return Err(ExportError::Invalid(format!(
-                "{} is a GPTQ checkpoint: export it with {} w4a16 (its int4 codes as LPBQ), or export the \
-                 original checkpoint for f32/f16/w8a16",
+                "{} is a GPTQ checkpoint, but {} {} needs the original (bf16/f16/f32) checkpoint; a GPTQ \
+                 checkpoint exports only as {} w4a16 (its int4 codes as LPBQ)",
                 model_dir.display(),
+                crate::setting::Setting::Precision,
+                serde_json::to_value(opts.precision)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default(),
                 crate::setting::Setting::Precision
             )))
         }
