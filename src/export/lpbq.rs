@@ -6,7 +6,7 @@
 //! encodings QNN reads silently wrong (k outside 1…16, a zero point other than 8, act-order
 //! groups) must never be written.
 
-use crate::formats::gptq::GptqLinearData;
+use crate::formats::gptq::{unpack_qweight, GptqLinearData};
 use crate::quant::grid::LPBQ_KMAX;
 
 /// One linear, `[K, N]` oriented as the graph's MatMul weight.
@@ -61,21 +61,16 @@ impl Lpbq {
                 kblock[b * n + j] = kk;
             }
         }
-        let mut codes = vec![0i8; k * n];
-        for (kk, row) in codes.chunks_exact_mut(n).enumerate() {
-            let (w, shift) = (kk / 8, 4 * (kk % 8));
-            for (j, c) in row.iter_mut().enumerate() {
-                let col = cols.start + j;
-                let o = 4 * (w * d.n_all + col);
-                let word = u32::from_le_bytes([
-                    d.qweight[o],
-                    d.qweight[o + 1],
-                    d.qweight[o + 2],
-                    d.qweight[o + 3],
-                ]);
-                *c = ((word >> shift) & 0xF) as i8 - 8;
-            }
-        }
+        let words: Vec<i32> = d
+            .qweight
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let all = unpack_qweight(&words, k, d.n_all);
+        let codes: Vec<i8> = all
+            .chunks_exact(d.n_all)
+            .flat_map(|row| row[cols.clone()].iter().map(|&q| q as i8 - 8))
+            .collect();
         Ok(Lpbq {
             k,
             n,
