@@ -224,23 +224,24 @@ fn comparison_section(c: &LlamacppComparison) -> Result<maud::Markup, ReportErro
 /// The page of one bench run, with the comparison when given.
 pub fn html(run: &BenchRun, llamacpp: Option<&LlamacppComparison>) -> Result<String, ReportError> {
     let r = run.report;
-    let (names, bars): (Vec<String>, Vec<Option<Bar>>) = throughput_bars(r)
+    // Prefill and decode are different work at 10–100× different rates: one chart each.
+    let throughput = throughput_bars(r)
         .into_iter()
-        .map(|(n, b)| (n.to_string(), Some(b)))
-        .unzip();
-    let throughput = plots::bar_chart(&BarChart {
-        title: "Throughput (median, min–max over the repeats)",
-        value_desc: "tokens per second (log)",
-        // Prefill is often 10–100× decode: a log axis keeps both readable.
-        axis: Axis::Log { floor: 1e-3 },
-        categories: &names,
-        series: &[Bars {
-            label: "tok/s".into(),
-            values: bars,
-        }],
-        horizontal: true,
-        width: 1100,
-    })?;
+        .map(|(name, bar)| {
+            plots::bar_chart(&BarChart {
+                title: name,
+                value_desc: "tokens per second (median, min–max over the repeats)",
+                axis: Axis::Linear(None),
+                categories: &[name.split(' ').next().unwrap_or(name).to_string()],
+                series: &[Bars {
+                    label: name.into(),
+                    values: vec![Some(bar)],
+                }],
+                horizontal: true,
+                width: 540,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let stages = match run.stages {
         Some(p) => {
             let names: Vec<String> = p.prefill.iter().map(|s| s.stage.to_string()).collect();
@@ -286,7 +287,7 @@ pub fn html(run: &BenchRun, llamacpp: Option<&LlamacppComparison>) -> Result<Str
             (run.peak_rss_bytes.map_or("–".into(), page::bytes)) "."
         }
         h2 { "Throughput" }
-        (page::figure(&throughput, ""))
+        div.grid { @for t in &throughput { (page::figure(t, "")) } }
         (page::table(&["figure", "median", "min", "max"], spreads.iter().map(|(n, s)| vec![
             Cell::from(*n),
             Cell::Num(page::fixed(s.median, 2)),
@@ -400,8 +401,8 @@ mod tests {
             stages: None,
         };
         let page = html(&run, Some(&c)).unwrap();
-        // Throughput, decode and prefill comparisons.
-        assert_eq!(page.matches("<svg").count(), 3);
+        // Prefill and decode throughput, decode and prefill comparisons.
+        assert_eq!(page.matches("<svg").count(), 4);
         assert!(page.contains("Test CPU") && page.contains("1.10×"));
     }
 

@@ -273,7 +273,9 @@ pub(crate) fn bar_chart(c: &BarChart) -> Result<Svg, ReportError> {
         .unwrap_or(0) as u32;
     let legend = if c.series.len() > 1 { 22 } else { 0 };
     let (size, cat_area) = if c.horizontal {
-        let h = 60 + legend + c.categories.len().max(1) as u32 * (ROW_PX * groups as u32 + 6);
+        // A row stays tall enough for its label when there are few series.
+        let row = (ROW_PX * groups as u32 + 6).max(22);
+        let h = 60 + legend + c.categories.len().max(1) as u32 * row;
         ((c.width, h), (longest * 13 / 2 + 10).clamp(30, 320))
     } else {
         ((c.width, 300 + legend), 30)

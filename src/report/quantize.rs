@@ -107,7 +107,7 @@ fn error_chart(p: &ProjectionErrors) -> Result<plots::Svg, ReportError> {
         categories: &categories,
         series: &series,
         horizontal: false,
-        width: 1100,
+        width: 560,
     })
 }
 
@@ -242,7 +242,7 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
             "‖(W − Q)X‖² / ‖WX‖² on each linear's calibration inputs, by layer; lower is better. Log scale, floored at "
             (page::sci(ERROR_FLOOR)) "."
         }
-        @for c in &charts { (page::figure(c, "")) }
+        div.grid { @for c in &charts { (page::figure(c, "")) } }
         h2 { "Time per phase" }
         (page::figure(&phases, "Wall seconds of each phase over the run (docs/SCALE.md); CPU use in the table."))
         (page::table(&["phase", "wall s", "CPU s", "CPU use"], r.phases.iter().map(|ph| vec![
