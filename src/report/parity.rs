@@ -160,9 +160,18 @@ pub fn changes(r: &ParityReport, b: &Baseline) -> Vec<Change> {
         .iter()
         .map(|m| {
             let (now, before) = ((m.now)(&r.overall), (m.before)(&b.overall));
+            // A baseline figure read back from JSON may differ from the same figure in its last
+            // bit (serde_json parses without `float_roundtrip`): that is no change.
             let delta = before
                 .filter(|b| b.is_finite() && now.is_finite())
-                .map(|b| now - b);
+                .map(|b| now - b)
+                .map(|d| {
+                    if d.abs() <= 1e-12 * now.abs().max(1.0) {
+                        0.0
+                    } else {
+                        d
+                    }
+                });
             Change {
                 metric: m.name,
                 before,
@@ -913,6 +922,11 @@ pub(crate) mod tests {
             by("greedy identical (fraction of prompts)").better,
             Some(false)
         );
+        // The last bit of a figure read back from JSON is no change.
+        let mut same = b.clone();
+        same.overall.top1 = Some(r.overall.top1 * (1.0 + f64::EPSILON));
+        let top1 = changes(&r, &same)[1].clone();
+        assert_eq!((top1.delta, top1.better), (Some(0.0), None));
         // Null (an infinite SNR) and absent figures compare as nothing.
         assert_eq!(by("logits SNR dB").delta, None);
         assert_eq!(by("KL max").before, None);
