@@ -321,7 +321,8 @@ pub fn kl_histogram(r: &ParityReport) -> KlHistogram {
         counts: Vec::new(),
     };
     for &kl in r.prompts.iter().flat_map(|p| &p.kl_per_position) {
-        if !(kl >= KL_FLOOR) {
+        // NaN cannot occur (KL is clamped at 0 with f64::max), and would count as identical.
+        if kl.is_nan() || kl < KL_FLOOR {
             h.below_floor += 1;
             continue;
         }

@@ -388,7 +388,7 @@ pub(crate) fn bar_chart(c: &BarChart) -> Result<Svg, ReportError> {
                     .draw(&Text::new(
                         s.label.as_str(),
                         (x + 16, 11),
-                        &label_style.pos(Pos::new(HPos::Left, VPos::Center)),
+                        label_style.pos(Pos::new(HPos::Left, VPos::Center)),
                     ))
                     .map_err(e)?;
                 x += 30 + (s.label.chars().count() as i32 * 13 / 2);
