@@ -162,7 +162,7 @@ fn report_outputs_follow_the_rules_of_json_and_fail_before_the_work() {
     let fx = common::fixture("spark-tiny");
     let mine = d.path().join("mine.html");
     std::fs::write(&mine, "<html>my notes</html>").unwrap();
-    let cases: [(Vec<&std::ffi::OsStr>, &[&str]); 4] = [
+    let cases: [(Vec<&std::ffi::OsStr>, &[&str]); 5] = [
         // A file that is not a previous report of ours is never overwritten.
         (
             vec!["--html".as_ref(), mine.as_os_str()],
@@ -184,8 +184,18 @@ fn report_outputs_follow_the_rules_of_json_and_fail_before_the_work() {
         ),
         // A baseline that is not a parity report names itself and what was expected.
         (
-            vec!["--baseline".as_ref(), mine.as_os_str()],
+            vec![
+                "--baseline".as_ref(),
+                mine.as_os_str(),
+                "--markdown".as_ref(),
+                "s.md".as_ref(),
+            ],
             &["mine.html", "expected a previous `parity --json` report"],
+        ),
+        // A baseline only changes the page and the summary.
+        (
+            vec!["--baseline".as_ref(), "prev.json".as_ref()],
+            &["--html", "--markdown"],
         ),
     ];
     for (args, want) in cases {
@@ -209,7 +219,7 @@ fn report_outputs_follow_the_rules_of_json_and_fail_before_the_work() {
         std::fs::read_to_string(&mine).unwrap(),
         "<html>my notes</html>"
     );
-    assert!(!d.path().join("same.out").exists());
+    assert!(!d.path().join("same.out").exists() && !d.path().join("s.md").exists());
 }
 
 /// What `tools/bench_vs_llamacpp.py --json` writes (its `res`, two cells, abridged `runs`).

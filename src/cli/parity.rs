@@ -1,6 +1,6 @@
 use std::path::{Path, PathBuf};
 
-use clap::Args;
+use clap::{ArgGroup, Args};
 
 use spark_tool::engine;
 use spark_tool::parity::{self, ParityInputs, ParityReport, Policy};
@@ -11,6 +11,7 @@ use spark_tool::tokenizer::SparkTokenizer;
 use super::run::ExecArgs;
 
 #[derive(Args)]
+#[command(group(ArgGroup::new("report").multiple(true)))]
 pub struct ParityArgs {
     /// The reference artifact (usually the original checkpoint).
     reference: PathBuf,
@@ -50,13 +51,13 @@ pub struct ParityArgs {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Write the report as one self-contained HTML page (charts inline, nothing fetched).
-    #[arg(long)]
+    #[arg(long, group = "report")]
     html: Option<PathBuf>,
     /// Write a Markdown summary (verdict line and tables) for a CI step summary.
-    #[arg(long)]
+    #[arg(long, group = "report")]
     markdown: Option<PathBuf>,
     /// A previous `parity --json` output: --html and --markdown show the change against it.
-    #[arg(long)]
+    #[arg(long, requires = "report")]
     baseline: Option<PathBuf>,
     /// Execution of the candidate when it is quantized.
     #[command(flatten)]
