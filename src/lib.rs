@@ -17,6 +17,7 @@ pub mod parity;
 pub mod phone;
 pub mod quant;
 pub mod quantize;
+pub mod report;
 pub mod resources;
 pub mod sampling;
 pub mod setting;

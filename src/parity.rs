@@ -204,6 +204,9 @@ pub struct PromptReport {
     pub kl_max: f64,
     pub max_abs_dlogit: f64,
     pub snr_db: f64,
+    /// KL(ref‖cand) at each teacher-forced position (position p predicts token p + 1), the
+    /// series `--html` plots.
+    pub kl_per_position: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -526,6 +529,7 @@ pub fn run(
             kl_max: acc.kls.iter().fold(0f64, |m, v| m.max(*v)),
             max_abs_dlogit: acc.max_abs,
             snr_db: acc.snr_db(),
+            kl_per_position: acc.kls.clone(),
         };
         on_prompt(&rep);
         reports.push(rep);

@@ -59,6 +59,10 @@ pub enum Setting {
     RefitRounds,
     /// The numerics of a phone export.
     Precision,
+    /// The file a report is written to as HTML.
+    Html,
+    /// The file a report is written to as Markdown.
+    Markdown,
 }
 
 impl Setting {
@@ -90,6 +94,8 @@ impl Setting {
             Setting::Damp => "damp",
             Setting::RefitRounds => "refit_rounds",
             Setting::DumpDequantized => "dump_dequantized",
+            Setting::Html => "html",
+            Setting::Markdown => "markdown",
         }
     }
 }

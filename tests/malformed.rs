@@ -1053,6 +1053,47 @@ fn parity_cases() -> Vec<Case> {
         ])
         .names(["heldout.jsonl"]),
     );
+    // Files the report pages read: a previous parity report, the llama.cpp comparison.
+    for (label, text) in [
+        ("not JSON", "{"),
+        ("a policy", r#"{"min_top1": 0.9}"#),
+        (
+            "overall not an object",
+            r#"{"passed": true, "overall": 1, "prompts": []}"#,
+        ),
+    ] {
+        let c = Case::new(format!("baseline {label} (parity)"));
+        let model = c.input(&shared().tiny, "candidate");
+        let (p, page) = (c.path("prev.json"), c.path("r.html"));
+        std::fs::write(&p, text).unwrap();
+        let c = on_model(c, "parity", &model).args([
+            OsString::from("--html"),
+            os(&page),
+            "--baseline".into(),
+            os(&p),
+        ]);
+        out.push(c.names(["prev.json", "parity --json"]));
+    }
+    for (label, text) in [
+        ("not JSON", "["),
+        ("a bench --json", r#"{"prompt_len": 4, "decode_tok_s": {}}"#),
+        (
+            "cells not a list",
+            r#"{"config": {"prompt_len": 1, "gen": 1, "repeat": 1}, "cells": {}}"#,
+        ),
+    ] {
+        let c = Case::new(format!("llamacpp json {label} (bench)"));
+        let model = c.input(&shared().tiny, "model");
+        let (p, page) = (c.path("bvl.json"), c.path("b.html"));
+        std::fs::write(&p, text).unwrap();
+        let c = on_model(c, "bench", &model).args([
+            OsString::from("--html"),
+            os(&page),
+            "--llamacpp-json".into(),
+            os(&p),
+        ]);
+        out.push(c.names(["bvl.json", "bench_vs_llamacpp.py"]));
+    }
     out
 }
 
@@ -1241,6 +1282,38 @@ fn output_cases() -> Vec<Case> {
             pre,
             culprits,
         ));
+    }
+    // The report pages and summary follow --json's rules.
+    for (cmd, flag, input) in [
+        ("parity", "--html", "candidate"),
+        ("parity", "--markdown", "candidate"),
+        ("bench", "--html", "model"),
+    ] {
+        for (label, rel, pre, culprit) in [
+            (
+                "in a missing folder",
+                "nowhere/r.out",
+                None,
+                "does not exist",
+            ),
+            (
+                "over a user's file",
+                "r.out",
+                Some("<html>mine</html>"),
+                "not a previous output",
+            ),
+            ("inside the input", "INPUT/r.out", None, "input"),
+            ("a folder", "dir", None, "folder"),
+        ] {
+            let rel = rel.replace("INPUT", input);
+            out.push(output_file_case(
+                (cmd, flag, input),
+                label,
+                &rel,
+                pre,
+                vec![flag, culprit],
+            ));
+        }
     }
     out
 }

@@ -3,7 +3,8 @@
 # (quantize W4A8/W4A16, fused and split QKV, 4-bit head; export-phone f32 and w8a16; run
 # --logits-out of the original, both quantized formats and the w8a16 phone graph) and compares every file byte for
 # byte. quant_report.json is compared as JSON without the fields that differ from run to run
-# (the output path, wall and CPU times, the phase split, peak memory); the artifact marker is new since 2026-12 and skipped.
+# (the output path, wall and CPU times, the phase split, peak memory); the artifact marker is new since 2026-12 and skipped,
+# and so is quant_report.html (new since 2026-12-02; a rendering of quant_report.json, with its times).
 #
 #   tools/same_outputs.sh OLD_BINARY NEW_BINARY WORKDIR     (WORKDIR is emptied first)
 set -euo pipefail
@@ -25,6 +26,7 @@ done
 cd "$w"
 n=0; bad=0
 while IFS= read -r f; do
+  [ "$(basename "$f")" = quant_report.html ] && continue
   n=$((n+1))
   if [ ! -f "new/$f" ]; then echo "missing in new: $f"; bad=1; continue; fi
   if [ "$(basename "$f")" = quant_report.json ]; then
@@ -45,7 +47,7 @@ PY
     cmp -s "old/$f" "new/$f" || { echo "DIFFERS: $f"; bad=1; }
   fi
 done < <(cd old && find . -type f | sort)
-extra=$(cd new && find . -type f ! -name .spark-tool-artifact.json | sort | while read -r f; do [ -f "../old/$f" ] || echo "$f"; done)
+extra=$(cd new && find . -type f ! -name .spark-tool-artifact.json ! -name quant_report.html | sort | while read -r f; do [ -f "../old/$f" ] || echo "$f"; done)
 [ -z "$extra" ] || { echo "only in new: $extra"; bad=1; }
 echo "$n files compared; result: $([ $bad = 0 ] && echo identical || echo DIFFERENT)"
 exit $bad

@@ -83,6 +83,8 @@ cargo run --release -q -- export-phone "$fresh/r17" --out "$fresh/r17-phone" --c
   --calib-samples 2 --calib-seq-len 64 --quiet
 rm -rf "$fresh/r17"
 "$qnn_venv/bin/python" tools/qnn_check.py "$fresh/r17-phone" --run --out "$fresh/qnn-r17" --json "$fresh/qnn-r17.json" | tail -1
+stage "report pages rendered in headless Chromium"
+python3 tools/render_reports.py
 # Every parser of untrusted input under libFuzzer + AddressSanitizer from the committed seeds
 # (docs/RELIABILITY.md); FUZZ_SECS=0 skips it for a quick local run, never in CI.
 fuzz_secs=${FUZZ_SECS:-60}

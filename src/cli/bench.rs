@@ -6,6 +6,7 @@ use clap::Args;
 
 use spark_tool::checkpoint::Checkpoint;
 use spark_tool::model::SparkModel;
+use spark_tool::report::{self, bench::BenchRun, bench::LlamacppComparison};
 
 use super::run::ExecArgs;
 
@@ -21,6 +22,12 @@ pub struct BenchArgs {
     repeat: usize,
     #[arg(long)]
     json: bool,
+    /// Also write the results as one self-contained HTML page with charts.
+    #[arg(long, conflicts_with = "kernels")]
+    html: Option<PathBuf>,
+    /// With --html: add the side-by-side with llama.cpp from `tools/bench_vs_llamacpp.py --json`.
+    #[arg(long, requires = "html")]
+    llamacpp_json: Option<PathBuf>,
     /// Also time each stage of the forward pass (projections, attention, norms,
     /// GELU, head) over one extra prefill + decode run.
     #[arg(long)]
@@ -139,6 +146,17 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         return run_kernels(&a, &ck);
     }
     spark_tool::bench::plan(&ck.config, a.prompt_len, a.gen)?;
+    // The page's path and the comparison are checked before the benchmark runs.
+    if let Some(path) = &a.html {
+        let mut inputs = vec![dir.as_path()];
+        inputs.extend(a.llamacpp_json.as_deref());
+        report::check_html_path(path, &inputs)?;
+    }
+    let llamacpp = a
+        .llamacpp_json
+        .as_deref()
+        .map(LlamacppComparison::read)
+        .transpose()?;
     let model = SparkModel::load(&ck, a.exec.options(&ck, false))?;
     let load_ms = t.elapsed().as_secs_f64() * 1e3;
     let r = spark_tool::bench::run(&model, a.prompt_len, a.gen, a.repeat)?;
@@ -152,6 +170,16 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         None
     };
     let rss = spark_tool::bench::peak_rss();
+    if let Some(path) = &a.html {
+        let run = BenchRun {
+            artifact: &dir.display().to_string(),
+            load_ms,
+            peak_rss_bytes: rss,
+            report: &r,
+            stages: stages.as_ref(),
+        };
+        report::bench::write_html(path, &run, llamacpp.as_ref())?;
+    }
     if a.json {
         let mut v = serde_json::to_value(&r)?;
         v["artifact"] = dir.display().to_string().into();

@@ -77,6 +77,8 @@ pub fn flag(s: Setting) -> &'static str {
         Setting::DumpDequantized => "--dump-dequantized",
         Setting::RefitRounds => "--refit-rounds",
         Setting::Precision => "--precision",
+        Setting::Html => "--html",
+        Setting::Markdown => "--markdown",
     }
 }
 

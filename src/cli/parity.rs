@@ -1,14 +1,17 @@
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use clap::Args;
+use clap::{ArgGroup, Args};
 
 use spark_tool::engine;
 use spark_tool::parity::{self, ParityInputs, ParityReport, Policy};
+use spark_tool::report::{self, parity::Baseline};
+use spark_tool::setting::Setting;
 use spark_tool::tokenizer::SparkTokenizer;
 
 use super::run::ExecArgs;
 
 #[derive(Args)]
+#[command(group(ArgGroup::new("report").multiple(true)))]
 pub struct ParityArgs {
     /// The reference artifact (usually the original checkpoint).
     reference: PathBuf,
@@ -47,6 +50,15 @@ pub struct ParityArgs {
     /// Write the full report as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write the report as one self-contained HTML page (charts inline, nothing fetched).
+    #[arg(long, group = "report")]
+    html: Option<PathBuf>,
+    /// Write a Markdown summary (verdict line and tables) for a CI step summary.
+    #[arg(long, group = "report")]
+    markdown: Option<PathBuf>,
+    /// A previous `parity --json` output: --html and --markdown show the change against it.
+    #[arg(long, requires = "report")]
+    baseline: Option<PathBuf>,
     /// Execution of the candidate when it is quantized.
     #[command(flatten)]
     exec: ExecArgs,
@@ -74,12 +86,29 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
     policy
         .validate()
         .map_err(|e| anyhow::anyhow!("{e} (from --policy or its flag)"))?;
+    // Every output is checked before the comparison runs, and the baseline read.
+    let mut inputs = vec![a.reference.as_path(), a.candidate.as_path()];
+    inputs.extend(a.prompts.as_deref());
+    inputs.extend(a.eval_text.as_deref());
     if let Some(path) = &a.json {
-        let mut inputs = vec![a.reference.as_path(), a.candidate.as_path()];
-        inputs.extend(a.prompts.as_deref());
-        inputs.extend(a.eval_text.as_deref());
         ParityReport::check_path(path, &inputs)?;
     }
+    if let Some(path) = &a.html {
+        report::check_html_path(path, &inputs)?;
+    }
+    if let Some(path) = &a.markdown {
+        report::check_markdown_path(path, &inputs)?;
+    }
+    let outputs: Vec<(Setting, &Path)> = [
+        (Setting::Json, &a.json),
+        (Setting::Html, &a.html),
+        (Setting::Markdown, &a.markdown),
+    ]
+    .into_iter()
+    .filter_map(|(s, p)| p.as_deref().map(|p| (s, p)))
+    .collect();
+    report::check_distinct(&outputs)?;
+    let baseline = a.baseline.as_deref().map(Baseline::read).transpose()?;
     let progress = false;
     let reference = super::load(&a.reference, &super::run::ExecArgs::original(), progress)?;
     let candidate = super::load(&a.candidate, &a.exec, progress)?;
@@ -160,6 +189,12 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
     );
     if let Some(path) = &a.json {
         report.write(path)?;
+    }
+    if let Some(path) = &a.html {
+        report::parity::write_html(path, &report, baseline.as_ref())?;
+    }
+    if let Some(path) = &a.markdown {
+        report::parity::write_markdown(path, &report, baseline.as_ref())?;
     }
     if report.passed {
         println!("PASS");

@@ -245,6 +245,8 @@ pub enum QuantizeError {
     Artifact(#[from] crate::artifact::ArtifactError),
     #[error(transparent)]
     Resources(#[from] crate::resources::ResourceError),
+    #[error(transparent)]
+    Report(#[from] crate::report::ReportError),
     #[error("{0}")]
     Invalid(String),
     #[error(

@@ -804,6 +804,7 @@ impl Output {
         }
         let dir = self.staged();
         artifact::write_json(&dir.join("quant_report.json"), report)?;
+        crate::report::quantize::write_html(&dir, report)?;
         Ok(self.staging.commit(&dir)?)
     }
 }
