@@ -294,10 +294,24 @@ fn calibrating_part_by_part_gives_the_ranges_of_the_whole_graph() {
             .collect()
     };
     let (a, b) = (enc(&whole), enc(&dir.path().join("e")));
-    let common: Vec<&String> = a.keys().filter(|k| b.contains_key(*k)).collect();
-    // All but the tensors renamed at the two part boundaries.
+    // A part's first norm appends to `hidden_states_in`, whose encoding spans every boundary's
+    // stream, so its Concat (which moves data on its input's grid) differs with it.
+    let man: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("e/phone_manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let boundary: Vec<String> = man["parts"].as_array().unwrap()[1..]
+        .iter()
+        .map(|p| format!("l{}_ln1_aug", p["layers"][0]))
+        .collect();
+    assert_eq!(boundary.len(), 2);
+    let common: Vec<&String> = a
+        .keys()
+        .filter(|k| b.contains_key(*k) && !boundary.contains(k))
+        .collect();
+    // All but the tensors renamed at the two part boundaries and the two Concats reading them.
     assert!(
-        common.len() + 4 >= a.len() && common.len() > 100,
+        common.len() + 6 >= a.len() && common.len() > 100,
         "{} of {}",
         common.len(),
         a.len()

@@ -6,7 +6,7 @@
 //! following MatMul weights, which is exact algebra and keeps constant
 //! multiplies out of the quantized graph):
 //! ```text
-//! n = x / sqrt(mean(x²) + eps)
+//! n = x / sqrt(mean(x²) + eps)   (as √H · LpNormalization([x, √(H·eps)])[..H])
 //! q,k,v,g = n·W{q,k,v,g}'          q,k rotated with the layer type's cos/sin
 //! K = concat(past_key_in, k)       V = concat(past_value_in, v)
 //! a = softmax(q·K + mask)·V        a_head *= sigmoid(g_head)
@@ -204,6 +204,11 @@ impl StepBuilder<'_> {
             None => tensor,
         };
         let fold = if self.norms.is_some() { None } else { fold };
+        // A folded norm also carries the √H that `unit_norm` leaves out.
+        let mul = match fold {
+            Some(_) => mul * (self.cfg.hidden_size as f32).sqrt(),
+            None => mul,
+        };
         g.init(
             name,
             DType::F32,
@@ -238,14 +243,16 @@ impl StepBuilder<'_> {
     }
 
     /// `x / sqrt(mean(x²) + eps)` over the last axis of `[1, 1, H]`, times the norm weight
-    /// `weight` unless it is folded into the following MatMuls.
+    /// `weight` unless it is folded into the following MatMuls. [`Self::unit_norm`] leaves a
+    /// factor 1/√H, which is applied with the norm weight (in its `Mul` or in the fold).
     fn norm(&self, g: &mut Graph<WeightSpec>, p: &str, x: &str, weight: &str) -> String {
         let n = self.unit_norm(g, p, x);
         match self.norms {
             None => n,
             Some(norms) => {
+                let sqrt_h = (self.cfg.hidden_size as f32).sqrt();
                 let w = &norms[weight];
-                let bytes = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let bytes = w.iter().flat_map(|v| (v * sqrt_h).to_le_bytes()).collect();
                 let c = g.init(
                     &format!("{p}_w"),
                     DType::F32,
@@ -257,22 +264,43 @@ impl StepBuilder<'_> {
         }
     }
 
+    /// `x / sqrt(Σx² + H·eps)` = RMSNorm(x)/√H, exactly, as one `LpNormalization` of `x` with
+    /// the constant `√(H·eps)` appended: the HTP computes it in one op, where the decomposed
+    /// form (x², mean, +eps, sqrt, divide) rounds five 16-bit intermediates, the worst of them
+    /// x², whose range is the square of the residual stream's outliers (docs/PHONE_EXPORT.md,
+    /// "the norm as one op").
     fn unit_norm(&self, g: &mut Graph<WeightSpec>, p: &str, x: &str) -> String {
         let h = self.cfg.hidden_size;
-        let axes = g.const_i64("axes_last", &[-1]);
-        let eps = g.const_f32("rms_eps", &[self.cfg.rms_norm_eps], &[]);
-        let sq = g.f("Mul", &format!("{p}_sq"), &[x, x], &[1, 1, h]);
-        let ms = g.node(
-            "ReduceMean",
-            &format!("{p}_ms"),
-            &[&sq, &axes],
+        let c = (h as f64 * self.cfg.rms_norm_eps as f64).sqrt() as f32;
+        let eps = g.const_f32(&format!("{p}_eps_col"), &[c], &[1, 1, 1]);
+        let last = vec![("axis", Attr::Int(-1))];
+        let aug = g.node(
+            "Concat",
+            &format!("{p}_aug"),
+            &[x, &eps],
             DType::F32,
-            &[1, 1, 1],
-            vec![("keepdims", Attr::Int(1))],
+            &[1, 1, h + 1],
+            last.clone(),
         );
-        let var = g.f("Add", &format!("{p}_mse"), &[&ms, &eps], &[1, 1, 1]);
-        let rms = g.f("Sqrt", &format!("{p}_rms"), &[&var], &[1, 1, 1]);
-        g.f("Div", &format!("{p}_out"), &[x, &rms], &[1, 1, h])
+        let mut attrs = last;
+        attrs.push(("p", Attr::Int(2)));
+        let unit = g.node(
+            "LpNormalization",
+            &format!("{p}_lp"),
+            &[&aug],
+            DType::F32,
+            &[1, 1, h + 1],
+            attrs,
+        );
+        let start = g.const_i64("i64_0", &[0]);
+        let end = g.const_i64(&format!("i64_{h}"), &[h as i64]);
+        let axis = g.const_i64("axes_last", &[-1]);
+        g.f(
+            "Slice",
+            &format!("{p}_out"),
+            &[&unit, &start, &end, &axis],
+            &[1, 1, h],
+        )
     }
 
     /// NeoX rotate-half over the first R dims of `[.., heads, hd]`.
