@@ -85,17 +85,11 @@ pub struct Ratio {
 impl LlamacppComparison {
     /// Read the script's results; the error names the file and what was expected.
     pub fn read(path: &Path) -> Result<Self, ReportError> {
-        let bad = |message: String| ReportError::Input {
-            path: path.display().to_string(),
-            message,
-        };
-        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-        serde_json::from_str(&text).map_err(|e| {
-            bad(format!(
-                "expected the results of `tools/bench_vs_llamacpp.py --json` ({{\"config\", \"cells\": \
-                 [{{\"engine\", \"label\", \"threads\", \"decode_tok_s\", \"ceiling_tok_s\", …}}]}}): {e}"
-            ))
-        })
+        super::read_json(
+            path,
+            "the results of `tools/bench_vs_llamacpp.py --json` ({\"config\", \"cells\": \
+             [{\"engine\", \"label\", \"threads\", \"decode_tok_s\", \"ceiling_tok_s\", …}]})",
+        )
     }
 }
 

@@ -91,6 +91,19 @@ pub fn check_distinct(outputs: &[(Setting, &Path)]) -> Result<(), ArtifactError>
     Ok(())
 }
 
+/// A JSON file another run wrote; the error names the file and `expected` (what it should hold).
+fn read_json<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    expected: &str,
+) -> Result<T, ReportError> {
+    let bad = |message: String| ReportError::Input {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| bad(format!("expected {expected}: {e}")))
+}
+
 /// Write `text` to `path` atomically.
 fn write_text(path: &Path, text: &str) -> Result<(), ReportError> {
     Ok(artifact::write_file(path, |w| {

@@ -60,17 +60,11 @@ pub struct BaselinePrompt {
 impl Baseline {
     /// Read a previous `parity --json` output; the error names the file and what was expected.
     pub fn read(path: &Path) -> Result<Self, ReportError> {
-        let bad = |message: String| ReportError::Input {
-            path: path.display().to_string(),
-            message,
-        };
-        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-        serde_json::from_str(&text).map_err(|e| {
-            bad(format!(
-                "expected a previous `parity --json` report ({{\"passed\", \"overall\": {{\"top1\", \"kl_mean\", …}}, \
-                 \"prompts\": [{{\"name\", \"kl_mean\", …}}]}}): {e}"
-            ))
-        })
+        super::read_json(
+            path,
+            "a previous `parity --json` report ({\"passed\", \"overall\": {\"top1\", \"kl_mean\", …}, \
+             \"prompts\": [{\"name\", \"kl_mean\", …}]})",
+        )
     }
 }
 
