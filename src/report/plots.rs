@@ -295,11 +295,19 @@ pub(crate) fn bar_chart(c: &BarChart) -> Result<Svg, ReportError> {
             (lo, lo + w)
         };
         let label_style = TextStyle::from((FONT, 11).into_font());
-        if c.horizontal {
+        // The first category at the top of a horizontal chart, at the left of a vertical one.
+        let cat_at = |i: usize| {
+            if c.horizontal {
+                c.categories.len().max(1) - 1 - i
+            } else {
+                i
+            }
+        };
+        // (category-axis, value-axis) → chart coordinates.
+        let pt = |cat: f64, val: f64| if c.horizontal { (val, cat) } else { (cat, val) };
+        let mut chart = if c.horizontal {
             b.x_label_area_size(30).y_label_area_size(cat_area);
             let mut chart = b.build_cartesian_2d(v0..v1, 0.0..n).map_err(e)?;
-            // The first category at the top.
-            let row = |i: usize| c.categories.len().max(1) - 1 - i;
             chart
                 .configure_mesh()
                 .x_desc(c.value_desc)
@@ -310,30 +318,7 @@ pub(crate) fn bar_chart(c: &BarChart) -> Result<Svg, ReportError> {
                 .light_line_style(RGBColor(235, 235, 235))
                 .draw()
                 .map_err(e)?;
-            for (g, s) in c.series.iter().enumerate() {
-                let col = color(g);
-                for (i, bar) in s.values.iter().enumerate() {
-                    let Some(bar) = bar else { continue };
-                    let (lo, hi) = slot(row(i), groups - 1 - g);
-                    let v = axis.place(bar.value);
-                    chart
-                        .draw_series([Rectangle::new([(v0, lo), (v, hi)], col.filled())])
-                        .map_err(e)?;
-                    if let Some((a, z)) = bar.range {
-                        let mid = (lo + hi) / 2.0;
-                        let (a, z) = (axis.place(a), axis.place(z));
-                        chart
-                            .draw_series([PathElement::new(vec![(a, mid), (z, mid)], BLACK)])
-                            .map_err(e)?;
-                    }
-                }
-            }
-            let style = label_style.pos(Pos::new(HPos::Right, VPos::Center));
-            for (i, name) in c.categories.iter().enumerate() {
-                let (x, y) = chart.backend_coord(&(v0, row(i) as f64 + 0.5));
-                root.draw(&Text::new(name.as_str(), (x - 5, y), &style))
-                    .map_err(e)?;
-            }
+            chart
         } else {
             b.x_label_area_size(cat_area).y_label_area_size(56);
             let mut chart = b.build_cartesian_2d(0.0..n, v0..v1).map_err(e)?;
@@ -347,24 +332,36 @@ pub(crate) fn bar_chart(c: &BarChart) -> Result<Svg, ReportError> {
                 .light_line_style(RGBColor(235, 235, 235))
                 .draw()
                 .map_err(e)?;
-            for (g, s) in c.series.iter().enumerate() {
-                let col = color(g);
-                for (i, bar) in s.values.iter().enumerate() {
-                    let Some(bar) = bar else { continue };
-                    let (lo, hi) = slot(i, g);
-                    let v = axis.place(bar.value);
+            chart
+        };
+        for (g, s) in c.series.iter().enumerate() {
+            let col = color(g);
+            // Read top-down, a horizontal chart lists the series in legend order too.
+            let slot_g = if c.horizontal { groups - 1 - g } else { g };
+            for (i, bar) in s.values.iter().enumerate() {
+                let Some(bar) = bar else { continue };
+                let (lo, hi) = slot(cat_at(i), slot_g);
+                let v = axis.place(bar.value);
+                chart
+                    .draw_series([Rectangle::new([pt(lo, v0), pt(hi, v)], col.filled())])
+                    .map_err(e)?;
+                if let Some((a, z)) = bar.range {
+                    let mid = (lo + hi) / 2.0;
+                    let (a, z) = (axis.place(a), axis.place(z));
                     chart
-                        .draw_series([Rectangle::new([(lo, v0), (hi, v)], col.filled())])
+                        .draw_series([PathElement::new(vec![pt(mid, a), pt(mid, z)], BLACK)])
                         .map_err(e)?;
-                    if let Some((a, z)) = bar.range {
-                        let mid = (lo + hi) / 2.0;
-                        let (a, z) = (axis.place(a), axis.place(z));
-                        chart
-                            .draw_series([PathElement::new(vec![(mid, a), (mid, z)], BLACK)])
-                            .map_err(e)?;
-                    }
                 }
             }
+        }
+        if c.horizontal {
+            let style = label_style.pos(Pos::new(HPos::Right, VPos::Center));
+            for (i, name) in c.categories.iter().enumerate() {
+                let (x, y) = chart.backend_coord(&(v0, cat_at(i) as f64 + 0.5));
+                root.draw(&Text::new(name.as_str(), (x - 5, y), &style))
+                    .map_err(e)?;
+            }
+        } else {
             // Vertical charts hold short labels (layer numbers, metric names); every label is
             // drawn unless they would overlap, then every k-th.
             let px_per_cat = (size.0 as f64 - 80.0) / n;
