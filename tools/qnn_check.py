@@ -54,26 +54,34 @@ def qnn_options(ort, devs, soc, trace_dir, cfg=None, ep_extra=None):
     return so
 
 
+def mask_or_angles(man, io, pos):
+    """The per-layer-type input `io` (mask, cos or sin) at position `pos`, as the host builds it;
+    None for any other input."""
+    name = io["name"]
+    t = next((k for k, v in man["types"].items() if name in (v["mask"], v["cos"], v["sin"])), None)
+    if t is None:
+        return None
+    info = man["types"][t]
+    if name == info["mask"]:
+        past = info["past_len"]
+        m = np.full(past + 1, man["mask_value"], np.float32)
+        m[:min(pos, past)] = 0.0
+        m[-1] = 0.0
+        return m.reshape(io["shape"])
+    r = info["rotary_dims"]
+    inv = 1.0 / (np.float32(info["rope_theta"]) ** (np.arange(0, r, 2, dtype=np.float32) / r))
+    ang = np.float32(pos) * inv
+    return (np.cos(ang) if name == info["cos"] else np.sin(ang)).astype(np.float32).reshape(io["shape"])
+
+
 def step_inputs(part, man, emb, pos, rng):
-    """Inputs of one decode step at position `pos`, built as the host would."""
+    """Inputs of one decode step at position `pos` with random caches (`--state random`)."""
     feeds = {}
-    types = man["types"]
     for io in part["inputs"]:
         name, shape, dt = io["name"], io["shape"], DTYPES[io["dtype"]]
-        t = next((k for k, v in types.items() if name in (v["mask"], v["cos"], v["sin"])), None)
-        if t is not None:
-            info = types[t]
-            if name == info["mask"]:
-                past = info["past_len"]
-                m = np.full(past + 1, man["mask_value"], np.float32)
-                m[:min(pos, past)] = 0.0
-                m[-1] = 0.0
-                feeds[name] = m.reshape(shape)
-            else:
-                r = info["rotary_dims"]
-                inv = 1.0 / (np.float32(info["rope_theta"]) ** (np.arange(0, r, 2, dtype=np.float32) / r))
-                ang = np.float32(pos) * inv
-                feeds[name] = (np.cos(ang) if name == info["cos"] else np.sin(ang)).astype(np.float32).reshape(shape)
+        host = mask_or_angles(man, io, pos)
+        if host is not None:
+            feeds[name] = host
         elif name.startswith("past_"):
             enc = io.get("encoding")
             if enc is None:
@@ -93,7 +101,7 @@ class HostLoop:
     per-type masks and cos/sin, the host-owned caches (a ring of W-1 slots for sliding layers, slot =
     position for full layers) and the raw integers of each new K/V entry copied into them."""
 
-    def __init__(self, export_dir, man, emb, sessions):
+    def __init__(self, man, emb, sessions):
         self.man, self.emb, self.sessions, self.pos = man, emb, sessions, 0
         zero = {io["name"]: (io.get("encoding") or {}).get("zero_point", 0)
                 for p in man["parts"] for io in p["inputs"]}
@@ -104,25 +112,14 @@ class HostLoop:
             self.caches[c["value_in"]] = np.full(c["value_shape"], zero[c["value_in"]], dt(c))
 
     def feeds(self, part, hidden):
-        man, pos, f = self.man, self.pos, {}
+        f = {}
         for io in part["inputs"]:
             name = io["name"]
-            t = next((k for k, v in man["types"].items() if name in (v["mask"], v["cos"], v["sin"])), None)
+            host = mask_or_angles(self.man, io, self.pos)
             if name in self.caches:
                 f[name] = self.caches[name]
-            elif t is not None:
-                info = man["types"][t]
-                if name == info["mask"]:
-                    past = info["past_len"]
-                    m = np.full(past + 1, man["mask_value"], np.float32)
-                    m[:min(pos, past)] = 0.0
-                    m[-1] = 0.0
-                    f[name] = m.reshape(io["shape"])
-                else:
-                    r = info["rotary_dims"]
-                    inv = 1.0 / (np.float32(info["rope_theta"]) ** (np.arange(0, r, 2, dtype=np.float32) / r))
-                    ang = np.float32(pos) * inv
-                    f[name] = (np.cos(ang) if name == info["cos"] else np.sin(ang)).astype(np.float32).reshape(io["shape"])
+            elif host is not None:
+                f[name] = host
             else:
                 f[name] = hidden.reshape(io["shape"]).astype(np.float32)
         return f
@@ -180,7 +177,7 @@ def real_state_feeds(ort, export_dir, man, emb, steps, seed, compared=1):
         fso.add_session_config_entry("session.disable_quant_qdq", "1")
         fso.log_severity_level = 3
         fast = ort.InferenceSession(os.path.join(export_dir, last["file"]), fso, providers=["CPUExecutionProvider"])
-    loop, rng, tok = HostLoop(export_dir, man, emb, sessions), np.random.default_rng(seed), man["bos_token_id"]
+    loop, rng, tok = HostLoop(man, emb, sessions), np.random.default_rng(seed), man["bos_token_id"]
     out = []
     for i in range(steps + compared):
         loop.sessions = sessions if (fast is None or i >= steps) else sessions[:-1] + [fast]
