@@ -32,6 +32,11 @@ elif grep -qw avx512_vnni /proc/cpuinfo; then export SPARK_REQUIRE_ISA=avx512vnn
 # The GGUF checks against llama.cpp's own Python reader (pinned in tools/requirements.txt) must run.
 export SPARK_REQUIRE_GGUF=1
 cargo test --release
+# The decode kernels read weights one of two ways, picked by CPU vendor (kernels/avx512_util.rs):
+# the kernel tests run again under each, so both are tested on every machine.
+for walk in one two; do
+  SPARK_DECODE_WALK=$walk cargo test --release --lib -q kernels:: >/dev/null
+done
 
 fresh=$(mktemp -d)
 trap 'rm -rf "$fresh"' EXIT

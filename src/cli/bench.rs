@@ -102,6 +102,7 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
             "threads": rayon::current_num_threads(),
             "rows": a.rows,
             "stream_read_gb_s": bw,
+            "decode_walk": spark_tool::kernels::decode_walk(),
             "kernels": rows.iter().map(|(name, r)| {
                 let mut v = serde_json::to_value(r).expect("plain struct");
                 v["linear"] = (*name).into();
@@ -111,12 +112,13 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!(
-            "stream read {:.1} GB/s median (min {:.1}, max {:.1}), {} threads, {} activation rows",
+            "stream read {:.1} GB/s median (min {:.1}, max {:.1}), {} threads, {} activation rows, decode walk: {}",
             bw.median,
             bw.min,
             bw.max,
             rayon::current_num_threads(),
-            a.rows
+            a.rows,
+            spark_tool::kernels::decode_walk()
         );
     }
     Ok(())

@@ -21,6 +21,16 @@ use std::sync::OnceLock;
 
 use par::{for_ranges, ColumnsOut};
 
+/// How the decode kernels read weights on this CPU (`SPARK_DECODE_WALK`
+/// overrides it): "one stream" or "two streams + prefetch".
+pub fn decode_walk() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if isa::isa().avx512() {
+        return avx512_util::walk().name();
+    }
+    "one stream"
+}
+
 /// `y[m, n] = x[m, k] · w[n, k]ᵀ` — the shape every linear layer needs
 /// (weights stored PyTorch-style, `[out_features, in_features]`).
 pub trait F32Matmul: Send + Sync {

@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::widen;
-use crate::kernels::avx512_util::{pad, prefetch, two_streams, PREFETCH_BYTES};
+use crate::kernels::avx512_util::{pad, prefetch, walk, walk_columns, Walk, PREFETCH_BYTES};
 use crate::kernels::par::ColumnsOut;
 
 // ---------------------------------------------------------------- dense bf16
@@ -50,7 +50,95 @@ pub(super) unsafe fn bf16_gemv(
             }
         }};
     }
-    two_streams!(rows.len(), cols, go);
+    walk_columns!(Walk::TwoStreamsPrefetch, rows.len(), cols, go);
+}
+
+/// [`bf16_gemv`] for bf16 activations `xb` (`[rows, k]` bits, k even) on an
+/// AVX512-BF16 CPU: `vdpbf16ps` multiplies the weights as stored (exact
+/// products, f32 sums), so there is no widening and half the activation
+/// bytes per weight — the f32 path is compute-bound on Zen 4 (14.9 GB/s
+/// against 22 GB/s for this one, docs/BENCHMARKS.md).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
+pub(super) unsafe fn bf16_gemv_bf16(
+    w: &[u16],
+    k: usize,
+    xb: &[u16],
+    rows: Range<usize>,
+    cols: Range<usize>,
+    out: &ColumnsOut,
+) {
+    assert!(cols.end * k <= w.len() && rows.end * k <= xb.len() && rows.len() <= 4);
+    let x = unsafe { xb.as_ptr().add(rows.start * k) };
+    macro_rules! go {
+        ($r:expr, $s:literal, $cs:expr) => {{
+            let cs: [usize; $s] = $cs;
+            let ws = cs.map(|c| unsafe { w.as_ptr().add(c * k) });
+            // SAFETY: every column c < n has k weights; rows of xb hold k values.
+            let v: [[f32; 4]; $s] = unsafe {
+                match $r {
+                    1 => pad(bf16_dot_bf16::<1, $s>(ws, k, x)),
+                    2 => pad(bf16_dot_bf16::<2, $s>(ws, k, x)),
+                    3 => pad(bf16_dot_bf16::<3, $s>(ws, k, x)),
+                    _ => pad(bf16_dot_bf16::<4, $s>(ws, k, x)),
+                }
+            };
+            for (c, v) in cs.iter().zip(v) {
+                for (r, v) in rows.clone().zip(v) {
+                    unsafe { out.row_mut(r, *c..*c + 1)[0] = v };
+                }
+            }
+        }};
+    }
+    walk_columns!(walk(), rows.len(), cols, go);
+}
+
+/// Weight rows `w[s][..k]` against `R` rows of bf16 `x` (stride k): 64
+/// weights per stream and step, in two accumulators per row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
+unsafe fn bf16_dot_bf16<const R: usize, const S: usize>(
+    w: [*const u16; S],
+    k: usize,
+    x: *const u16,
+) -> [[f32; R]; S] {
+    let pf = walk().prefetch();
+    let mut acc = [[[_mm512_setzero_ps(); 2]; R]; S];
+    let chunks = k / 64;
+    // SAFETY (loads): ch < k / 64, so 64ch + 63 < k for weights and x rows.
+    let bh = |v: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(v) };
+    for ch in 0..chunks {
+        let mut wv = [[_mm512_setzero_si512(); 2]; S];
+        for s in 0..S {
+            if pf {
+                prefetch(w[s].wrapping_add(64 * ch + PREFETCH_BYTES / 2));
+            }
+            for h in 0..2 {
+                wv[s][h] =
+                    unsafe { _mm512_loadu_si512(w[s].add(64 * ch + 32 * h) as *const __m512i) };
+            }
+        }
+        for r in 0..R {
+            for h in 0..2 {
+                let xv = unsafe {
+                    _mm512_loadu_si512(x.add(r * k + 64 * ch + 32 * h) as *const __m512i)
+                };
+                for s in 0..S {
+                    acc[s][r][h] = _mm512_dpbf16_ps(acc[s][r][h], bh(wv[s][h]), bh(xv));
+                }
+            }
+        }
+    }
+    let mut res = [[0f32; R]; S];
+    for s in 0..S {
+        for r in 0..R {
+            let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[s][r][0], acc[s][r][1]));
+            for kk in chunks * 64..k {
+                sum += unsafe { widen(*w[s].add(kk)) * widen(*x.add(r * k + kk)) };
+            }
+            res[s][r] = sum;
+        }
+    }
+    res
 }
 
 /// Weight rows `w[s][..k]` against `R` rows of `x` (stride k).

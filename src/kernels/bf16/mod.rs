@@ -75,8 +75,17 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
         super::panel_matmul(x, m, k, n, y, expand);
         return;
     }
-    let xp = deinterleave(x, m, k);
     let out = ColumnsOut::new(y, m, n);
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx512Bf16 && x.iter().all(|v| v.to_bits() & 0xFFFF == 0) {
+        let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        for_tiles(m, n, k, |rows, cb| {
+            // SAFETY: the tier was detected on this CPU; bounds asserted above.
+            unsafe { avx512::bf16_gemv_bf16(w, k, &xb, rows, cb, &out) }
+        });
+        return;
+    }
+    let xp = deinterleave(x, m, k);
     for_tiles(m, n, k, |rows, cb| match isa {
         #[cfg(target_arch = "x86_64")]
         isa if isa.avx512() => {
@@ -194,52 +203,53 @@ mod tests {
             (40, 96, 70),
             (23, 2, 33),
         ] {
-            // bf16 activations for some shapes: the vdpbf16ps GEMM path.
-            let act_bf16 = m >= GEMM_MIN_ROWS && n != 40;
-            let x: Vec<f32> = (0..m * k)
-                .map(|_| rng.random::<f32>() * 2.0 - 1.0)
-                .map(|v| {
-                    if act_bf16 {
-                        half::bf16::from_f32(v).to_f32()
-                    } else {
-                        v
-                    }
-                })
-                .collect();
-            let w: Vec<u16> = (0..n * k)
-                .map(|_| half::bf16::from_f32(rng.random::<f32>() * 2.0 - 1.0).to_bits())
-                .collect();
-            let mut want = vec![0f32; m * n];
-            matmul_nt_reference(&x, m, k, &w, n, &mut want);
-            let mut abs = vec![0f32; m * n];
-            let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
-            let wa: Vec<u16> = w.iter().map(|b| b & 0x7FFF).collect();
-            matmul_nt_reference(&xa, m, k, &wa, n, &mut abs);
-            for isa in Isa::tested() {
-                let mut got = vec![f32::NAN; m * n];
-                matmul_nt_with(isa, &x, m, k, &w, n, &mut got);
-                assert_close_sum_order(&got, &want, &abs, k);
-            }
-            #[cfg(target_arch = "x86_64")]
-            if act_bf16 && Isa::tested().contains(&Isa::Avx512Bf16) {
-                let mut got = vec![f32::NAN; m * n];
-                let expand = |cols: std::ops::Range<usize>, out: &mut [f32]| {
-                    for (j, o) in cols.zip(out.chunks_exact_mut(k)) {
-                        o.iter_mut()
-                            .zip(&w[j * k..])
-                            .for_each(|(d, s)| *d = widen(*s));
-                    }
-                };
-                assert!(super::bf16_act_panel_matmul(
-                    Isa::Avx512Bf16,
-                    &x,
-                    m,
-                    k,
-                    n,
-                    &mut got,
-                    expand
-                ));
-                assert_close_sum_order(&got, &want, &abs, k);
+            // bf16 activations: the vdpbf16ps GEMV (decode rows) and GEMM paths.
+            for act_bf16 in [false, true] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|_| rng.random::<f32>() * 2.0 - 1.0)
+                    .map(|v| {
+                        if act_bf16 {
+                            half::bf16::from_f32(v).to_f32()
+                        } else {
+                            v
+                        }
+                    })
+                    .collect();
+                let w: Vec<u16> = (0..n * k)
+                    .map(|_| half::bf16::from_f32(rng.random::<f32>() * 2.0 - 1.0).to_bits())
+                    .collect();
+                let mut want = vec![0f32; m * n];
+                matmul_nt_reference(&x, m, k, &w, n, &mut want);
+                let mut abs = vec![0f32; m * n];
+                let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+                let wa: Vec<u16> = w.iter().map(|b| b & 0x7FFF).collect();
+                matmul_nt_reference(&xa, m, k, &wa, n, &mut abs);
+                for isa in Isa::tested() {
+                    let mut got = vec![f32::NAN; m * n];
+                    matmul_nt_with(isa, &x, m, k, &w, n, &mut got);
+                    assert_close_sum_order(&got, &want, &abs, k);
+                }
+                #[cfg(target_arch = "x86_64")]
+                if act_bf16 && m >= GEMM_MIN_ROWS && Isa::tested().contains(&Isa::Avx512Bf16) {
+                    let mut got = vec![f32::NAN; m * n];
+                    let expand = |cols: std::ops::Range<usize>, out: &mut [f32]| {
+                        for (j, o) in cols.zip(out.chunks_exact_mut(k)) {
+                            o.iter_mut()
+                                .zip(&w[j * k..])
+                                .for_each(|(d, s)| *d = widen(*s));
+                        }
+                    };
+                    assert!(super::bf16_act_panel_matmul(
+                        Isa::Avx512Bf16,
+                        &x,
+                        m,
+                        k,
+                        n,
+                        &mut got,
+                        expand
+                    ));
+                    assert_close_sum_order(&got, &want, &abs, k);
+                }
             }
         }
     }

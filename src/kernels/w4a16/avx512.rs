@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use super::PackedW4A16;
 use crate::kernels::avx512_util::{
-    pad, prefetch, round_bf16_ps, two_streams, PREFETCH_BYTES_W4A16,
+    pad, prefetch, round_bf16_ps, walk, walk_columns, Walk, PREFETCH_BYTES_W4A16,
 };
 use crate::kernels::bf16::widen;
 use crate::kernels::par::ColumnsOut;
@@ -111,7 +111,12 @@ pub(super) unsafe fn w4a16_gemv(
             }
         }};
     }
-    two_streams!(rows.len(), cols, go);
+    let walk = if xb.is_some() {
+        walk()
+    } else {
+        Walk::TwoStreamsPrefetch
+    };
+    walk_columns!(walk, rows.len(), cols, go);
 }
 
 /// The 64 weights of chunk `ch` of column `col` as f32: inputs 64ch + 0…15,
@@ -195,6 +200,7 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
     xb: *const u16,
     cols: [usize; S],
 ) -> [[f32; R]; S] {
+    let pf = walk().prefetch();
     let k = p.k;
     let nib = p.nib.as_ptr();
     let mut acc = [[[_mm512_setzero_ps(); 2]; R]; S];
@@ -210,7 +216,7 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
         let mut w = [[_mm512_setzero_si512(); 2]; S];
         for s in 0..S {
             let at = (cols[s] * p.chunks + ch) * 32;
-            if at.is_multiple_of(64) {
+            if pf && at.is_multiple_of(64) {
                 prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
             }
             let lo = luts[s].get(p.half_shift, 2 * ch, |gi| lut_bf16_ne(p, cz, cols[s], gi));

@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{Acts, PackedW4A8, TILE};
-use crate::kernels::avx512_util::{prefetch, round_bf16_ps, two_streams, PREFETCH_BYTES};
+use crate::kernels::avx512_util::{prefetch, round_bf16_ps, walk, walk_columns, PREFETCH_BYTES};
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4::Zeros;
 
@@ -30,7 +30,7 @@ pub(super) unsafe fn w4a8_tiles(
                 unsafe { w4a8_tile::<1, $s>(p, acts, $ts, 0, out) }
             };
         }
-        two_streams!(1, tiles, go);
+        walk_columns!(walk(), 1, tiles, go);
         return;
     }
     for t in tiles {
@@ -60,6 +60,7 @@ unsafe fn w4a8_tile<const R: usize, const S: usize>(
     r0: usize,
     out: &ColumnsOut,
 ) {
+    let pf = walk().prefetch();
     let low4 = _mm512_set1_epi8(0x0F);
     let per_block = p.bk / 8;
     let wt = ts.map(|t| unsafe { p.nib.as_ptr().add(t * p.octets * 64) });
@@ -73,7 +74,9 @@ unsafe fn w4a8_tile<const R: usize, const S: usize>(
             let mut lo = [_mm512_setzero_si512(); S];
             let mut hi = lo;
             for s in 0..S {
-                prefetch(wt[s].wrapping_add(oc * 64 + PREFETCH_BYTES));
+                if pf {
+                    prefetch(wt[s].wrapping_add(oc * 64 + PREFETCH_BYTES));
+                }
                 // SAFETY: oc < octets of the tile.
                 let v = unsafe { _mm512_loadu_si512(wt[s].add(oc * 64) as *const __m512i) };
                 lo[s] = _mm512_and_si512(v, low4);
