@@ -236,8 +236,10 @@ pub struct KernelRow {
 pub enum KernelKind {
     /// f32 weights through the `gemm` crate (dense linears before bf16 storage; W4A16 before packing).
     F32Gemm,
-    /// bf16 weights, widened in registers.
+    /// bf16 weights, bf16 activations (GPTQ artifacts' dense tensors: head, `g_proj`).
     Bf16,
+    /// bf16 weights, f32 activations (the original checkpoint's linears and head).
+    Bf16F32Act,
     /// Packed nibbles, dequantized on the fly, g128.
     W4A16,
     /// Packed nibbles, int8 activations, bit-exact recipe, g128.
@@ -247,14 +249,15 @@ pub enum KernelKind {
 }
 
 impl KernelKind {
-    pub fn all() -> [KernelKind; 5] {
+    pub fn all() -> [KernelKind; 6] {
         use KernelKind::*;
-        [F32Gemm, Bf16, W4A16, W4A8, W4A8Scalar]
+        [F32Gemm, Bf16F32Act, Bf16, W4A16, W4A8, W4A8Scalar]
     }
     pub fn name(self) -> &'static str {
         match self {
             KernelKind::F32Gemm => "f32 gemm",
             KernelKind::Bf16 => "bf16",
+            KernelKind::Bf16F32Act => "bf16 f32-act",
             KernelKind::W4A16 => "w4a16 g128",
             KernelKind::W4A8 => "w4a8 g128",
             KernelKind::W4A8Scalar => "w4a8 g128 scalar",
@@ -296,7 +299,7 @@ fn bench_weight(kind: KernelKind, n: usize, k: usize, seed: u64) -> (BenchWeight
             BenchWeight::F32(noise(n * k, seed).map(small).collect()),
             4 * n * k,
         ),
-        KernelKind::Bf16 => (
+        KernelKind::Bf16 | KernelKind::Bf16F32Act => (
             BenchWeight::Bf16(
                 noise(n * k, seed)
                     .map(|v| half::bf16::from_f32(small(v)).to_bits())
@@ -377,7 +380,14 @@ pub fn bench_kernel(
         ws.push(bench_weight(kind, n, k, 1 + c as u64).0);
     }
     let x: Vec<f32> = noise(m * k, 99)
-        .map(|v| w4::round_bf16((v >> 40) as f32 / (1u64 << 24) as f32 - 0.5))
+        .map(|v| (v >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+        .map(|v| {
+            if kind == KernelKind::Bf16F32Act {
+                v
+            } else {
+                w4::round_bf16(v)
+            }
+        })
         .collect();
     let mut y = vec![0f32; m * n];
     for w in &ws {

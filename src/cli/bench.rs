@@ -71,7 +71,12 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
     let mut rows = vec![];
     for (name, n, k) in shapes {
         for kind in KernelKind::all() {
-            if name == "lm_head" && kind != KernelKind::Bf16 && kind != KernelKind::F32Gemm {
+            if name == "lm_head"
+                && !matches!(
+                    kind,
+                    KernelKind::Bf16 | KernelKind::Bf16F32Act | KernelKind::F32Gemm
+                )
+            {
                 continue; // the head stays dense
             }
             if let Some(f) = &a.only {

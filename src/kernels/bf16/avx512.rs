@@ -53,21 +53,24 @@ pub(super) unsafe fn bf16_gemv(
     walk_columns!(Walk::TwoStreamsPrefetch, rows.len(), cols, go);
 }
 
-/// [`bf16_gemv`] for bf16 activations `xb` (`[rows, k]` bits, k even) on an
+/// [`bf16_gemv`] for bf16 activations `xb` (`[m, k]` bits) on an
 /// AVX512-BF16 CPU: `vdpbf16ps` multiplies the weights as stored (exact
-/// products, f32 sums), so there is no widening and half the activation
-/// bytes per weight — the f32 path is compute-bound on Zen 4 (14.9 GB/s
-/// against 22 GB/s for this one, docs/BENCHMARKS.md).
+/// products, f32 sums, as in the FMA kernel), with no widening and half the
+/// activation bytes per weight. The FMA kernel is compute-bound on Zen 4;
+/// this one reads at the streaming rate there (docs/BENCHMARKS.md, "The
+/// decode walk").
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
 pub(super) unsafe fn bf16_gemv_bf16(
     w: &[u16],
     k: usize,
     xb: &[u16],
+    m: usize,
     rows: Range<usize>,
     cols: Range<usize>,
     out: &ColumnsOut,
 ) {
-    assert!(cols.end * k <= w.len() && rows.end * k <= xb.len() && rows.len() <= 4);
+    assert!(cols.end * k <= w.len() && xb.len() == m * k && rows.end <= m);
+    assert!(rows.len() <= 4);
     let x = unsafe { xb.as_ptr().add(rows.start * k) };
     macro_rules! go {
         ($r:expr, $s:literal, $cs:expr) => {{

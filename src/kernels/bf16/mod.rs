@@ -81,7 +81,7 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
         let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
         for_tiles(m, n, k, |rows, cb| {
             // SAFETY: the tier was detected on this CPU; bounds asserted above.
-            unsafe { avx512::bf16_gemv_bf16(w, k, &xb, rows, cb, &out) }
+            unsafe { avx512::bf16_gemv_bf16(w, k, &xb, m, rows, cb, &out) }
         });
         return;
     }
