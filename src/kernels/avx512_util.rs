@@ -9,12 +9,12 @@
 //! columns) with a software prefetch 2–4 KiB ahead, or as one sequential
 //! stream left to the hardware prefetchers. With the f32-FMA bf16 kernel
 //! the two-stream walk took the head from ~65 % to ~100 % of a streaming
-//! read (first project machine, one thread, 131072 × 2048); on the Zen 4 of
-//! docs/BENCHMARKS.md ("The decode walk") the `vdpbf16ps` kernels read at
-//! 55–59 % two-stream and 84–92 % one-stream, and the W4A8 one does not
-//! lose. Results do not depend on the walk: each column's sums run in the
-//! same order either way. The two-stream walk covers bf16 and W4A16 for up
-//! to 4 rows, W4A8 for one row.
+//! read (first project machine, one thread, 131072 × 2048). On the Zen 4 of
+//! docs/BENCHMARKS.md ("The decode walk") the `vdpbf16ps` bf16 kernel reads
+//! the head at 55–59 % of the stream two-stream and 84–92 % one-stream.
+//! Results do not depend on the walk: each column's sums run in the same
+//! order either way. The walk covers bf16 and W4A16 for up to 4 rows, W4A8
+//! for one row.
 //!
 //! The AVX-512 intrinsics are stable since Rust 1.89, the crate's declared rust-version.
 
@@ -26,9 +26,10 @@ use std::sync::OnceLock;
 /// sequential stream left to the hardware prefetchers (measured best on AMD
 /// Zen 4). The kernels with f32 activations always take two streams: they
 /// are bound by their arithmetic and activation loads, which the second
-/// stream shares. For the others it is chosen once per process from the CPU vendor;
-/// `SPARK_DECODE_WALK=one|two` overrides it, to measure one against the
-/// other on any machine (`bench --kernels` prints the walk in use).
+/// stream shares; the W4A16 kernel always prefetches. For the rest it is
+/// chosen once per process from the CPU vendor; `SPARK_DECODE_WALK=one|two`
+/// overrides it, to measure one against the other on any machine (`bench
+/// --kernels` prints the walk in use).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Walk {
     OneStream,
