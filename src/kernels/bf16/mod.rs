@@ -3,8 +3,10 @@
 //! half of an f32) and f32 multiply-adds. Results equal f32 math on the
 //! bf16 values up to summation order.
 //!
-//! Decode (few rows) streams the weights once through a row-dot kernel;
-//! prefill (many rows) widens panels of weight rows to f32 and runs `gemm`
+//! Decode (few rows) streams the weights once through a row-dot kernel —
+//! on an AVX512-BF16 CPU with bf16 activations (GPTQ artifacts), one that
+//! multiplies the stored bf16 pairs with `vdpbf16ps` (exact products, f32
+//! sums) instead of widening; prefill (many rows) widens panels of weight rows to f32 and runs `gemm`
 //! on them, see [`super::panel_matmul`] — or, when the activations are bf16
 //! values and the CPU has AVX512-BF16, multiplies the panels with
 //! `vdpbf16ps` (`bf16_act_panel_matmul`, also used by W4A16). The AVX-512
