@@ -17,30 +17,52 @@ use crate::kernels::par::ColumnsOut;
 
 // ---------------------------------------------------------------- dense bf16
 
-/// Columns `cols`, rows `rows` (at most 4) of `x · wᵀ`; `xp` is `x`
-/// deinterleaved by [`super::deinterleave`].
+/// The activations of [`bf16_gemv`], `[m, k]`.
+pub(super) enum Acts<'a> {
+    /// f32, deinterleaved by [`super::deinterleave`]: the FMA kernel, always
+    /// two streams (bound by its arithmetic and activation loads, which the
+    /// second stream shares).
+    F32(&'a [f32]),
+    /// bf16 bits, for a CPU with AVX512-BF16 only: `vdpbf16ps` on the weights
+    /// as stored (exact products, f32 sums, as in the FMA kernel), no
+    /// widening and half the activation bytes per weight; the walk in use.
+    /// The FMA kernel is compute-bound on Zen 4, this one reads at the
+    /// streaming rate there (docs/BENCHMARKS.md, "The decode walk").
+    Bf16(&'a [u16]),
+}
+
+/// Columns `cols`, rows `rows` (at most 4) of `x · wᵀ`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn bf16_gemv(
     w: &[u16],
     k: usize,
-    xp: &[f32],
+    x: Acts,
     rows: Range<usize>,
     cols: Range<usize>,
     out: &ColumnsOut,
 ) {
-    assert!(cols.end * k <= w.len() && rows.end * k <= xp.len() && rows.len() <= 4);
-    let x = unsafe { xp.as_ptr().add(rows.start * k) };
+    let len = match x {
+        Acts::F32(x) => x.len(),
+        Acts::Bf16(x) => x.len(),
+    };
+    assert!(cols.end * k <= w.len() && rows.end * k <= len && rows.len() <= 4);
+    let at = rows.start * k;
     macro_rules! go {
         ($r:expr, $s:literal, $cs:expr) => {{
             let cs: [usize; $s] = $cs;
             let ws = cs.map(|c| unsafe { w.as_ptr().add(c * k) });
-            // SAFETY: every column c < n has k weights; rows of x hold k values.
+            // SAFETY: every column c < n has k weights; rows of x hold k values;
+            // bf16 activations come only on an AVX512-BF16 CPU.
             let v: [[f32; 4]; $s] = unsafe {
-                match $r {
-                    1 => pad(bf16_dot::<1, $s>(ws, k, x)),
-                    2 => pad(bf16_dot::<2, $s>(ws, k, x)),
-                    3 => pad(bf16_dot::<3, $s>(ws, k, x)),
-                    _ => pad(bf16_dot::<4, $s>(ws, k, x)),
+                match (&x, $r) {
+                    (Acts::F32(x), 1) => pad(bf16_dot::<1, $s>(ws, k, x.as_ptr().add(at))),
+                    (Acts::F32(x), 2) => pad(bf16_dot::<2, $s>(ws, k, x.as_ptr().add(at))),
+                    (Acts::F32(x), 3) => pad(bf16_dot::<3, $s>(ws, k, x.as_ptr().add(at))),
+                    (Acts::F32(x), _) => pad(bf16_dot::<4, $s>(ws, k, x.as_ptr().add(at))),
+                    (Acts::Bf16(x), 1) => pad(bf16_dot_bf16::<1, $s>(ws, k, x.as_ptr().add(at))),
+                    (Acts::Bf16(x), 2) => pad(bf16_dot_bf16::<2, $s>(ws, k, x.as_ptr().add(at))),
+                    (Acts::Bf16(x), 3) => pad(bf16_dot_bf16::<3, $s>(ws, k, x.as_ptr().add(at))),
+                    (Acts::Bf16(x), _) => pad(bf16_dot_bf16::<4, $s>(ws, k, x.as_ptr().add(at))),
                 }
             };
             for (c, v) in cs.iter().zip(v) {
@@ -50,49 +72,11 @@ pub(super) unsafe fn bf16_gemv(
             }
         }};
     }
-    walk_columns!(Walk::TwoStreamsPrefetch, rows.len(), cols, go);
-}
-
-/// [`bf16_gemv`] for bf16 activations `xb` (`[m, k]` bits) on an
-/// AVX512-BF16 CPU: `vdpbf16ps` multiplies the weights as stored (exact
-/// products, f32 sums, as in the FMA kernel), with no widening and half the
-/// activation bytes per weight. The FMA kernel is compute-bound on Zen 4;
-/// this one reads at the streaming rate there (docs/BENCHMARKS.md, "The
-/// decode walk").
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
-pub(super) unsafe fn bf16_gemv_bf16(
-    w: &[u16],
-    k: usize,
-    xb: &[u16],
-    m: usize,
-    rows: Range<usize>,
-    cols: Range<usize>,
-    out: &ColumnsOut,
-) {
-    assert!(cols.end * k <= w.len() && xb.len() == m * k && rows.end <= m);
-    assert!(rows.len() <= 4);
-    let x = unsafe { xb.as_ptr().add(rows.start * k) };
-    macro_rules! go {
-        ($r:expr, $s:literal, $cs:expr) => {{
-            let cs: [usize; $s] = $cs;
-            let ws = cs.map(|c| unsafe { w.as_ptr().add(c * k) });
-            // SAFETY: every column c < n has k weights; rows of xb hold k values.
-            let v: [[f32; 4]; $s] = unsafe {
-                match $r {
-                    1 => pad(bf16_dot_bf16::<1, $s>(ws, k, x)),
-                    2 => pad(bf16_dot_bf16::<2, $s>(ws, k, x)),
-                    3 => pad(bf16_dot_bf16::<3, $s>(ws, k, x)),
-                    _ => pad(bf16_dot_bf16::<4, $s>(ws, k, x)),
-                }
-            };
-            for (c, v) in cs.iter().zip(v) {
-                for (r, v) in rows.clone().zip(v) {
-                    unsafe { out.row_mut(r, *c..*c + 1)[0] = v };
-                }
-            }
-        }};
-    }
-    walk_columns!(walk(), rows.len(), cols, go);
+    let walk = match x {
+        Acts::F32(_) => Walk::TwoStreamsPrefetch,
+        Acts::Bf16(_) => walk(),
+    };
+    walk_columns!(walk, rows.len(), cols, go);
 }
 
 /// Weight rows `w[s][..k]` against `R` rows of bf16 `x` (stride k): 64

@@ -78,21 +78,28 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
         return;
     }
     let out = ColumnsOut::new(y, m, n);
+    // bf16 activations as bf16 bits, for `vdpbf16ps`; otherwise deinterleaved f32.
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx512Bf16 && x.iter().all(|v| v.to_bits() & 0xFFFF == 0) {
-        let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-        for_tiles(m, n, k, |rows, cb| {
-            // SAFETY: the tier was detected on this CPU; bounds asserted above.
-            unsafe { avx512::bf16_gemv_bf16(w, k, &xb, m, rows, cb, &out) }
-        });
-        return;
-    }
-    let xp = deinterleave(x, m, k);
+    let xb: Option<Vec<u16>> = (isa >= Isa::Avx512Bf16
+        && x.iter().all(|v| v.to_bits() & 0xFFFF == 0))
+    .then(|| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
+    #[cfg(not(target_arch = "x86_64"))]
+    let xb: Option<Vec<u16>> = None;
+    let xp = if xb.is_none() {
+        deinterleave(x, m, k)
+    } else {
+        Vec::new()
+    };
     for_tiles(m, n, k, |rows, cb| match isa {
         #[cfg(target_arch = "x86_64")]
         isa if isa.avx512() => {
-            // SAFETY: the tier was detected on this CPU; bounds asserted above.
-            unsafe { avx512::bf16_gemv(w, k, &xp, rows, cb, &out) }
+            let acts = match &xb {
+                Some(b) => avx512::Acts::Bf16(b),
+                None => avx512::Acts::F32(&xp),
+            };
+            // SAFETY: the tier was detected on this CPU (AVX512-BF16 when `xb` is
+            // present); bounds asserted above.
+            unsafe { avx512::bf16_gemv(w, k, acts, rows, cb, &out) }
         }
         _ => gemv_portable(w, k, &xp, rows, cb, &out),
     });
