@@ -191,6 +191,79 @@ unsafe fn w4a16_dot<const R: usize, const S: usize>(
     res
 }
 
+/// [`w4a16_dot_bf16`] for groups of whole 64-input chunks (G = 64, 128, …:
+/// the GPTQ sizes) and an even number of chunks: two chunks per step into
+/// four accumulators, the step's tables built without checks (per chunk for
+/// G = 64, per step otherwise). With two accumulators `vdpbf16ps` latency
+/// bounds the loop; the table cache's per-chunk branches cost as much again.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
+unsafe fn w4a16_dot_bf16_pairs<const R: usize, const S: usize>(
+    p: &PackedW4A16,
+    xb: *const u16,
+    cols: [usize; S],
+) -> [[f32; R]; S] {
+    debug_assert!(p.half_shift >= 1 && p.chunks.is_multiple_of(2));
+    let (k, nib) = (p.k, p.nib.as_ptr());
+    let cz = match p.zeros {
+        Zeros::Uniform(z) => Some(lut_codes(z)),
+        Zeros::PerGroup(_) => None,
+    };
+    let chunk_shift = p.half_shift - 1; // chunk ch is in group ch >> chunk_shift
+                                        // SAFETY: __m512i and __m512bh are both 32 × 16 bits.
+    let bh = |v: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(v) };
+    let mut acc = [[[_mm512_setzero_ps(); 4]; R]; S];
+    for pair in 0..p.chunks / 2 {
+        let mut w = [[[_mm512_setzero_si512(); 2]; 2]; S];
+        for s in 0..S {
+            let at = (cols[s] * p.chunks + 2 * pair) * 32;
+            prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
+            let first = lut_bf16_ne(p, cz, cols[s], (2 * pair) >> chunk_shift);
+            let luts = if chunk_shift == 0 {
+                [first, lut_bf16_ne(p, cz, cols[s], 2 * pair + 1)]
+            } else {
+                [first, first]
+            };
+            for u in 0..2 {
+                // SAFETY: column < n, 2·pair + u < chunks. Byte layout as in
+                // `w4a16_dot_bf16`.
+                let v = unsafe {
+                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(nib.add(at + 32 * u) as *const __m256i))
+                };
+                w[s][u] = [
+                    _mm512_permutexvar_epi16(v, luts[u]),
+                    _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(v), luts[u]),
+                ];
+            }
+        }
+        for r in 0..R {
+            for u in 0..2 {
+                for h in 0..2 {
+                    // SAFETY: rows of xb hold k = 64·chunks values (simd_ok).
+                    let xv = unsafe {
+                        _mm512_loadu_si512(
+                            xb.add(r * k + 128 * pair + 64 * u + 32 * h) as *const __m512i
+                        )
+                    };
+                    for s in 0..S {
+                        let a = &mut acc[s][r][2 * u + h];
+                        *a = _mm512_dpbf16_ps(*a, bh(w[s][u][h]), bh(xv));
+                    }
+                }
+            }
+        }
+    }
+    let mut res = [[0f32; R]; S];
+    for s in 0..S {
+        for r in 0..R {
+            let [a0, a1, a2, a3] = acc[s][r];
+            res[s][r] =
+                _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        }
+    }
+    res
+}
+
 /// [`w4a16_dot`] with bf16 activations `xb`: 32 weights per `vpermw`,
 /// 32 products per `vdpbf16ps`.
 #[inline]
@@ -200,6 +273,10 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
     xb: *const u16,
     cols: [usize; S],
 ) -> [[f32; R]; S] {
+    if p.half_shift >= 1 && p.chunks.is_multiple_of(2) {
+        // SAFETY: as this function's contract.
+        return unsafe { w4a16_dot_bf16_pairs::<R, S>(p, xb, cols) };
+    }
     // Prefetch whatever the walk: this kernel does the most work per byte, so
     // the fewest of its loads are in flight without it.
     let k = p.k;
