@@ -74,7 +74,8 @@ if [ ! -x "$qnn_venv/bin/python" ]; then
   python3 -m venv "$qnn_venv"
   "$qnn_venv/bin/pip" install --quiet --disable-pip-version-check -r tools/requirements-qnn.txt
 fi
-# Floors a few dB under the measured figures (docs/PHONE_EXPORT.md "HTP accuracy at a real state"):
+# Floors a few dB under the figures measured on both machine kinds (docs/PHONE_EXPORT.md "HTP accuracy at
+# a real state"):
 # simulator vs ONNX Runtime CPU, and the HTP's own error next to the CPU's (--max-excess, default 6 dB).
 "$qnn_venv/bin/python" tools/qnn_check.py "$fresh/phone" --run --min-snr 50 --out "$fresh/qnn-tiny" --json "$fresh/qnn-tiny.json" | tail -1
 stage "w4a16 (LPBQ) fixture export + HTP check"
@@ -83,7 +84,7 @@ cargo run --release -q -- quantize --target phone --samples 16 --seq-len 128 --q
   --out "$fresh/lpbq" > /dev/null
 cargo run --release -q -- export-phone "$fresh/lpbq" --precision w4a16 --out "$fresh/phone-w4" --context 2048 --quiet
 python3 -c "import onnx, sys; onnx.checker.check_model(sys.argv[1], full_check=True)" "$fresh/phone-w4/model.onnx"
-"$qnn_venv/bin/python" tools/qnn_check.py "$fresh/phone-w4" --run --min-snr 52 --out "$fresh/qnn-tiny-w4" --json "$fresh/qnn-tiny-w4.json" | tail -1
+"$qnn_venv/bin/python" tools/qnn_check.py "$fresh/phone-w4" --run --min-snr 50 --out "$fresh/qnn-tiny-w4" --json "$fresh/qnn-tiny-w4.json" | tail -1
 stage "1.7B-shaped 2-layer export + HTP check"
 python3 tools/make_random_checkpoint.py 1.7b "$fresh/r17" --layer-types sliding,full --tokenizer-from fixtures/spark-tiny > /dev/null
 cargo run --release -q -- export-phone "$fresh/r17" --out "$fresh/r17-phone" --context 4096 --parts 2 \
