@@ -24,10 +24,11 @@ use std::sync::OnceLock;
 /// How the decode kernels read a job's columns: as two lockstep streams with
 /// software prefetch (measured best on the Intel machines), or as one
 /// sequential stream left to the hardware prefetchers (measured best on AMD
-/// Zen 4). The kernels with f32 activations always take two streams: they
-/// are bound by their arithmetic and activation loads, which the second
-/// stream shares; the W4A16 kernel always prefetches. For the rest it is
-/// chosen once per process from the CPU vendor; `SPARK_DECODE_WALK=one|two`
+/// Zen 4). The kernels with f32 activations and the W4A16 ones always take
+/// two streams: they do the most work per byte, so they have the fewest
+/// loads in flight per stream, and the f32 ones share each activation load
+/// between the streams. For the rest it is chosen once per process from the
+/// CPU vendor; `SPARK_DECODE_WALK=one|two`
 /// overrides it, to measure one against the other on any machine (`bench
 /// --kernels` prints the walk in use).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use super::PackedW4A16;
 use crate::kernels::avx512_util::{
-    pad, prefetch, round_bf16_ps, walk, walk_columns, Walk, PREFETCH_BYTES_W4A16,
+    pad, prefetch, round_bf16_ps, walk_columns, Walk, PREFETCH_BYTES_W4A16,
 };
 use crate::kernels::bf16::widen;
 use crate::kernels::par::ColumnsOut;
@@ -111,12 +111,10 @@ pub(super) unsafe fn w4a16_gemv(
             }
         }};
     }
-    let walk = if xb.is_some() {
-        walk()
-    } else {
-        Walk::TwoStreamsPrefetch
-    };
-    walk_columns!(walk, rows.len(), cols, go);
+    // Two streams whatever the CPU: this kernel does the most work per byte, and
+    // the second stream doubles the loads in flight (measured on the Zen 4 that
+    // prefers one stream for the lighter kernels, docs/BENCHMARKS.md).
+    walk_columns!(Walk::TwoStreamsPrefetch, rows.len(), cols, go);
 }
 
 /// The 64 weights of chunk `ch` of column `col` as f32: inputs 64ch + 0…15,
@@ -277,8 +275,6 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
         // SAFETY: as this function's contract.
         return unsafe { w4a16_dot_bf16_pairs::<R, S>(p, xb, cols) };
     }
-    // Prefetch whatever the walk: this kernel does the most work per byte, so
-    // the fewest of its loads are in flight without it.
     let k = p.k;
     let nib = p.nib.as_ptr();
     let mut acc = [[[_mm512_setzero_ps(); 2]; R]; S];
