@@ -80,9 +80,11 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
     let out = ColumnsOut::new(y, m, n);
     // bf16 activations as bf16 bits, for `vdpbf16ps`; otherwise deinterleaved f32.
     #[cfg(target_arch = "x86_64")]
-    let xb: Option<Vec<u16>> = (isa >= Isa::Avx512Bf16
-        && x.iter().all(|v| v.to_bits() & 0xFFFF == 0))
-    .then(|| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
+    let xb = if isa >= Isa::Avx512Bf16 {
+        bf16_bits(x)
+    } else {
+        None
+    };
     #[cfg(not(target_arch = "x86_64"))]
     let xb: Option<Vec<u16>> = None;
     let xp = if xb.is_none() {
@@ -120,12 +122,13 @@ pub(super) fn bf16_act_panel_matmul(
     expand: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
 ) -> bool {
     use avx512::GEMM_SLICE;
-    if isa < Isa::Avx512Bf16 || !k.is_multiple_of(2) || !x.iter().all(|v| v.to_bits() & 0xFFFF == 0)
-    {
+    if isa < Isa::Avx512Bf16 || !k.is_multiple_of(2) {
         return false;
     }
+    let Some(xb) = bf16_bits(x) else {
+        return false;
+    };
     assert_eq!((x.len(), y.len()), (m * k, m * n));
-    let xb: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
     let out = ColumnsOut::new(y, m, n);
     super::par::for_ranges(n.div_ceil(GEMM_SLICE), m * n * k, |slices| {
         let mut wf = vec![0f32; GEMM_SLICE * k];
@@ -141,6 +144,14 @@ pub(super) fn bf16_act_panel_matmul(
         }
     });
     true
+}
+
+/// `x` as bf16 bits when every value is a bf16 value (the low 16 bits
+/// zero), for the `vdpbf16ps` kernels; `None` otherwise.
+pub(super) fn bf16_bits(x: &[f32]) -> Option<Vec<u16>> {
+    x.iter()
+        .all(|v| v.to_bits() & 0xFFFF == 0)
+        .then(|| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect())
 }
 
 /// Each row's full 32-element chunks reordered as 16 even then 16 odd

@@ -35,6 +35,17 @@ fn lut_codes(z: i32) -> __m512 {
     _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(z)))
 }
 
+/// [`lut_codes`] of the zero point when it is the same for every group
+/// (GPTQ's symmetric checkpoints): built once per column instead of per table.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn uniform_codes(p: &PackedW4A16) -> Option<__m512> {
+    match p.zeros {
+        Zeros::Uniform(z) => Some(lut_codes(z)),
+        Zeros::PerGroup(_) => None,
+    }
+}
+
 /// The table of [`w4a16_lut`] as 16 bf16 values stored twice (32 u16 lanes
 /// for `vpermw`), in four instructions; `cz` = [`lut_codes`] of a
 /// uniform zero point. `vcvtneps2bf16` rounds to nearest even like
@@ -203,12 +214,10 @@ unsafe fn w4a16_dot_bf16_pairs<const R: usize, const S: usize>(
 ) -> [[f32; R]; S] {
     debug_assert!(p.half_shift >= 1 && p.chunks.is_multiple_of(2));
     let (k, nib) = (p.k, p.nib.as_ptr());
-    let cz = match p.zeros {
-        Zeros::Uniform(z) => Some(lut_codes(z)),
-        Zeros::PerGroup(_) => None,
-    };
-    let chunk_shift = p.half_shift - 1; // chunk ch is in group ch >> chunk_shift
-                                        // SAFETY: __m512i and __m512bh are both 32 × 16 bits.
+    let cz = uniform_codes(p);
+    // Chunk ch is in group ch >> chunk_shift.
+    let chunk_shift = p.half_shift - 1;
+    // SAFETY: __m512i and __m512bh are both 32 × 16 bits.
     let bh = |v: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(v) };
     let mut acc = [[[_mm512_setzero_ps(); 4]; R]; S];
     for pair in 0..p.chunks / 2 {
@@ -282,10 +291,7 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
         group: usize::MAX,
         lut: _mm512_setzero_si512(),
     });
-    let cz = match p.zeros {
-        Zeros::Uniform(z) => Some(lut_codes(z)),
-        Zeros::PerGroup(_) => None,
-    };
+    let cz = uniform_codes(p);
     for ch in 0..p.chunks {
         let mut w = [[_mm512_setzero_si512(); 2]; S];
         for s in 0..S {

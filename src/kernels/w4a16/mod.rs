@@ -181,9 +181,11 @@ impl PackedW4A16 {
         }
         // bf16 activations as bf16 bits, for `vdpbf16ps` (exact products).
         #[cfg(target_arch = "x86_64")]
-        let xb: Option<Vec<u16>> =
-            (isa >= Isa::Avx512Bf16 && self.simd_ok && x.iter().all(|v| v.to_bits() & 0xFFFF == 0))
-                .then(|| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
+        let xb = if isa >= Isa::Avx512Bf16 && self.simd_ok {
+            super::bf16::bf16_bits(x)
+        } else {
+            None
+        };
         let out = ColumnsOut::new(y, m, n);
         for_tiles(m, n, k, |rows, cb| match isa {
             #[cfg(target_arch = "x86_64")]
