@@ -5,6 +5,7 @@ pub mod gptq;
 pub mod grid;
 pub mod hessian;
 pub mod refit;
+pub mod smooth;
 pub mod timing;
 
 pub use gptq::{

@@ -13,6 +13,8 @@ pub enum Phase {
     Load,
     /// Calibration forward passes: norms, attention, the MLP activation, residual adds.
     Forward,
+    /// Choosing and folding `--smooth`'s per-channel factors (its float forward included).
+    Smooth,
     /// Accumulating Σ x xᵀ per linear input.
     Hessian,
     /// Damping, Cholesky and the triangular inverse, once per Hessian.
@@ -34,9 +36,10 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 11] = [
+    pub const ALL: [Phase; 12] = [
         Phase::Load,
         Phase::Forward,
+        Phase::Smooth,
         Phase::Hessian,
         Phase::Factor,
         Phase::ScaleSearch,

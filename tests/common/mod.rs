@@ -123,6 +123,7 @@ pub fn quantize_options(
         method: Method::GptqSearch,
         order: Order::Natural,
         refit_rounds: 0,
+        smooth: false,
         path: device::decide(
             &device::CpuFeatures::default(),
             Target::X86,
