@@ -57,8 +57,6 @@ pub enum Setting {
     DumpDequantized,
     /// Rounds of output-error scale refit after GPTQ.
     RefitRounds,
-    /// Smoothing of the linears' inputs before the solve.
-    Smooth,
     /// The numerics of a phone export.
     Precision,
     /// The file a report is written to as HTML.
@@ -95,7 +93,6 @@ impl Setting {
             Setting::Rows => "rows",
             Setting::Damp => "damp",
             Setting::RefitRounds => "refit_rounds",
-            Setting::Smooth => "smooth",
             Setting::DumpDequantized => "dump_dequantized",
             Setting::Html => "html",
             Setting::Markdown => "markdown",

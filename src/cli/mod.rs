@@ -76,7 +76,6 @@ pub fn flag(s: Setting) -> &'static str {
         Setting::Damp => "--damp",
         Setting::DumpDequantized => "--dump-dequantized",
         Setting::RefitRounds => "--refit-rounds",
-        Setting::Smooth => "--smooth",
         Setting::Precision => "--precision",
         Setting::Html => "--html",
         Setting::Markdown => "--markdown",

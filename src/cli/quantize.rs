@@ -47,13 +47,7 @@ pub enum MethodArg {
     GptqSearch,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum SmoothArg {
-    Off,
-    On,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, ValueEnum)]
 pub enum OrderArg {
     /// Inputs in their natural order.
     Natural,
@@ -163,11 +157,6 @@ pub struct QuantizeArgs {
     /// and re-solving GPTQ's codes for those scales; the lowest output error is kept (docs/QUANTIZE.md).
     #[arg(long, default_value_t = 0)]
     refit_rounds: usize,
-    /// Smooth each layer's linear inputs before the solve: power-of-two per-channel factors moved
-    /// from the activations into the weights and folded into the norms, `v_proj` and `up_proj`
-    /// (docs/QUANTIZE.md). The checkpoint keeps its layout; only GPTQ checkpoints.
-    #[arg(long, value_enum, default_value = "off")]
-    smooth: SmoothArg,
     #[arg(long, value_enum, default_value = "speed")]
     priority: PriorityArg,
     #[arg(long, value_enum, default_value = "auto")]
@@ -250,7 +239,6 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             OrderArg::ActStatic => Order::ActStatic,
         },
         refit_rounds: a.refit_rounds,
-        smooth: a.smooth == SmoothArg::On,
         path,
         calibration: if a.calibration.is_empty() {
             vec![calibration::bundled()]

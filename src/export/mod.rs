@@ -339,7 +339,6 @@ fn export_through_gptq(
         method: Method::GptqSearch,
         order: crate::quant::Order::ActStatic,
         refit_rounds: 0,
-        smooth: false,
         path,
         calibration: if opts.calibration.is_empty() {
             vec![calibration::bundled()]

@@ -32,11 +32,6 @@ impl RmsNorm {
         RmsNorm { weight, eps }
     }
 
-    /// The per-channel weight (quantize's smoothing folds power-of-two factors into it).
-    pub fn weight_mut(&mut self) -> &mut [f32] {
-        &mut self.weight
-    }
-
     /// `x / rms(x) · weight` per row.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
         let mut y = vec![0f32; x.len()];

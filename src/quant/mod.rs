@@ -5,7 +5,6 @@ pub mod gptq;
 pub mod grid;
 pub mod hessian;
 pub mod refit;
-pub mod smooth;
 pub mod timing;
 
 pub use gptq::{

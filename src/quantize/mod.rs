@@ -14,7 +14,6 @@ pub mod calibration;
 pub mod output;
 pub mod phases;
 pub mod plan;
-pub mod smoothing;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -29,7 +28,6 @@ use crate::device::{WeightFormat, WeightPath};
 use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
 use crate::model::block::residual_add;
 use crate::model::{DecoderLayer, DenseLinear, Linear, Proj, SparkModel};
-use crate::quant::smooth::ActRounding;
 use crate::quant::timing::Clock;
 use crate::quant::{
     output_error_parts, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian, Order,
@@ -37,7 +35,6 @@ use crate::quant::{
 };
 use crate::tokenizer::SparkTokenizer;
 use phases::{Phase, PhaseReport, Phases};
-use smoothing::LayerSmoothing;
 
 /// Which quantizer writes the weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -72,9 +69,6 @@ pub struct QuantizeOptions {
     pub order: Order,
     /// Rounds of output-error scale refit ↔ fixed-scale GPTQ after the solve (0 = none).
     pub refit_rounds: usize,
-    /// Smooth each layer's four linear inputs with power-of-two factors folded into their
-    /// producers before the solve ([`smoothing`]).
-    pub smooth: bool,
     /// Why this format (the probe's decision, or "explicit").
     pub path: WeightPath,
     pub calibration: Vec<PathBuf>,
@@ -182,19 +176,6 @@ pub struct LinearReport {
     pub damp: f64,
     pub dead_columns: usize,
     pub seconds: f64,
-    /// With `--smooth`: the migration strength chosen for this linear's input (`None`: left
-    /// unsmoothed) and the estimated output error it leaves against none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub smooth: Option<SmoothReport>,
-}
-
-/// What `--smooth` chose for one linear's input.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
-pub struct SmoothReport {
-    pub alpha: Option<f32>,
-    pub estimate_ratio: f64,
-    /// Largest |exponent| of the factors 2^e.
-    pub max_exponent: i8,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -209,8 +190,6 @@ pub struct QuantReport {
     pub order: Order,
     /// Rounds of output-error scale refit after GPTQ.
     pub refit_rounds: usize,
-    /// Whether the layer inputs were smoothed (`--smooth`).
-    pub smooth: bool,
     pub qkv_layout: QkvLayout,
     pub quantize_head: bool,
     pub path: WeightPath,
@@ -309,31 +288,27 @@ pub enum QuantizeError {
     NonFiniteActivations { layer: usize, what: &'static str },
 }
 
-/// The quantized linears of one layer, as written: one per [`Proj::QUANTIZED`], and the smoothing
-/// its norms and `g_proj` are written with (empty without `--smooth`).
+/// The quantized linears of one layer, as written: one per [`Proj::QUANTIZED`].
 #[derive(Default)]
-pub struct LayerResult {
-    linears: BTreeMap<Proj, QuantizedWeight>,
-    pub smoothing: LayerSmoothing,
-}
+pub struct LayerResult(BTreeMap<Proj, QuantizedWeight>);
 
 impl LayerResult {
     pub fn get(&self, p: Proj) -> &QuantizedWeight {
-        &self.linears[&p]
+        &self.0[&p]
     }
 
     pub fn take(&mut self, p: Proj) -> QuantizedWeight {
-        self.linears
+        self.0
             .remove(&p)
             .expect("every quantized projection is in a layer's result")
     }
 
     pub fn insert(&mut self, p: Proj, q: QuantizedWeight) {
-        self.linears.insert(p, q);
+        self.0.insert(p, q);
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (Proj, &QuantizedWeight)> {
-        self.linears.iter().map(|(p, q)| (*p, q))
+        self.0.iter().map(|(p, q)| (*p, q))
     }
 }
 
@@ -504,7 +479,6 @@ fn linear_report(
         damp: solver.damp_used,
         dead_columns: solver.dead_columns(),
         seconds,
-        smooth: None,
     }
 }
 
@@ -630,32 +604,12 @@ fn quantize_layer(
         phases,
     };
 
-    let act = match opts.format {
-        WeightFormat::W4A8 => ActRounding::PerTokenInt8,
-        WeightFormat::W4A16 => ActRounding::None,
-    };
-
     // x ─ norm → h ─ q, k, v
     bar.set_message(format!("layer {li}: q/k/v"));
     check_finite(x, li, "input_layernorm")?;
-    let mut h = solve
+    let h = solve
         .phases
         .time(Phase::Forward, || layer.input_layernorm.forward(x));
-    if opts.smooth {
-        let sm = &mut solve.result.smoothing;
-        solve.phases.time(Phase::Smooth, || {
-            smoothing::smooth_attention(
-                layer,
-                &mut h,
-                samples,
-                seq_len,
-                &ctx,
-                opts.group_size,
-                act,
-                sm,
-            )
-        });
-    }
     // GGUF also quantizes the head gate g_proj, which reads the same input.
     let qkv: &[Proj] = if opts.gguf.is_some() {
         &[Proj::Q, Proj::K, Proj::V, Proj::G]
@@ -691,16 +645,10 @@ fn quantize_layer(
 
     // x ─ norm → h2 ─ gate, up
     bar.set_message(format!("layer {li}: gate/up"));
-    let mut h2 = solve
+    let h2 = solve
         .phases
         .time(Phase::Forward, || layer.post_attention_layernorm.forward(x));
     check_finite(&h2, li, "gate_proj/up_proj")?;
-    if opts.smooth {
-        let sm = &mut solve.result.smoothing;
-        solve.phases.time(Phase::Smooth, || {
-            smoothing::smooth_mlp(layer, &mut h2, rows, &ctx, opts.group_size, act, sm)
-        });
-    }
     let gate_up = [Proj::Gate, Proj::Up];
     solve.step(layer, &gate_up, &h2)?;
 
@@ -722,11 +670,7 @@ fn quantize_layer(
     solve.phases.time(Phase::Forward, || {
         residual_add(x, &layer.mlp.down_proj.project(&act, rows))
     });
-    let mut reports = solve.reports;
-    for r in &mut reports {
-        r.smooth = smoothing::report_for(&solve.result.smoothing, &r.name);
-    }
-    Ok((solve.result, reports))
+    Ok((solve.result, solve.reports))
 }
 
 /// Quantize the (untied) head on the final-normed residual stream, [`plan::HEAD_ROWS`] output
@@ -836,12 +780,6 @@ fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
         return Err(QuantizeError::Invalid(format!(
             "{} works on the bf16 scale lattice of GPTQ checkpoints only, not on GGUF block scales",
             Setting::RefitRounds
-        )));
-    }
-    if opts.gguf.is_some() && opts.smooth {
-        return Err(QuantizeError::Invalid(format!(
-            "{} applies to GPTQ checkpoints only; the GGUF writer copies the model's own norms (docs/QUANTIZE.md)",
-            Setting::Smooth
         )));
     }
     for (s, v) in [
@@ -1068,7 +1006,6 @@ fn run(
         scale_rule: opts.method.scale_rule(),
         order: opts.order,
         refit_rounds: opts.refit_rounds,
-        smooth: opts.smooth,
         qkv_layout: opts.qkv_layout,
         quantize_head: opts.quantize_head,
         path: opts.path.clone(),
@@ -1137,7 +1074,6 @@ mod tests {
             method,
             order: Order::Natural,
             refit_rounds: 0,
-            smooth: false,
             path: crate::device::decide(&CpuFeatures::default(), Target::X86, Priority::Speed),
             calibration: Vec::new(),
             samples: 1,

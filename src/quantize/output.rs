@@ -12,11 +12,9 @@ use safetensors::Dtype;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::smoothing::Fold;
-use super::smoothing::{self, LayerSmoothing};
 use super::{grid_for, LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
 use crate::artifact::{self, io_err, Staging};
-use crate::checkpoint::layout::{layer_prefix, stored_linears, ProjInput};
+use crate::checkpoint::layout::{layer_prefix, stored_linears};
 use crate::checkpoint::write::{
     write_safetensors_atomic, write_safetensors_streamed, OwnedTensor, TensorSpec,
 };
@@ -98,7 +96,7 @@ pub fn settings_fingerprint(
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} smooth{} gguf{:?}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} gguf{:?}",
         opts.format,
         opts.group_size,
         opts.samples,
@@ -109,7 +107,6 @@ pub fn settings_fingerprint(
         opts.method,
         opts.order,
         opts.refit_rounds,
-        opts.smooth,
         opts.gguf
     ));
     Ok(format!("{:x}", h.finalize()))
@@ -175,7 +172,6 @@ struct LayerCache<'a> {
     out: &'a Output,
     layer: Option<usize>,
     linears: Vec<(String, QuantizedWeight)>,
-    smoothing: LayerSmoothing,
 }
 
 impl<'a> LayerCache<'a> {
@@ -184,28 +180,20 @@ impl<'a> LayerCache<'a> {
             out,
             layer: None,
             linears: Vec::new(),
-            smoothing: LayerSmoothing::default(),
         }
-    }
-
-    fn load(&mut self, li: usize) -> Result<(), QuantizeError> {
-        if self.layer != Some(li) {
-            self.linears.clear();
-            let mut r = self.out.load_layer(li)?;
-            self.smoothing = std::mem::take(&mut r.smoothing);
-            self.linears = stored_owned(li, r, self.out.qkv_layout, self.out.projs);
-            self.layer = Some(li);
-        }
-        Ok(())
-    }
-
-    fn smoothing(&mut self, li: usize) -> Result<&LayerSmoothing, QuantizeError> {
-        self.load(li)?;
-        Ok(&self.smoothing)
     }
 
     fn get(&mut self, li: usize, prefix: &str) -> Result<&QuantizedWeight, QuantizeError> {
-        self.load(li)?;
+        if self.layer != Some(li) {
+            self.linears.clear();
+            self.linears = stored_owned(
+                li,
+                self.out.load_layer(li)?,
+                self.out.qkv_layout,
+                self.out.projs,
+            );
+            self.layer = Some(li);
+        }
         Ok(self
             .linears
             .iter()
@@ -219,13 +207,6 @@ impl<'a> LayerCache<'a> {
 enum Source {
     /// Copied from the input checkpoint as bf16.
     Copy(String),
-    /// A norm weight or `g_proj` of layer `layer`, as bf16 with that layer's smoothing folded
-    /// in (exact: powers of two); a plain copy when the layer was not smoothed.
-    Folded {
-        name: String,
-        layer: usize,
-        fold: Fold,
-    },
     /// A GPTQ part of a stored linear of layer `li` (`None`: the head).
     Gptq {
         layer: Option<usize>,
@@ -391,8 +372,6 @@ impl Output {
             })?;
             r.insert(proj, q);
         }
-        r.smoothing = smoothing::read(&store)
-            .map_err(|what| QuantizeError::Invalid(format!("{}: {what}", p.display())))?;
         Ok(r)
     }
 
@@ -484,7 +463,6 @@ impl Output {
                 ));
             }
         }
-        t.extend(smoothing::tensors(&r.smoothing));
         write_safetensors_atomic(&self.layer_path(li), &t, None)?;
         // The residual stream after layer `li`, under its own name: state.json, written last, is
         // the one commit point, so a kill between the files never pairs a count with another
@@ -540,43 +518,31 @@ impl Output {
         let cfg = &ck.config;
         let mut specs = Vec::new();
         let mut sources = HashMap::new();
-        // A bf16 tensor of the input checkpoint, copied or with a layer's smoothing folded in.
-        let mut copy = |name: String, fold: Option<(usize, Fold)>| -> Result<(), QuantizeError> {
+        let mut copy = |name: String| -> Result<(), QuantizeError> {
             let e = ck.entry(&name)?;
             specs.push(TensorSpec {
                 name: name.clone(),
                 dtype: Dtype::BF16,
                 shape: e.shape.clone(),
             });
-            let source = match fold {
-                None => Source::Copy(name.clone()),
-                Some((layer, fold)) => Source::Folded {
-                    name: name.clone(),
-                    layer,
-                    fold,
-                },
-            };
-            sources.insert(name, source);
+            sources.insert(name.clone(), Source::Copy(name));
             Ok(())
         };
-        copy("model.embedding.weight".into(), None)?;
-        copy("model.norm.weight".into(), None)?;
+        copy("model.embedding.weight".into())?;
+        copy("model.norm.weight".into())?;
         for li in 0..layers {
             let p = layer_prefix(li);
             let g_proj = format!("{}.weight", Proj::G.module());
-            for (n, fold) in [
-                ("input_layernorm.weight", Fold::Norm(ProjInput::AttnNorm)),
-                (
-                    "post_attention_layernorm.weight",
-                    Fold::Norm(ProjInput::MlpNorm),
-                ),
-                (g_proj.as_str(), Fold::GProj),
+            for n in [
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+                g_proj.as_str(),
             ] {
-                copy(format!("{p}{n}"), Some((li, fold)))?;
+                copy(format!("{p}{n}"))?;
             }
         }
         if head.is_none() && !ck.layout.tied {
-            copy("lm_head.weight".into(), None)?;
+            copy("lm_head.weight".into())?;
         }
         let mut linear = |layer: Option<usize>, prefix: String, k: usize, n: usize| {
             for (s, part) in gptq::linear_specs(&prefix, k, n, group_size)?
@@ -625,22 +591,6 @@ impl Output {
         write_safetensors_streamed(&path, specs, Some(meta), |spec, w| {
             let bytes = match &sources[&spec.name] {
                 Source::Copy(name) => bf16_copy(ck, name)?,
-                Source::Folded { name, layer, fold } => {
-                    let sm = cache.smoothing(*layer)?;
-                    if sm.points.is_empty() {
-                        bf16_copy(ck, name)?
-                    } else {
-                        let e = ck.entry(name)?;
-                        let mut v = ck.store.to_f32(e)?;
-                        match fold {
-                            Fold::Norm(p) => sm.fold_norm(*p, &mut v),
-                            Fold::GProj => sm.fold_g_proj(&mut v, cfg.hidden_size),
-                        }
-                        v.iter()
-                            .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
-                            .collect()
-                    }
-                }
                 Source::Gptq {
                     layer,
                     prefix,
@@ -836,7 +786,6 @@ impl Output {
                 "scale_rule": r.scale_rule,
                 "order": r.order,
                 "refit_rounds": r.refit_rounds,
-                "smooth": r.smooth,
                 "qkv_layout": r.qkv_layout,
                 "device_path": r.path,
                 "calibration_sha256": r.calibration_sha256,

@@ -13,8 +13,6 @@ pub enum Phase {
     Load,
     /// Calibration forward passes: norms, attention, the MLP activation, residual adds.
     Forward,
-    /// Choosing and folding `--smooth`'s per-channel factors (its float forward included).
-    Smooth,
     /// Accumulating Σ x xᵀ per linear input.
     Hessian,
     /// Damping, Cholesky and the triangular inverse, once per Hessian.
@@ -36,10 +34,9 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 12] = [
+    pub const ALL: [Phase; 11] = [
         Phase::Load,
         Phase::Forward,
-        Phase::Smooth,
         Phase::Hessian,
         Phase::Factor,
         Phase::ScaleSearch,

@@ -295,7 +295,6 @@ mod tests {
             damp: 0.01,
             dead_columns: 0,
             seconds: 0.1,
-            smooth: None,
         }
     }
 

@@ -123,7 +123,6 @@ pub fn quantize_options(
         method: Method::GptqSearch,
         order: Order::Natural,
         refit_rounds: 0,
-        smooth: false,
         path: device::decide(
             &device::CpuFeatures::default(),
             Target::X86,
