@@ -55,6 +55,14 @@ fn w4a8_g128_fused_checkpoint() {
     let r = quantize(&opts(&out, WeightFormat::W4A8, 128)).unwrap();
     check_every_linear_improves(&r);
     assert_eq!(r.linears.len(), 8 * 7);
+    // W4A8 measures what its int8 activation rounding adds, per linear.
+    for l in &r.linears {
+        let a = l
+            .act_error
+            .unwrap_or_else(|| panic!("{}: no act_error", l.name));
+        assert!(a.is_finite() && a > 0.0, "{}: {a}", l.name);
+    }
+    assert!(r.mean_act_error.unwrap() < r.mean_error, "{r:?}");
 
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
@@ -166,6 +174,8 @@ fn w4a16_g64_split_with_quantized_head() {
     o.dump_dequantized = Some(dump.clone());
     let r = quantize(&o).unwrap();
     check_every_linear_improves(&r);
+    // 16-bit activations: nothing to measure.
+    assert!(r.mean_act_error.is_none() && r.linears.iter().all(|l| l.act_error.is_none()));
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["tie_word_embeddings"], false);

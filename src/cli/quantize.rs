@@ -301,6 +301,20 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         serde_json::to_value(report.method)?.as_str().unwrap_or("?"),
         report.mean_error
     );
+    if let Some(a) = report.mean_act_error {
+        let worst = report
+            .linears
+            .iter()
+            .filter_map(|l| Some((l.act_error?, l)))
+            .max_by(|x, y| x.0.total_cmp(&y.0));
+        if let Some((w, l)) = worst {
+            println!(
+                "W4A8 int8 activation rounding adds {a:.3e} on average (largest {w:.3e}, {}: {:.0} % of its weights' error)",
+                l.name,
+                100.0 * w / l.error.max(f64::MIN_POSITIVE)
+            );
+        }
+    }
     let gb = |b: Option<u64>| {
         b.map(|b| format!("{:.2} GB", b as f64 / 1e9))
             .unwrap_or("?".into())

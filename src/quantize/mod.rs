@@ -176,6 +176,11 @@ pub struct LinearReport {
     pub damp: f64,
     pub dead_columns: usize,
     pub seconds: f64,
+    /// W4A8 only: the relative output error the per-token int8 rounding of this linear's input
+    /// adds with the weights written (same denominator as `error`; a sample of the calibration
+    /// rows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub act_error: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -203,6 +208,9 @@ pub struct QuantReport {
     pub mean_rtn_error: Option<f64>,
     pub mean_gptq_error: Option<f64>,
     pub mean_gptq_search_error: Option<f64>,
+    /// W4A8: the mean of every linear's `act_error` (what the int8 activation rounding adds).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mean_act_error: Option<f64>,
     pub bits_per_weight: f64,
     pub output_bytes: u64,
     pub wall_seconds: f64,
@@ -479,6 +487,7 @@ fn linear_report(
         damp: solver.damp_used,
         dead_columns: solver.dead_columns(),
         seconds,
+        act_error: None,
     }
 }
 
@@ -515,6 +524,41 @@ fn quantize_group(
         kept.push(s.q);
     }
     Ok((kept, reports))
+}
+
+/// Rows W4A8's activation rounding is measured on (strided over the calibration rows).
+const ACT_ERROR_ROWS: usize = 1024;
+
+/// A strided sample of at most [`ACT_ERROR_ROWS`] rows of `x` (`[rows, k]`) and its row count.
+fn act_rounding_sample(x: &[f32], rows: usize, k: usize) -> (Vec<f32>, usize) {
+    let step = rows.div_ceil(ACT_ERROR_ROWS).max(1);
+    let xs: Vec<f32> = x.chunks_exact(k).step_by(step).flatten().copied().collect();
+    let m = xs.len() / k;
+    (xs, m)
+}
+
+/// What W4A8's dynamic per-token int8 rounding of the input adds to a linear's output error, with
+/// the weights written: ‖(Q(X) − X)·Ŵᵀ‖² / ‖X·Wᵀ‖² on the sample `x` (`[m, K]`), `w` the
+/// original weight, `written` the installed dequantized one. The same denominator as
+/// [`LinearReport::error`], so the two add up to first order (docs/FIDELITY.md).
+fn act_rounding_error(x: &[f32], m: usize, w: &[f32], written: &dyn Linear) -> f64 {
+    let (k, n) = (written.in_features(), written.out_features());
+    let mut dx = vec![0f32; x.len()];
+    let mut a = vec![0i32; k];
+    for (row, d) in x.chunks_exact(k).zip(dx.chunks_exact_mut(k)) {
+        let sa = crate::kernels::w4::quantize_activation_row(row, &mut a);
+        for ((d, &q), &v) in d.iter_mut().zip(&a).zip(row) {
+            *d = sa * q as f32 - v;
+        }
+    }
+    let sq = |y: Vec<f32>| y.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>();
+    let num = sq(written.project(&dx, m));
+    let den = sq(DenseLinear::new(w.to_vec().into(), n, k).project(x, m));
+    if den > 0.0 {
+        num / den
+    } else {
+        0.0
+    }
 }
 
 fn install(layer: &mut DecoderLayer, proj: Proj, q: &QuantizedWeight) {
@@ -562,16 +606,27 @@ impl LayerSolve<'_> {
                 .map(|&p| layer.linear(p).dequantize())
                 .collect()
         });
-        let (qs, reports) =
+        let (qs, mut reports) =
             quantize_group(&names, &weights, &outs, &grids, &h, self.opts, self.phases)?;
-        drop((h, weights));
-        self.reports.extend(reports);
+        drop(h);
         let clock = Clock::start();
         for (&p, q) in projs.iter().zip(qs) {
             install(layer, p, &q);
             self.result.insert(p, q);
         }
         self.phases.add(Phase::Install, clock.elapsed());
+        if self.opts.format == WeightFormat::W4A8 && self.opts.gguf.is_none() {
+            let k = projs[0].shape(cfg)[1];
+            let (xs, m) = self
+                .phases
+                .time(Phase::Compare, || act_rounding_sample(input, self.rows, k));
+            for ((r, w), &p) in reports.iter_mut().zip(&weights).zip(projs) {
+                r.act_error = Some(self.phases.time(Phase::Compare, || {
+                    act_rounding_error(&xs, m, w, layer.linear(p))
+                }));
+            }
+        }
+        self.reports.extend(reports);
         Ok(())
     }
 }
@@ -1022,6 +1077,7 @@ fn run(
         method: opts.method,
         mean_error: mean(&|r| r.error),
         mean_gptq_search_error: mean_opt(&|r| r.gptq_search_error),
+        mean_act_error: mean_opt(&|r| r.act_error),
         linears: reports,
         bits_per_weight: 0.0,
         output_bytes: 0,
@@ -1205,5 +1261,55 @@ mod tests {
             .to_string();
         assert!(e.contains("layer 3") && e.contains("down_proj"), "{e}");
         assert!(check_finite(&[f32::INFINITY], 0, "out_proj").is_err());
+    }
+
+    #[test]
+    fn activation_rounding_error_is_zero_on_the_int8_grid_and_grows_with_the_crest() {
+        let (m, k, n) = (4, 64, 8);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let lin = DenseLinear::new(w.clone().into(), n, k);
+        // Rows whose largest magnitude is 127 and whose values are integers: int8 holds them exactly.
+        let on_grid: Vec<f32> = (0..m * k)
+            .map(|i| {
+                if i % k == 0 {
+                    127.0
+                } else {
+                    ((i * 37) % 255) as f32 - 127.0
+                }
+            })
+            .collect();
+        assert_eq!(act_rounding_error(&on_grid, m, &w, &lin), 0.0);
+        // The same random rows, once flat and once with one loud channel: the loud channel
+        // coarsens every other channel's step, so the error grows (roughly with crest²).
+        let flat: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut loud = flat.clone();
+        loud.chunks_exact_mut(k).for_each(|r| r[3] = 40.0);
+        let (ef, el) = (
+            act_rounding_error(&flat, m, &w, &lin),
+            act_rounding_error(&loud, m, &w, &lin),
+        );
+        assert!(ef > 0.0 && ef < 1e-4, "{ef}");
+        assert!(el > 10.0 * ef, "{el} vs {ef}");
+        // Against a direct evaluation of the definition.
+        let direct = {
+            let (mut num, mut den) = (0f64, 0f64);
+            for row in flat.chunks_exact(k) {
+                let amax = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let q: Vec<f32> = row
+                    .iter()
+                    .map(|v| (amax / 127.0) * (v * (127.0 / amax)).round_ties_even())
+                    .collect();
+                for wr in w.chunks_exact(k) {
+                    let y: f64 = row.iter().zip(wr).map(|(a, b)| (a * b) as f64).sum();
+                    let yq: f64 = q.iter().zip(wr).map(|(a, b)| (a * b) as f64).sum();
+                    num += (yq - y).powi(2);
+                    den += y * y;
+                }
+            }
+            num / den
+        };
+        // f32 sums of the kernel against f64 here: well inside 1 %.
+        assert!((ef / direct - 1.0).abs() < 1e-2, "{ef} vs {direct}");
     }
 }

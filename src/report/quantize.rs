@@ -237,6 +237,13 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
             Cell::Num(opt_sci(r.mean_gptq_error)),
             Cell::Num(opt_sci(r.mean_gptq_search_error)),
         ]]))
+        @if let Some(a) = r.mean_act_error {
+            p.note {
+                "W4A8: the per-token int8 rounding of each linear's input adds " (page::sci(a))
+                " on average to the written weights' error (same measure, a sample of the calibration rows; "
+                "per linear in quant_report.json as act_error)."
+            }
+        }
         h2 { "Relative output error per layer and projection" }
         p.note {
             "‖(W − Q)X‖² / ‖WX‖² on each linear's calibration inputs, by layer; lower is better. Log scale, floored at "
@@ -295,6 +302,7 @@ mod tests {
             damp: 0.01,
             dead_columns: 0,
             seconds: 0.1,
+            act_error: None,
         }
     }
 
