@@ -46,12 +46,16 @@ TESTBEDS = {
 }
 
 # (row label, quantize flags)
+QI = ["--objective", "quantized-input"]
 RECIPES = {
     "rtn": ["--method", "rtn"],
-    "gptq": ["--method", "gptq", "--order", "natural"],
-    "gptq-search": ["--method", "gptq-search", "--order", "natural"],
-    "gptq-search act-static": ["--method", "gptq-search", "--order", "act-static"],
-    "gptq-search act-static refit1": ["--method", "gptq-search", "--order", "act-static", "--refit-rounds", "1"],
+    "gptq": ["--method", "gptq", "--order", "natural", *QI],
+    "gptq-search": ["--method", "gptq-search", "--order", "natural", *QI],
+    "gptq-search act-static": ["--method", "gptq-search", "--order", "act-static", *QI],
+    "gptq-search act-static refit1": ["--method", "gptq-search", "--order", "act-static", "--refit-rounds", "1", *QI],
+    # The default since 2026-12-02: the float model's output as each linear's target (GPTAQ).
+    "gptq-search act-static float-output": ["--method", "gptq-search", "--order", "act-static",
+                                            "--objective", "float-output"],
 }
 METRICS = ["kl_mean", "kl_p99", "top1", "top5", "greedy_identical", "ppl_ratio"]
 

@@ -7,7 +7,7 @@ use spark_tool::checkpoint::QkvLayout;
 use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::formats::gguf::mix::FileType;
 use spark_tool::quant::Order;
-use spark_tool::quantize::{calibration, quantize, Method, QuantizeOptions};
+use spark_tool::quantize::{calibration, quantize, Method, Objective, QuantizeOptions};
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum FormatArg {
@@ -45,6 +45,12 @@ pub enum MethodArg {
     Rtn,
     Gptq,
     GptqSearch,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum ObjectiveArg {
+    FloatOutput,
+    QuantizedInput,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -157,6 +163,11 @@ pub struct QuantizeArgs {
     /// and re-solving GPTQ's codes for those scales; the lowest output error is kept (docs/QUANTIZE.md).
     #[arg(long, default_value_t = 0)]
     refit_rounds: usize,
+    /// What each linear is solved to reproduce: the float model's output from the quantized
+    /// model's input (GPTAQ, measured best: docs/FIDELITY.md), or the output of that input
+    /// (classic GPTQ).
+    #[arg(long, value_enum, default_value = "float-output")]
+    objective: ObjectiveArg,
     #[arg(long, value_enum, default_value = "speed")]
     priority: PriorityArg,
     #[arg(long, value_enum, default_value = "auto")]
@@ -239,6 +250,10 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             OrderArg::ActStatic => Order::ActStatic,
         },
         refit_rounds: a.refit_rounds,
+        objective: match a.objective {
+            ObjectiveArg::FloatOutput => Objective::FloatOutput,
+            ObjectiveArg::QuantizedInput => Objective::QuantizedInput,
+        },
         path,
         calibration: if a.calibration.is_empty() {
             vec![calibration::bundled()]

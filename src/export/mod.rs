@@ -339,6 +339,7 @@ fn export_through_gptq(
         method: Method::GptqSearch,
         order: crate::quant::Order::ActStatic,
         refit_rounds: 0,
+        objective: crate::quantize::Objective::FloatOutput,
         path,
         calibration: if opts.calibration.is_empty() {
             vec![calibration::bundled()]

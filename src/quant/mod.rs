@@ -1,6 +1,7 @@
 //! Quantization algorithms (no file formats here): the zero-point-8 grid and
 //! its scale search, Hessians, GPTQ.
 
+pub mod gptaq;
 pub mod gptq;
 pub mod grid;
 pub mod hessian;

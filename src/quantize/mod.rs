@@ -28,6 +28,7 @@ use crate::device::{WeightFormat, WeightPath};
 use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
 use crate::model::block::residual_add;
 use crate::model::{DecoderLayer, DenseLinear, Linear, Proj, SparkModel};
+use crate::quant::gptaq::{CrossMoment, FloatOutputTarget};
 use crate::quant::timing::Clock;
 use crate::quant::{
     output_error_parts, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian, Order,
@@ -35,6 +36,17 @@ use crate::quant::{
 };
 use crate::tokenizer::SparkTokenizer;
 use phases::{Phase, PhaseReport, Phases};
+
+/// What each linear's solve reproduces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Objective {
+    /// W·X̃ from the input X̃ the quantized layers below deliver (classic GPTQ).
+    QuantizedInput,
+    /// W·X, the float model's output, from X̃ (GPTAQ; [`crate::quant::gptaq`]): the default,
+    /// measured best (docs/FIDELITY.md).
+    FloatOutput,
+}
 
 /// Which quantizer writes the weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -69,6 +81,8 @@ pub struct QuantizeOptions {
     pub order: Order,
     /// Rounds of output-error scale refit ↔ fixed-scale GPTQ after the solve (0 = none).
     pub refit_rounds: usize,
+    /// What each layer's linears are solved to reproduce (the head always: its quantized input).
+    pub objective: Objective,
     /// Why this format (the probe's decision, or "explicit").
     pub path: WeightPath,
     pub calibration: Vec<PathBuf>,
@@ -195,6 +209,8 @@ pub struct QuantReport {
     pub order: Order,
     /// Rounds of output-error scale refit after GPTQ.
     pub refit_rounds: usize,
+    /// What each layer's linears were solved to reproduce.
+    pub objective: Objective,
     pub qkv_layout: QkvLayout,
     pub quantize_head: bool,
     pub path: WeightPath,
@@ -586,6 +602,7 @@ impl LayerSolve<'_> {
         layer: &mut DecoderLayer,
         projs: &[Proj],
         input: &[f32],
+        input_fp: Option<&[f32]>,
     ) -> Result<(), QuantizeError> {
         let cfg = self.cfg;
         let mut h = Hessian::new(projs[0].shape(cfg)[1]);
@@ -600,12 +617,31 @@ impl LayerSolve<'_> {
             .iter()
             .map(|&p| self.opts.grid_of(Some(self.li), p, layers))
             .collect();
-        let weights: Vec<Vec<f32>> = self.phases.time(Phase::Install, || {
+        let mut weights: Vec<Vec<f32>> = self.phases.time(Phase::Install, || {
             projs
                 .iter()
                 .map(|&p| layer.linear(p).dequantize())
                 .collect()
         });
+        if let Some(xf) = input_fp {
+            // Solve for W* (the float output from this input) instead of W.
+            let target = self.phases.time(Phase::Hessian, || {
+                let mut c = CrossMoment::new(h.dim());
+                c.add(input, xf, self.rows);
+                FloatOutputTarget::new(&h, &c, self.opts.damp)
+            });
+            let target = target.ok_or_else(|| {
+                QuantizeError::Invalid(format!(
+                    "layer {}: the Hessian of {} stays singular under damping; try {}",
+                    self.li,
+                    names.join("+"),
+                    crate::setting::Setting::Damp
+                ))
+            })?;
+            for (w, &n) in weights.iter_mut().zip(&outs) {
+                *w = self.phases.time(Phase::Factor, || target.apply(w, n));
+            }
+        }
         let (qs, mut reports) =
             quantize_group(&names, &weights, &outs, &grids, &h, self.opts, self.phases)?;
         drop(h);
@@ -631,6 +667,45 @@ impl LayerSolve<'_> {
     }
 }
 
+/// The gated attention output `[samples·seq_len, q_dim]` of the normed rows `h`, each sample from
+/// position 0 with its own cache.
+fn attend_samples(
+    layer: &DecoderLayer,
+    h: &[f32],
+    samples: usize,
+    seq_len: usize,
+    ctx: &crate::model::block::Ctx,
+) -> Vec<f32> {
+    let cfg = ctx.cfg;
+    let (hidden, q_dim) = (cfg.hidden_size, cfg.q_dim());
+    let mut attn = vec![0f32; samples * seq_len * q_dim];
+    for s in 0..samples {
+        let mut cache = crate::model::kv_cache::LayerKvCache::new(cfg, layer.kind, seq_len);
+        let a = layer.self_attn.attend(
+            &h[s * seq_len * hidden..(s + 1) * seq_len * hidden],
+            seq_len,
+            0,
+            &mut cache,
+            ctx,
+        );
+        attn[s * seq_len * q_dim..(s + 1) * seq_len * q_dim].copy_from_slice(&a);
+    }
+    attn
+}
+
+/// `gelu(gate(h2)) ⊙ up(h2)` for every row, [`plan::MLP_ROWS`] rows at a time.
+fn mlp_act_rows(layer: &DecoderLayer, h2: &[f32], ctx: &crate::model::block::Ctx) -> Vec<f32> {
+    let (hidden, inter) = (ctx.cfg.hidden_size, ctx.cfg.intermediate_size);
+    let mut act = vec![0f32; h2.len() / hidden * inter];
+    for (a, h) in act
+        .chunks_mut(plan::MLP_ROWS * inter)
+        .zip(h2.chunks(plan::MLP_ROWS * hidden))
+    {
+        a.copy_from_slice(&layer.mlp.act(h, h.len() / hidden, ctx));
+    }
+    act
+}
+
 /// Run one layer on every calibration sample, quantizing its linears in true-sequential order.
 /// `x` holds the residual stream of all samples (`[samples·seq_len, hidden]`) and is advanced in place.
 #[allow(clippy::too_many_arguments)]
@@ -639,6 +714,7 @@ fn quantize_layer(
     layer: &mut DecoderLayer,
     li: usize,
     x: &mut [f32],
+    mut xf: Option<&mut [f32]>,
     windows: &calibration::Windows,
     opts: &QuantizeOptions,
     bar: &ProgressBar,
@@ -648,7 +724,6 @@ fn quantize_layer(
     let ctx = model.ctx_for(layer.kind);
     let (samples, seq_len) = (windows.samples, windows.seq_len);
     let rows = samples * seq_len;
-    let (hidden, q_dim, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.intermediate_size);
     let mut solve = LayerSolve {
         cfg,
         li,
@@ -659,44 +734,51 @@ fn quantize_layer(
         phases,
     };
 
-    // x ─ norm → h ─ q, k, v
+    // x ─ norm → h ─ q, k, v; with the float-output objective the float model's stream `xf` goes
+    // through the same stages, each computed while the linears it needs are still float.
     bar.set_message(format!("layer {li}: q/k/v"));
     check_finite(x, li, "input_layernorm")?;
     let h = solve
         .phases
         .time(Phase::Forward, || layer.input_layernorm.forward(x));
+    let (h_f, attn_f) = match xf.as_deref() {
+        Some(xf) => solve.phases.time(Phase::Forward, || {
+            let h_f = layer.input_layernorm.forward(xf);
+            let attn_f = attend_samples(layer, &h_f, samples, seq_len, &ctx);
+            (Some(h_f), Some(attn_f))
+        }),
+        None => (None, None),
+    };
     // GGUF also quantizes the head gate g_proj, which reads the same input.
     let qkv: &[Proj] = if opts.gguf.is_some() {
         &[Proj::Q, Proj::K, Proj::V, Proj::G]
     } else {
         &[Proj::Q, Proj::K, Proj::V]
     };
-    solve.step(layer, qkv, &h)?;
+    solve.step(layer, qkv, &h, h_f.as_deref())?;
+    drop(h_f);
 
     // gated attention over each sample → a ─ out_proj, x += out(a)
     bar.set_message(format!("layer {li}: out_proj"));
     let attn = solve.phases.time(Phase::Forward, || {
-        let mut attn = vec![0f32; rows * q_dim];
-        for s in 0..samples {
-            let mut cache = crate::model::kv_cache::LayerKvCache::new(cfg, layer.kind, seq_len);
-            let a = layer.self_attn.attend(
-                &h[s * seq_len * hidden..(s + 1) * seq_len * hidden],
-                seq_len,
-                0,
-                &mut cache,
-                &ctx,
-            );
-            attn[s * seq_len * q_dim..(s + 1) * seq_len * q_dim].copy_from_slice(&a);
-        }
-        attn
+        attend_samples(layer, &h, samples, seq_len, &ctx)
     });
     drop(h);
     check_finite(&attn, li, "out_proj")?;
-    solve.step(layer, &[Proj::Out], &attn)?;
-    solve.phases.time(Phase::Forward, || {
-        residual_add(x, &layer.self_attn.out_proj.project(&attn, rows))
+    let out_f = attn_f.as_ref().map(|a| {
+        solve
+            .phases
+            .time(Phase::Forward, || layer.self_attn.out_proj.project(a, rows))
     });
-    drop(attn);
+    solve.step(layer, &[Proj::Out], &attn, attn_f.as_deref())?;
+    drop(attn_f);
+    solve.phases.time(Phase::Forward, || {
+        residual_add(x, &layer.self_attn.out_proj.project(&attn, rows));
+        if let (Some(xf), Some(o)) = (xf.as_deref_mut(), &out_f) {
+            residual_add(xf, o);
+        }
+    });
+    drop((attn, out_f));
 
     // x ─ norm → h2 ─ gate, up
     bar.set_message(format!("layer {li}: gate/up"));
@@ -704,26 +786,37 @@ fn quantize_layer(
         .phases
         .time(Phase::Forward, || layer.post_attention_layernorm.forward(x));
     check_finite(&h2, li, "gate_proj/up_proj")?;
+    let (h2_f, act_f) = match xf.as_deref() {
+        Some(xf) => solve.phases.time(Phase::Forward, || {
+            let h2_f = layer.post_attention_layernorm.forward(xf);
+            let act_f = mlp_act_rows(layer, &h2_f, &ctx);
+            (Some(h2_f), Some(act_f))
+        }),
+        None => (None, None),
+    };
     let gate_up = [Proj::Gate, Proj::Up];
-    solve.step(layer, &gate_up, &h2)?;
+    solve.step(layer, &gate_up, &h2, h2_f.as_deref())?;
+    drop(h2_f);
 
     // gelu(gate) ⊙ up → act ─ down, x += down(act)
     bar.set_message(format!("layer {li}: down_proj"));
-    let act = solve.phases.time(Phase::Forward, || {
-        let mut act = vec![0f32; rows * inter];
-        for (a, h) in act
-            .chunks_mut(plan::MLP_ROWS * inter)
-            .zip(h2.chunks(plan::MLP_ROWS * hidden))
-        {
-            a.copy_from_slice(&layer.mlp.act(h, h.len() / hidden, &ctx));
-        }
-        act
-    });
+    let act = solve
+        .phases
+        .time(Phase::Forward, || mlp_act_rows(layer, &h2, &ctx));
     drop(h2);
     check_finite(&act, li, "down_proj")?;
-    solve.step(layer, &[Proj::Down], &act)?;
+    let down_f = act_f.as_ref().map(|a| {
+        solve
+            .phases
+            .time(Phase::Forward, || layer.mlp.down_proj.project(a, rows))
+    });
+    solve.step(layer, &[Proj::Down], &act, act_f.as_deref())?;
+    drop(act_f);
     solve.phases.time(Phase::Forward, || {
-        residual_add(x, &layer.mlp.down_proj.project(&act, rows))
+        residual_add(x, &layer.mlp.down_proj.project(&act, rows));
+        if let (Some(xf), Some(d)) = (xf, &down_f) {
+            residual_add(xf, d);
+        }
     });
     Ok((solve.result, solve.reports))
 }
@@ -957,6 +1050,7 @@ fn run(
         opts.samples.saturating_mul(opts.seq_len),
         widened,
         opts.solves_head(),
+        opts.objective == Objective::FloatOutput,
     );
     let have = crate::resources::memory_budget().map(|b| b.min(u64::MAX as u128) as u64);
     if opts.progress {
@@ -992,19 +1086,36 @@ fn run(
         None
     };
 
-    let (mut x, first, mut reports, resumed_from_layer) = match state {
+    let float_output = opts.objective == Objective::FloatOutput;
+    // `xf`: the float model's residual stream, beside the quantized model's `x`.
+    let (mut x, mut xf, first, mut reports, resumed_from_layer) = match state {
         // The finished layers' output is in `x`; they never run again.
         Some(st) => {
             *done = Some(st.completed);
-            (st.x, st.completed, st.reports, Some(st.completed))
+            (
+                st.x,
+                st.x_float,
+                st.completed,
+                st.reports,
+                Some(st.completed),
+            )
         }
         None => {
             out.reset_state()?;
             *done = Some(0);
             let x = model.embed(&windows.tokens)?;
-            (x, 0, Vec::new(), None)
+            let xf = float_output.then(|| x.clone());
+            (x, xf, 0, Vec::new(), None)
         }
     };
+    if float_output != xf.is_some() {
+        return Err(QuantizeError::Invalid(format!(
+            "{}: the saved state has no float residual stream for {:?}; run without {} to start over",
+            opts.out_dir.display(),
+            opts.objective,
+            crate::setting::Setting::Resume
+        )));
+    }
 
     let bar = crate::artifact::progress_bar(opts.progress, layers as u64, "quantize layers");
     bar.set_position(first as u64);
@@ -1017,6 +1128,7 @@ fn run(
             &mut layer,
             li,
             &mut x,
+            xf.as_deref_mut(),
             &windows,
             opts,
             &bar,
@@ -1024,7 +1136,7 @@ fn run(
         )?;
         drop(layer);
         phases.time(Phase::Save, || {
-            out.save_layer(li, &res, &rep, &x, &settings)
+            out.save_layer(li, &res, &rep, &x, xf.as_deref(), &settings)
         })?;
         drop(res);
         *done = Some(li + 1);
@@ -1061,6 +1173,7 @@ fn run(
         scale_rule: opts.method.scale_rule(),
         order: opts.order,
         refit_rounds: opts.refit_rounds,
+        objective: opts.objective,
         qkv_layout: opts.qkv_layout,
         quantize_head: opts.quantize_head,
         path: opts.path.clone(),
@@ -1130,6 +1243,7 @@ mod tests {
             method,
             order: Order::Natural,
             refit_rounds: 0,
+            objective: Objective::QuantizedInput,
             path: crate::device::decide(&CpuFeatures::default(), Target::X86, Priority::Speed),
             calibration: Vec::new(),
             samples: 1,

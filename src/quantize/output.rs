@@ -65,6 +65,8 @@ pub struct ResumeState {
     pub completed: usize,
     pub reports: Vec<LinearReport>,
     pub x: Vec<f32>,
+    /// The float model's stream (float-output objective).
+    pub x_float: Option<Vec<f32>>,
 }
 
 /// Identifies a run: same model bytes, calibration and settings ⇒ same fingerprint. The weights
@@ -96,7 +98,7 @@ pub fn settings_fingerprint(
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} gguf{:?}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} {:?} gguf{:?}",
         opts.format,
         opts.group_size,
         opts.samples,
@@ -107,6 +109,7 @@ pub fn settings_fingerprint(
         opts.method,
         opts.order,
         opts.refit_rounds,
+        opts.objective,
         opts.gguf
     ));
     Ok(format!("{:x}", h.finalize()))
@@ -338,11 +341,16 @@ impl Output {
         let x = xs.to_f32(xs.get("x").ok_or_else(|| {
             QuantizeError::Invalid(format!("{}: no tensor `x`", x_path.display()))
         })?)?;
+        let x_float = match xs.get("x_float") {
+            Some(e) => Some(xs.to_f32(e)?),
+            None => None,
+        };
         eprintln!("resuming after layer {completed} of {layers}");
         Ok(Some(ResumeState {
             completed,
             reports,
             x,
+            x_float,
         }))
     }
 
@@ -440,6 +448,7 @@ impl Output {
         r: &LayerResult,
         reports: &[LinearReport],
         x: &[f32],
+        x_float: Option<&[f32]>,
         settings: &str,
     ) -> Result<(), QuantizeError> {
         let mut t = Vec::new();
@@ -467,11 +476,11 @@ impl Output {
         // The residual stream after layer `li`, under its own name: state.json, written last, is
         // the one commit point, so a kill between the files never pairs a count with another
         // layer's stream.
-        write_safetensors_atomic(
-            &self.x_path(li + 1),
-            &[OwnedTensor::f32("x", vec![x.len()], x)],
-            None,
-        )?;
+        let mut streams = vec![OwnedTensor::f32("x", vec![x.len()], x)];
+        if let Some(xf) = x_float {
+            streams.push(OwnedTensor::f32("x_float", vec![xf.len()], xf));
+        }
+        write_safetensors_atomic(&self.x_path(li + 1), &streams, None)?;
         let state_path = self.partial.join("state.json");
         let mut all: Vec<LinearReport> = std::fs::read_to_string(&state_path)
             .ok()
@@ -786,6 +795,7 @@ impl Output {
                 "scale_rule": r.scale_rule,
                 "order": r.order,
                 "refit_rounds": r.refit_rounds,
+                "objective": r.objective,
                 "qkv_layout": r.qkv_layout,
                 "device_path": r.path,
                 "calibration_sha256": r.calibration_sha256,

@@ -172,6 +172,7 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         ("scale rule", json_name(&r.scale_rule)),
         ("column order", json_name(&r.order)),
         ("refit rounds", r.refit_rounds.to_string()),
+        ("objective", json_name(&r.objective)),
         ("q/k/v layout", json_name(&r.qkv_layout)),
         ("4-bit head", r.quantize_head.to_string()),
         (

@@ -123,6 +123,7 @@ pub fn quantize_options(
         method: Method::GptqSearch,
         order: Order::Natural,
         refit_rounds: 0,
+        objective: spark_tool::quantize::Objective::FloatOutput,
         path: device::decide(
             &device::CpuFeatures::default(),
             Target::X86,

@@ -1,0 +1,244 @@
+//! The float-output objective (GPTAQ's asymmetric calibration): each linear is solved to reproduce
+//! what the *float* model's input X would give, W·X, from the input X̃ the already quantized layers
+//! below actually deliver. GPTQ alone reproduces W·X̃, so the error the layers below left in X̃ is
+//! carried on; here each linear corrects for it where it can.
+//!
+//! min over Ŵ of ‖W·X − Ŵ·X̃‖² splits exactly into a least-squares target and a GPTQ problem:
+//!
+//! ‖W·X − Ŵ·X̃‖² = ‖(W* − Ŵ)·X̃‖² + const,   W* = W·X·X̃ᵀ·(X̃·X̃ᵀ)⁻¹ = W + W·C·H̃⁻¹,
+//!
+//! with C = Σ_t (x_t − x̃_t)·x̃_tᵀ and H̃ = Σ_t x̃_t·x̃_tᵀ (both scaled as [`Hessian::matrix`]). So
+//! GPTQ runs unchanged on W* against H̃. H̃ is damped as GPTQ damps it, which keeps W* near W
+//! where X̃ carries little energy.
+
+use faer::Mat;
+use rayon::prelude::*;
+
+use super::Hessian;
+use crate::kernels::par::ColumnsOut;
+
+/// Tokens per f32 GEMM before folding into the f64 sum (as [`Hessian`]).
+const CHUNK: usize = 1024;
+/// Rows of C per job.
+const BLOCK: usize = 512;
+
+/// Σ_t (x_t − x̃_t)·x̃_tᵀ over calibration tokens, `[k, k]` row-major.
+#[derive(Clone)]
+pub struct CrossMoment {
+    k: usize,
+    sum: Vec<f64>,
+    tokens: usize,
+}
+
+impl CrossMoment {
+    pub fn new(k: usize) -> Self {
+        CrossMoment {
+            k,
+            sum: vec![0.0; k * k],
+            tokens: 0,
+        }
+    }
+
+    /// Add `m` rows of the quantized model's input `xq` and the float model's `xf` (`[m, k]`).
+    pub fn add(&mut self, xq: &[f32], xf: &[f32], m: usize) {
+        let k = self.k;
+        assert_eq!((xq.len(), xf.len()), (m * k, m * k));
+        let mut part = vec![0f32; k * k];
+        let mut delta = vec![0f32; CHUNK.min(m) * k];
+        for (q, f) in xq.chunks(CHUNK * k).zip(xf.chunks(CHUNK * k)) {
+            let t = q.len() / k;
+            let d = &mut delta[..t * k];
+            d.iter_mut()
+                .zip(f.iter().zip(q))
+                .for_each(|(d, (f, q))| *d = f - q);
+            let d: &[f32] = d;
+            let out = ColumnsOut::new(&mut part, k, k);
+            (0..k.div_ceil(BLOCK)).into_par_iter().for_each(|bi| {
+                let r0 = bi * BLOCK;
+                let rows = (k - r0).min(BLOCK);
+                // SAFETY: lhs = columns r0.. of d transposed ([rows, t]: rs 1, cs k); rhs = q
+                // ([t, k]: rs k, cs 1); dst = rows r0.. of part (row stride k), written by this
+                // job alone. Every index stays inside the buffers.
+                unsafe {
+                    gemm::gemm(
+                        rows,
+                        k,
+                        t,
+                        out.ptr_at(r0, 0),
+                        1,
+                        k as isize,
+                        false,
+                        d.as_ptr().add(r0),
+                        k as isize,
+                        1,
+                        q.as_ptr(),
+                        1,
+                        k as isize,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            });
+            self.sum
+                .par_iter_mut()
+                .zip(part.par_iter())
+                .for_each(|(s, p)| *s += *p as f64);
+        }
+        self.tokens += m;
+    }
+
+    /// C scaled like [`Hessian::matrix`] (2/n), f32 row-major.
+    fn matrix_f32(&self) -> Vec<f32> {
+        let s = 2.0 / self.tokens.max(1) as f64;
+        self.sum.par_iter().map(|v| (v * s) as f32).collect()
+    }
+}
+
+/// The damped H̃ factored once, for every linear that reads the same input. In f32 like GPTQ's own
+/// factor (docs/QUANTIZE.md): W* differs from W by a correction term, and a failed factorisation
+/// only means more damping.
+pub struct FloatOutputTarget {
+    k: usize,
+    /// C, row-major `[k, k]`.
+    c: Vec<f32>,
+    /// Lower Cholesky factor of H̃ + λ·I, column-major.
+    l: Vec<f32>,
+}
+
+impl FloatOutputTarget {
+    /// Factor H̃ + λ·I, λ = `damp` × mean diag(H̃), raised ×10 while the factorisation fails
+    /// (as GPTQ raises its own damping).
+    pub fn new(h: &Hessian, cross: &CrossMoment, damp: f64) -> Option<Self> {
+        use faer::dyn_stack::{MemBuffer, MemStack};
+        use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
+        let k = h.dim();
+        assert_eq!(k, cross.k);
+        let inv_t = 1.0 / h.tokens().max(1) as f64;
+        let mean = (0..k).map(|i| h.upper(i, i) * inv_t).sum::<f64>() / k.max(1) as f64;
+        let mut lambda = damp * mean.max(f64::MIN_POSITIVE);
+        let par = faer::get_global_parallelism();
+        for _ in 0..6 {
+            // Column j, rows i ≥ j: H̃[j, i] (symmetric) + λ on the diagonal.
+            let mut l = vec![0f32; k * k];
+            l.par_chunks_mut(k).enumerate().for_each(|(j, col)| {
+                for (i, v) in col.iter_mut().enumerate().skip(j) {
+                    *v = (h.upper(j, i) * inv_t + if i == j { lambda } else { 0.0 }) as f32;
+                }
+            });
+            let mut mem =
+                MemBuffer::new(cholesky_in_place_scratch::<f32>(k, par, Default::default()));
+            let ok = cholesky_in_place(
+                faer::MatMut::from_column_major_slice_mut(&mut l, k, k),
+                Default::default(),
+                par,
+                MemStack::new(&mut mem),
+                Default::default(),
+            )
+            .is_ok();
+            if ok && l.par_iter().all(|v| v.is_finite()) {
+                // The solves below read the lower triangle only.
+                return Some(FloatOutputTarget {
+                    k,
+                    c: cross.matrix_f32(),
+                    l,
+                });
+            }
+            lambda *= 10.0;
+        }
+        None
+    }
+
+    /// W* = W + W·C·H̃⁻¹ for a row-major `[n, k]` weight.
+    pub fn apply(&self, w: &[f32], n: usize) -> Vec<f32> {
+        use faer::linalg::triangular_solve::{
+            solve_lower_triangular_in_place, solve_upper_triangular_in_place,
+        };
+        let k = self.k;
+        let wm = faer::MatRef::from_row_major_slice(w, n, k);
+        let cm = faer::MatRef::from_row_major_slice(&self.c, k, k);
+        // (W·C·H̃⁻¹)ᵀ = H̃⁻¹·(W·C)ᵀ, H̃ symmetric: L·Lᵀ·Z = (W·C)ᵀ.
+        let mut z: Mat<f32> = (wm * cm).transpose().to_owned();
+        let l = faer::MatRef::from_column_major_slice(&self.l, k, k);
+        let par = faer::get_global_parallelism();
+        solve_lower_triangular_in_place(l, z.as_mut(), par);
+        solve_upper_triangular_in_place(l.transpose(), z.as_mut(), par);
+        let mut out = w.to_vec();
+        out.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v += z[(j, i)];
+            }
+        });
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn rows(rng: &mut impl Rng, m: usize, k: usize) -> Vec<f32> {
+        (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect()
+    }
+
+    #[test]
+    fn the_same_input_leaves_the_weight_alone() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let (m, k, n) = (300, 24, 5);
+        let x = rows(&mut rng, m, k);
+        let w = rows(&mut rng, n, k);
+        let mut h = Hessian::new(k);
+        h.add(&x, m);
+        let mut c = CrossMoment::new(k);
+        c.add(&x, &x, m);
+        let t = FloatOutputTarget::new(&h, &c, 0.01).unwrap();
+        assert_eq!(t.apply(&w, n), w);
+    }
+
+    /// Without damping W* is the least-squares solution: the residual W·X − W*·X̃ is orthogonal
+    /// to X̃ (normal equations), checked against sums taken here in f64.
+    #[test]
+    fn the_target_solves_the_normal_equations() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        // More tokens than a GEMM chunk and more inputs than a block: every path is taken.
+        let (m, k, n) = (CHUNK + 300, BLOCK + 9, 3);
+        let xf = rows(&mut rng, m, k);
+        let xq: Vec<f32> = xf
+            .iter()
+            .map(|v| v + 0.05 * rng.random_range(-1.0f32..1.0))
+            .collect();
+        let w = rows(&mut rng, n, k);
+        let mut h = Hessian::new(k);
+        h.add(&xq, m);
+        let mut c = CrossMoment::new(k);
+        c.add(&xq, &xf, m);
+        let t = FloatOutputTarget::new(&h, &c, 1e-9).unwrap();
+        let ws = t.apply(&w, n);
+        let dot = |a: &[f32], b: &[f32]| -> f64 {
+            a.iter().zip(b).map(|(a, b)| *a as f64 * *b as f64).sum()
+        };
+        // The largest |g_j|, g_j = Σ_t (w·x_t − v·x̃_t) · x̃_tj, over every row of `v`.
+        let gradient = |v: &[f32]| -> f64 {
+            let mut worst = 0f64;
+            for i in 0..n {
+                let (wi, vi) = (&w[i * k..(i + 1) * k], &v[i * k..(i + 1) * k]);
+                let mut g = vec![0f64; k];
+                for tk in 0..m {
+                    let (f, q) = (&xf[tk * k..(tk + 1) * k], &xq[tk * k..(tk + 1) * k]);
+                    let r = dot(wi, f) - dot(vi, q);
+                    g.iter_mut().zip(q).for_each(|(g, q)| *g += r * *q as f64);
+                }
+                worst = g.iter().fold(worst, |a, v| a.max(v.abs()));
+            }
+            worst
+        };
+        let (at_target, at_w) = (gradient(&ws), gradient(&w));
+        // f32 GEMM chunks and f32 weights: the normal equations hold to well under 1 % of the
+        // gradient W itself leaves.
+        assert!(at_target < 1e-3 * at_w, "{at_target} vs {at_w}");
+    }
+}
