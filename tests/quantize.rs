@@ -9,7 +9,7 @@ use spark_tool::device::WeightFormat;
 use spark_tool::formats::gptq::{unpack_qweight, QZEROS_V1_SYM};
 use spark_tool::quant::Order;
 use spark_tool::quantize::{
-    calibration, quantize, Method, QuantReport, QuantizeError, QuantizeOptions,
+    calibration, quantize, Method, Objective, QuantReport, QuantizeError, QuantizeOptions,
 };
 use spark_tool::setting::Setting;
 
@@ -216,6 +216,45 @@ fn baseline_methods_write_their_own_weights() {
         errors[1],
         errors[0]
     );
+}
+
+#[test]
+fn the_float_output_objective_corrects_only_where_the_inputs_differ() {
+    let d = tempfile::tempdir().unwrap();
+    let run = |objective, method, name: &str| {
+        let out = d.path().join(name);
+        let mut o = opts(&out, WeightFormat::W4A16, 64);
+        (o.objective, o.method, o.compare) = (objective, method, false);
+        (quantize(&o).unwrap(), out)
+    };
+    let (qi, qi_dir) = run(Objective::QuantizedInput, Method::GptqSearch, "qi");
+    let (fo, fo_dir) = run(Objective::FloatOutput, Method::GptqSearch, "fo");
+    assert_eq!(
+        (qi.objective, fo.objective),
+        (Objective::QuantizedInput, Objective::FloatOutput)
+    );
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fo_dir.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        cfg["quantization_config"]["meta"]["spark_tool"]["objective"],
+        "float-output"
+    );
+    let (a, b) = (
+        TensorStore::open_file(&qi_dir.join("model.safetensors")).unwrap(),
+        TensorStore::open_file(&fo_dir.join("model.safetensors")).unwrap(),
+    );
+    let codes = |s: &TensorStore, p: &str| i32s(s, &format!("model.layers.{p}.qweight"));
+    // Layer 0's q/k/v read the embedding in both models: X̃ = X, C = 0, W* = W exactly.
+    assert_eq!(
+        codes(&a, "0.self_attn.q_k_v_proj"),
+        codes(&b, "0.self_attn.q_k_v_proj")
+    );
+    // Above, the quantized model's input differs from the float one, and W* corrects for it.
+    assert_ne!(codes(&a, "5.mlp.down_proj"), codes(&b, "5.mlp.down_proj"));
+    // RTN rounds W itself: it has no objective to follow.
+    let (rtn, _) = run(Objective::FloatOutput, Method::Rtn, "rtn");
+    assert_eq!(rtn.objective, Objective::QuantizedInput);
 }
 
 #[test]

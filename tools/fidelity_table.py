@@ -48,7 +48,7 @@ TESTBEDS = {
 # (row label, quantize flags)
 QI = ["--objective", "quantized-input"]
 RECIPES = {
-    "rtn": ["--method", "rtn"],
+    "rtn": ["--method", "rtn"],  # RTN has no objective: it rounds W itself
     "gptq": ["--method", "gptq", "--order", "natural", *QI],
     "gptq-search": ["--method", "gptq-search", "--order", "natural", *QI],
     "gptq-search act-static": ["--method", "gptq-search", "--order", "act-static", *QI],

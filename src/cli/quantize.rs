@@ -164,10 +164,11 @@ pub struct QuantizeArgs {
     #[arg(long, default_value_t = 0)]
     refit_rounds: usize,
     /// What each linear is solved to reproduce: the float model's output from the quantized
-    /// model's input (GPTAQ, measured best: docs/FIDELITY.md), or the output of that input
-    /// (classic GPTQ).
-    #[arg(long, value_enum, default_value = "float-output")]
-    objective: ObjectiveArg,
+    /// model's input (GPTAQ), or the output of that input (classic GPTQ). Default: float-output for
+    /// GPTQ checkpoints (measured best, docs/FIDELITY.md); quantized-input for GGUF, whose
+    /// comparison with llama.cpp (docs/GGUF.md) was measured with it.
+    #[arg(long, value_enum)]
+    objective: Option<ObjectiveArg>,
     #[arg(long, value_enum, default_value = "speed")]
     priority: PriorityArg,
     #[arg(long, value_enum, default_value = "auto")]
@@ -250,9 +251,9 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             OrderArg::ActStatic => Order::ActStatic,
         },
         refit_rounds: a.refit_rounds,
-        objective: match a.objective {
-            ObjectiveArg::FloatOutput => Objective::FloatOutput,
-            ObjectiveArg::QuantizedInput => Objective::QuantizedInput,
+        objective: match (a.objective, gguf) {
+            (Some(ObjectiveArg::FloatOutput), _) | (None, None) => Objective::FloatOutput,
+            (Some(ObjectiveArg::QuantizedInput), _) | (None, Some(_)) => Objective::QuantizedInput,
         },
         path,
         calibration: if a.calibration.is_empty() {

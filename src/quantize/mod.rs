@@ -115,6 +115,15 @@ impl QuantizeOptions {
         self.quantize_head || self.gguf.is_some()
     }
 
+    /// The objective in effect: RTN rounds W itself and reads no calibration, so it has none
+    /// but the plain one.
+    pub fn effective_objective(&self) -> Objective {
+        match self.method {
+            Method::Rtn => Objective::QuantizedInput,
+            Method::Gptq | Method::GptqSearch => self.objective,
+        }
+    }
+
     /// The projections of a layer that are quantized: GGUF quantizes the head gate `g_proj`
     /// too, as llama.cpp does; a GPTQ checkpoint keeps it 16-bit.
     pub fn projs(&self) -> &'static [Proj] {
@@ -1050,7 +1059,7 @@ fn run(
         opts.samples.saturating_mul(opts.seq_len),
         widened,
         opts.solves_head(),
-        opts.objective == Objective::FloatOutput,
+        opts.effective_objective() == Objective::FloatOutput,
     );
     let have = crate::resources::memory_budget().map(|b| b.min(u64::MAX as u128) as u64);
     if opts.progress {
@@ -1086,7 +1095,7 @@ fn run(
         None
     };
 
-    let float_output = opts.objective == Objective::FloatOutput;
+    let float_output = opts.effective_objective() == Objective::FloatOutput;
     // `xf`: the float model's residual stream, beside the quantized model's `x`.
     let (mut x, mut xf, first, mut reports, resumed_from_layer) = match state {
         // The finished layers' output is in `x`; they never run again.
@@ -1110,9 +1119,9 @@ fn run(
     };
     if float_output != xf.is_some() {
         return Err(QuantizeError::Invalid(format!(
-            "{}: the saved state has no float residual stream for {:?}; run without {} to start over",
+            "{}: the saved state does not match objective {:?}; run without {} to start over",
             opts.out_dir.display(),
-            opts.objective,
+            opts.effective_objective(),
             crate::setting::Setting::Resume
         )));
     }
@@ -1173,7 +1182,7 @@ fn run(
         scale_rule: opts.method.scale_rule(),
         order: opts.order,
         refit_rounds: opts.refit_rounds,
-        objective: opts.objective,
+        objective: opts.effective_objective(),
         qkv_layout: opts.qkv_layout,
         quantize_head: opts.quantize_head,
         path: opts.path.clone(),

@@ -109,7 +109,7 @@ pub fn settings_fingerprint(
         opts.method,
         opts.order,
         opts.refit_rounds,
-        opts.objective,
+        opts.effective_objective(),
         opts.gguf
     ));
     Ok(format!("{:x}", h.finalize()))
