@@ -56,6 +56,8 @@ RECIPES = {
     # The default since 2026-12-02: the float model's output as each linear's target (GPTAQ).
     "gptq-search act-static float-output": ["--method", "gptq-search", "--order", "act-static",
                                             "--objective", "float-output"],
+    "gptq-search act-static float-output refit1": ["--method", "gptq-search", "--order", "act-static",
+                                                   "--objective", "float-output", "--refit-rounds", "1"],
 }
 METRICS = ["kl_mean", "kl_p99", "top1", "top5", "greedy_identical", "ppl_ratio"]
 
