@@ -605,7 +605,8 @@ struct LayerSolve<'a> {
 impl LayerSolve<'_> {
     /// One true-sequential step: the projections `projs` of `layer`, which all read `input`
     /// (`[rows, K]`), are quantized against its Hessian and installed, so that later stages
-    /// see the deployed numerics.
+    /// see the deployed numerics. With `input_fp` (the float model's input of the same stage,
+    /// float-output objective) each is solved for the W* that reproduces the float output.
     fn step(
         &mut self,
         layer: &mut DecoderLayer,
@@ -641,7 +642,7 @@ impl LayerSolve<'_> {
             });
             let target = target.ok_or_else(|| {
                 QuantizeError::Invalid(format!(
-                    "layer {}: the Hessian of {} stays singular under damping; try {}",
+                    "layer {}: the Hessian of {} stays singular with its damping raised 10⁵-fold; raise {}",
                     self.li,
                     names.join("+"),
                     crate::setting::Setting::Damp
