@@ -675,6 +675,7 @@ impl Output {
             "method": report.method,
             "scale_rule": report.scale_rule,
             "order": report.order,
+            "objective": report.objective,
             "calibration_sha256": report.calibration_sha256,
             "samples": report.samples,
             "seq_len": report.seq_len,
