@@ -14,13 +14,9 @@
 use faer::Mat;
 use rayon::prelude::*;
 
+use super::hessian::{at_b_block, BLOCK, CHUNK};
 use super::Hessian;
 use crate::kernels::par::ColumnsOut;
-
-/// Tokens per f32 GEMM before folding into the f64 sum (as [`Hessian`]).
-const CHUNK: usize = 1024;
-/// Rows of C per job.
-const BLOCK: usize = 512;
 
 /// Σ_t (x_t − x̃_t)·x̃_tᵀ over calibration tokens, `[k, k]` row-major.
 #[derive(Clone)]
@@ -56,32 +52,9 @@ impl CrossMoment {
             (0..k.div_ceil(BLOCK)).into_par_iter().for_each(|bi| {
                 let r0 = bi * BLOCK;
                 let rows = (k - r0).min(BLOCK);
-                // SAFETY: lhs = columns r0.. of d transposed ([rows, t]: rs 1, cs k); rhs = q
-                // ([t, k]: rs k, cs 1); dst = rows r0.. of part (row stride k), written by this
-                // job alone. Every index stays inside the buffers.
-                unsafe {
-                    gemm::gemm(
-                        rows,
-                        k,
-                        t,
-                        out.ptr_at(r0, 0),
-                        1,
-                        k as isize,
-                        false,
-                        d.as_ptr().add(r0),
-                        k as isize,
-                        1,
-                        q.as_ptr(),
-                        1,
-                        k as isize,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+                // SAFETY: d and q hold t × k values; rows r0.. of part are written by this
+                // job alone.
+                unsafe { at_b_block(&out, (r0, rows), (0, k), d, q, t, k, 1.0) };
             });
             self.sum
                 .par_iter_mut()

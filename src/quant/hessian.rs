@@ -17,10 +17,55 @@ pub struct Hessian {
 }
 
 /// Tokens per f32 GEMM before folding into the f64 sum.
-const CHUNK: usize = 1024;
+pub(crate) const CHUNK: usize = 1024;
 
 /// Side of the square blocks of H computed as separate GEMMs.
-const BLOCK: usize = 512;
+pub(crate) const BLOCK: usize = 512;
+
+/// One block of `beta · aᵀ·b` for `t` rows of `a` and `b` (`[t, k]`, row-major): rows `r0..r0 +
+/// rows` (columns of `a`) and columns `c0..c0 + cols` (columns of `b`) of the `[k, k]` result,
+/// written into `out` at the same place.
+///
+/// # Safety
+/// `a` and `b` hold at least `t × k` values, the block lies inside `out` (`[k, k]`), and no other
+/// job writes it at the same time.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn at_b_block(
+    out: &ColumnsOut,
+    (r0, rows): (usize, usize),
+    (c0, cols): (usize, usize),
+    a: &[f32],
+    b: &[f32],
+    t: usize,
+    k: usize,
+    beta: f32,
+) {
+    // lhs = columns r0.. of a, transposed ([rows, t]: rs 1, cs k); rhs = columns c0.. of b
+    // ([t, cols]: rs k, cs 1); dst = the block at (r0, c0) (row stride k).
+    unsafe {
+        gemm::gemm(
+            rows,
+            cols,
+            t,
+            out.ptr_at(r0, c0),
+            1,
+            k as isize,
+            false,
+            a.as_ptr().add(r0),
+            k as isize,
+            1,
+            b.as_ptr().add(c0),
+            1,
+            k as isize,
+            0.0,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
 
 impl Hessian {
     pub fn new(k: usize) -> Self {
@@ -65,33 +110,9 @@ impl Hessian {
             pairs.par_iter().for_each(|&(bi, bj)| {
                 let (r0, c0) = (bi * BLOCK, bj * BLOCK);
                 let (rows, cols) = ((k - r0).min(BLOCK), (k - c0).min(BLOCK));
-                // SAFETY: lhs = columns r0.. of chunk, transposed ([rows, t]: rs 1,
-                // cs k); rhs = columns c0.. of chunk ([t, cols]: rs k, cs 1); dst =
-                // the block at (r0, c0) of part (row stride k), which only this job
-                // writes. Every index stays inside the buffers.
-                unsafe {
-                    gemm::gemm(
-                        rows,
-                        cols,
-                        t,
-                        out.ptr_at(r0, c0),
-                        1,
-                        k as isize,
-                        false,
-                        chunk.as_ptr().add(r0),
-                        k as isize,
-                        1,
-                        chunk.as_ptr().add(c0),
-                        1,
-                        k as isize,
-                        0.0,
-                        2.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+                // SAFETY: chunk holds t × k values; the block at (r0, c0) of part is
+                // written by this job alone.
+                unsafe { at_b_block(&out, (r0, rows), (c0, cols), chunk, chunk, t, k, 2.0) };
             });
             // Fold the upper triangle (j ≥ i) into the f64 sum.
             self.sum

@@ -578,7 +578,9 @@ fn act_rounding_error(x: &[f32], m: usize, w: &[f32], written: &dyn Linear) -> f
     }
     let sq = |y: Vec<f32>| y.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>();
     let num = sq(written.project(&dx, m));
-    let den = sq(DenseLinear::new(w.to_vec().into(), n, k).project(x, m));
+    let mut y = vec![0f32; m * n];
+    crate::kernels::matmul().matmul_nt(x, m, k, w, n, &mut y);
+    let den = sq(y);
     if den > 0.0 {
         num / den
     } else {
@@ -1055,12 +1057,13 @@ fn run(
         .filter(|e| e.dtype != safetensors::Dtype::BF16)
         .map(|e| e.numel() as u64 * 4)
         .sum();
+    let float_output = opts.effective_objective() == Objective::FloatOutput;
     let memory_plan = plan::MemoryPlan::new(
         &ck.config,
         opts.samples.saturating_mul(opts.seq_len),
         widened,
         opts.solves_head(),
-        opts.effective_objective() == Objective::FloatOutput,
+        float_output,
     );
     let have = crate::resources::memory_budget().map(|b| b.min(u64::MAX as u128) as u64);
     if opts.progress {
@@ -1096,7 +1099,6 @@ fn run(
         None
     };
 
-    let float_output = opts.effective_objective() == Objective::FloatOutput;
     // `xf`: the float model's residual stream, beside the quantized model's `x`.
     let (mut x, mut xf, first, mut reports, resumed_from_layer) = match state {
         // The finished layers' output is in `x`; they never run again.
