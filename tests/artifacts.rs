@@ -42,6 +42,7 @@ fn eopts() -> ExportOptions {
         calib_samples: 1,
         calib_seq_len: 16,
         range_margin: 2.0,
+        calibrator: spark_tool::export::Calibrator::Native,
         force: true,
         force_memory: false,
         progress: false,

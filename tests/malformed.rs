@@ -1424,7 +1424,7 @@ fn resource_cases() -> Vec<Case> {
             .names([
                 "memory plan needs",
                 "1.0 MB is available",
-                "--parts",
+                "--calib-samples",
                 "--force-memory",
             ]),
     );

@@ -320,3 +320,14 @@ fn calibrating_part_by_part_gives_the_ranges_of_the_whole_graph() {
         assert_eq!(a[k], b[k], "{k}");
     }
 }
+
+#[test]
+fn native_calibration_gives_the_ranges_of_onnxruntime_stepping_the_float_graph() {
+    // Two parts (the hand-over tensors), windows longer than the sliding window (its ring wraps),
+    // and a context the windows fill (the full layers' caches end full, with no unwritten slot).
+    let mut o = options(Precision::W8A16, 96);
+    o.parts = 2;
+    o.calib_samples = 3;
+    o.calib_seq_len = 200;
+    common::assert_calibrators_agree(&common::fixture("spark-tiny"), o);
+}

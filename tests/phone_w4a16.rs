@@ -313,3 +313,14 @@ fn checkpoints_qnn_would_misread_are_refused_and_nothing_is_written() {
     assert!(e.contains("force") || e.contains("not"), "{e}");
     assert!(user.path().join("keep.txt").is_file());
 }
+
+#[test]
+fn native_calibration_of_the_lpbq_graph_matches_onnxruntime() {
+    // GPTQ weights dequantized from LPBQ, norms as their own Mul: the graph's constants.
+    let mut o = options();
+    o.parts = 2;
+    o.calib_samples = 2;
+    o.calib_seq_len = 128;
+    o.context = 256;
+    common::assert_calibrators_agree(&lpbq_checkpoint(), o);
+}

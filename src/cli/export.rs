@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
-use spark_tool::export::{export_phone, ExportOptions, Precision};
+use spark_tool::export::{export_phone, Calibrator, ExportOptions, Precision};
 use spark_tool::phone::QType;
 use spark_tool::setting::Setting;
 
@@ -14,6 +14,12 @@ enum PrecisionArg {
     W8a16,
     /// A GPTQ checkpoint's int4 codes as QNN LPBQ (from `quantize --target phone`), 16-bit activations.
     W4a16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CalibratorArg {
+    Native,
+    Onnxruntime,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -71,6 +77,11 @@ pub struct ExportArgs {
     /// spare, clipping unseen outliers costs more (measured in docs/PHONE_EXPORT.md).
     #[arg(long, default_value_t = 2.0, value_parser = range_margin)]
     range_margin: f32,
+    /// How activation ranges are measured: `native` evaluates the float graph's arithmetic over
+    /// all calibration tokens at once; `onnxruntime` steps the float graph token by token through
+    /// ONNX Runtime (the reference: same ranges to float rounding, much slower).
+    #[arg(long, value_enum, default_value = "native")]
+    calibrator: CalibratorArg,
     /// Replace OUT if it is a previous export of spark-tool (never anything else; docs/OUTPUTS.md).
     #[arg(long)]
     force: bool,
@@ -102,6 +113,10 @@ pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
         calib_samples: a.calib_samples,
         calib_seq_len: a.calib_seq_len,
         range_margin: a.range_margin,
+        calibrator: match a.calibrator {
+            CalibratorArg::Native => Calibrator::Native,
+            CalibratorArg::Onnxruntime => Calibrator::OnnxRuntime,
+        },
         force: a.force,
         force_memory: a.force_memory,
         progress: !a.quiet && !a.json,

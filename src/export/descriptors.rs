@@ -83,10 +83,7 @@ pub(super) fn build_manifest(
         .map(|c| 2 * c.key_shape.iter().product::<usize>() as u64 * kv_elem as u64)
         .sum();
     let all_full = (cfg.num_hidden_layers * 2 * kvh * hd * (opts.context - 1) * kv_elem) as u64;
-    let mask_value = match opts.precision {
-        Precision::F32 | Precision::F16 => -1000.0,
-        Precision::W8A16 | Precision::W4A16 => -50.0,
-    };
+    let mask_value = mask_value(opts.precision);
     Manifest {
         format: manifest::FORMAT.into(),
         version: 1,
@@ -210,4 +207,13 @@ pub(super) fn aimet_encodings(
             "offset": vec![-128; s.len()],
         })).chain(lpbq_entries).collect::<Vec<_>>(),
     })
+}
+
+/// The additive mask of a masked slot: deep enough that its softmax weight is nil, and for the
+/// quantized graphs shallow enough that the mask's 16-bit grid keeps resolution near 0.
+pub(super) fn mask_value(p: Precision) -> f32 {
+    match p {
+        Precision::F32 | Precision::F16 => -1000.0,
+        Precision::W8A16 | Precision::W4A16 => -50.0,
+    }
 }

@@ -8,6 +8,8 @@
 //! artifact and a replace only ever removes a previous export.
 
 mod calibrate;
+
+pub use calibrate::Calibrator;
 mod descriptors;
 pub mod graph;
 pub mod lpbq;
@@ -60,6 +62,8 @@ pub struct ExportOptions {
     pub calib_seq_len: usize,
     /// Calibrated activation ranges are widened by this factor (≥ 1).
     pub range_margin: f32,
+    /// How the activation ranges are measured (native unless checking against ONNX Runtime).
+    pub calibrator: Calibrator,
     pub force: bool,
     /// Run even when the memory plan exceeds the available memory.
     pub force_memory: bool,
@@ -176,8 +180,9 @@ fn copy_side_files(ck: &Checkpoint, dir: &Path) -> Result<(), ExportError> {
 
 /// The private memory of an export at its peak, printed and checked before any work: the
 /// host KV caches, masks and cos/sin of the full context with ONNX Runtime's copies of them,
-/// and for w8a16 the f32 weights of the largest part, which calibration holds in ONNX Runtime
-/// (one part at a time), beside the residual stream of every calibration token.
+/// and for w8a16/w4a16 the residual stream of every calibration token beside what the
+/// calibrator holds: one layer's f32 weights and one chunk's activations (native), or the f32
+/// weights of the largest part in ONNX Runtime (one part at a time).
 fn plan_memory(
     cfg: &crate::checkpoint::SparkConfig,
     opts: &ExportOptions,
@@ -187,13 +192,19 @@ fn plan_memory(
     let host = 3 * crate::resources::kv_cache_bytes(cfg, opts.context)
         + opts.context as u128 * (2 * rot + 4) * 4 * 2;
     let (part, streams) = if opts.precision.quantized() {
-        let largest = graph::plan_parts(cfg, opts.parts)
-            .iter()
-            .map(|p| p.params(cfg))
-            .max()
-            .unwrap_or(0) as u128;
+        let calibrator = match opts.calibrator {
+            Calibrator::Native => calibrate::native_plan_bytes(cfg, opts),
+            Calibrator::OnnxRuntime => {
+                graph::plan_parts(cfg, opts.parts)
+                    .iter()
+                    .map(|p| p.params(cfg))
+                    .max()
+                    .unwrap_or(0) as u128
+                    * 4
+            }
+        };
         let tokens = opts.calib_samples as u128 * opts.calib_seq_len.min(opts.context) as u128;
-        (largest * 4, 2 * tokens * cfg.hidden_size as u128 * 4)
+        (calibrator, 2 * tokens * cfg.hidden_size as u128 * 4)
     } else {
         (0, 0)
     };
@@ -202,31 +213,42 @@ fn plan_memory(
     let have = crate::resources::memory_budget();
     if opts.progress {
         eprintln!(
-            "memory plan: {} private at the peak (KV caches and host inputs {}, largest part in f32 {}, \
+            "memory plan: {} private at the peak (KV caches and host inputs {}, calibration {}, \
              calibration stream {}, other {}){}",
             human(need),
             human(host),
             human(part),
             human(streams),
             human(fixed),
-            have.map(|h| format!("; {} available", human(h))).unwrap_or_default()
+            have.map(|h| format!("; {} available", human(h)))
+                .unwrap_or_default()
         );
     }
     match have {
-        Some(have) if need > have && !opts.force_memory => Err(ExportError::Invalid(format!(
-            "the memory plan needs {} ({} for the KV caches and host inputs of {} {}, {} for the largest \
-             part's f32 weights during calibration), but {} is available — lower {}, raise {}, or pass {} \
-             to run anyway",
-            human(need),
-            human(host),
-            crate::setting::Setting::Context,
-            opts.context,
-            human(part),
-            human(have),
-            crate::setting::Setting::Context,
-            crate::setting::Setting::Parts,
-            crate::setting::Setting::ForceMemory
-        ))),
+        Some(have) if need > have && !opts.force_memory => {
+            use crate::setting::Setting;
+            // What bounds calibration: the chunked native pass holds the calibration stream,
+            // ONNX Runtime the largest part.
+            let calibration = match opts.calibrator {
+                Calibrator::Native => format!("{} or {}", Setting::Samples, Setting::SeqLen),
+                Calibrator::OnnxRuntime => format!("raise {}", Setting::Parts),
+            };
+            Err(ExportError::Invalid(format!(
+                "the memory plan needs {} ({} for the KV caches and host inputs of {} {}, {} for \
+                 calibration and {} for its stream), but {} is available — lower {}, {}, or pass {} \
+                 to run anyway",
+                human(need),
+                human(host),
+                Setting::Context,
+                opts.context,
+                human(part),
+                human(streams),
+                human(have),
+                Setting::Context,
+                calibration,
+                Setting::ForceMemory
+            )))
+        }
         _ => Ok(()),
     }
 }

@@ -3,6 +3,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use rayon::prelude::*;
+
 use super::graph::{Repr, WeightSpec};
 use super::lpbq::Lpbq;
 use super::onnx::{self, DType, Graph, TensorInfo};
@@ -20,6 +22,73 @@ pub(super) struct WeightReader<'a> {
     pub(super) lpbq: BTreeMap<String, LpbqEncoding>,
     /// The GPTQ linear last decoded (its three initializers are resolved one after another).
     last: Option<(String, std::ops::Range<usize>, u32, Lpbq)>,
+    /// The scales of the int8 weight last written, for its scales initializer.
+    last_q8: Option<(Q8Key, Vec<f32>)>,
+}
+
+/// What determines an int8 weight's values: tensor, rows, folded norm, multiplier.
+type Q8Key = (String, std::ops::Range<usize>, Option<String>, u32);
+
+fn q8_key(s: &WeightSpec) -> Q8Key {
+    (
+        s.tensor.clone(),
+        s.rows.clone(),
+        s.fold.clone(),
+        s.mul.to_bits(),
+    )
+}
+
+/// Symmetric int8 per output channel of an `[N, K]` matrix: codes `[N, K]` in −127…127 and the
+/// scales (absmax / 127, 1 for an all-zero channel).
+fn quantize_q8(m: &[f32], k: usize) -> (Vec<i8>, Vec<f32>) {
+    let n = m.len() / k;
+    let mut q = vec![0i8; n * k];
+    let mut sc = vec![0f32; n];
+    q.par_chunks_mut(k)
+        .zip(sc.par_iter_mut())
+        .zip(m.par_chunks(k))
+        .for_each(|((q, s), row)| {
+            let a = row.iter().fold(0f32, |a, v| a.max(v.abs()));
+            *s = if a > 0.0 { a / 127.0 } else { 1.0 };
+            for (q, v) in q.iter_mut().zip(row) {
+                *q = round_ties_even_small((v / *s).clamp(-127.0, 127.0)) as i8;
+            }
+        });
+    (q, sc)
+}
+
+/// `x.round_ties_even()` for |x| ≤ 2²²: adding 1.5·2²³ leaves no fraction bits, so the
+/// hardware's round-to-nearest-even does the rounding (and without SSE4.1 in the baseline target
+/// `round_ties_even` is a libm call per value). NaN stays NaN.
+#[inline]
+fn round_ties_even_small(x: f32) -> f32 {
+    const M: f32 = 12_582_912.0;
+    (x + M) - M
+}
+
+/// `[rows, cols]` → `[cols, rows]`, 64 output rows per parallel job.
+pub(super) fn transpose<T: Copy + Default + Send + Sync>(
+    src: &[T],
+    rows: usize,
+    cols: usize,
+) -> Vec<T> {
+    assert_eq!(src.len(), rows * cols);
+    let mut out = vec![T::default(); rows * cols];
+    if rows == 0 || cols == 0 {
+        return out;
+    }
+    out.par_chunks_mut(64 * rows)
+        .enumerate()
+        .for_each(|(b, block)| {
+            let c0 = b * 64;
+            let nc = block.len() / rows;
+            for r in 0..rows {
+                for (c, v) in src[r * cols + c0..r * cols + c0 + nc].iter().enumerate() {
+                    block[c * rows + r] = *v;
+                }
+            }
+        });
+    out
 }
 
 /// What AIMET's `.encodings` says of one LPBQ weight.
@@ -45,6 +114,7 @@ impl<'a> WeightReader<'a> {
             scales: BTreeMap::new(),
             lpbq: BTreeMap::new(),
             last: None,
+            last_q8: None,
         }
     }
 
@@ -72,8 +142,17 @@ impl<'a> WeightReader<'a> {
         if s.gptq_group.is_some() {
             return Ok(self.lpbq_of(s)?.dequantize());
         }
+        Ok(transpose(&self.matrix_nk(s)?, s.rows.len(), s.k))
+    }
+
+    /// The same weight as `[N, K]`: each output channel's row as the checkpoint stores it.
+    pub(super) fn matrix_nk(&mut self, s: &WeightSpec) -> Result<Vec<f32>, CheckpointError> {
+        if s.gptq_group.is_some() {
+            let d = self.lpbq_of(s)?.dequantize();
+            return Ok(transpose(&d, s.k, s.rows.len()));
+        }
         let e = self.ck.entry(&s.tensor)?;
-        let w = self.ck.store.rows_to_f32(e, s.rows.start, s.rows.end)?;
+        let mut w = self.ck.store.rows_to_f32(e, s.rows.start, s.rows.end)?;
         let fold = match &s.fold {
             Some(f) => {
                 if !self.norms.contains_key(f) {
@@ -84,15 +163,12 @@ impl<'a> WeightReader<'a> {
             }
             None => None,
         };
-        let (n, k) = (s.rows.len(), s.k);
-        let mut out = vec![0f32; k * n];
-        for j in 0..n {
-            for kk in 0..k {
-                let f = fold.map_or(1.0, |f| f[kk]);
-                out[kk * n + j] = w[j * k + kk] * f * s.mul;
-            }
-        }
-        Ok(out)
+        let mul = s.mul;
+        w.par_chunks_mut(s.k).for_each(|row| match fold {
+            Some(f) => row.iter_mut().zip(f).for_each(|(v, f)| *v = *v * f * mul),
+            None => row.iter_mut().for_each(|v| *v *= mul),
+        });
+        Ok(w)
     }
 
     pub(super) fn resolve(
@@ -118,41 +194,29 @@ impl<'a> WeightReader<'a> {
             }
             _ => {}
         }
-        let m = self.matrix(s).map_err(io)?;
         let n = s.rows.len();
-        let scales = || -> Vec<f32> {
-            let mut absmax = vec![0f32; n];
-            for row in m.chunks_exact(n) {
-                for (a, v) in absmax.iter_mut().zip(row) {
-                    *a = a.max(v.abs());
-                }
-            }
-            absmax
-                .iter()
-                .map(|a| if *a > 0.0 { a / 127.0 } else { 1.0 })
-                .collect()
-        };
         Ok(match s.repr {
-            Repr::F32 => m.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Repr::F16 => m
-                .iter()
-                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                .collect(),
-            Repr::Q8 => {
-                let sc = scales();
-                m.chunks_exact(n)
-                    .flat_map(|row| {
-                        row.iter()
-                            .zip(&sc)
-                            .map(|(v, s)| {
-                                (v / s).round_ties_even().clamp(-127.0, 127.0) as i8 as u8
-                            })
-                            .collect::<Vec<u8>>()
-                    })
+            Repr::F32 => {
+                let m = self.matrix(s).map_err(io)?;
+                m.iter().flat_map(|v| v.to_le_bytes()).collect()
+            }
+            Repr::F16 => {
+                let m = self.matrix(s).map_err(io)?;
+                m.iter()
+                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
                     .collect()
             }
+            Repr::Q8 => {
+                let (q, sc) = quantize_q8(&self.matrix_nk(s).map_err(io)?, s.k);
+                // The scales initializer follows; it takes them from here.
+                self.last_q8 = Some((q8_key(s), sc));
+                transpose(&q, n, s.k).into_iter().map(|v| v as u8).collect()
+            }
             Repr::Q8Scale => {
-                let sc = scales();
+                let sc = match self.last_q8.take() {
+                    Some((key, sc)) if key == q8_key(s) => sc,
+                    _ => quantize_q8(&self.matrix_nk(s).map_err(io)?, s.k).1,
+                };
                 let bytes = sc.iter().flat_map(|v| v.to_le_bytes()).collect();
                 let weight = info.name.trim_end_matches("_scale").to_string();
                 self.scales.insert(weight, sc);
@@ -213,4 +277,43 @@ pub(super) fn half_weights(mut g: Graph<WeightSpec>) -> Graph<WeightSpec> {
     nodes.append(&mut g.nodes);
     g.nodes = nodes;
     g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_magic_rounding_is_round_ties_even_over_the_int8_range() {
+        let mut x = -130.0f32;
+        while x <= 130.0 {
+            for v in [x, x + 0.5, x - f32::EPSILON * x.abs(), x + 0.499_999_97] {
+                let c = v.clamp(-127.0, 127.0);
+                assert_eq!(round_ties_even_small(c), c.round_ties_even(), "{v}");
+            }
+            x += 0.25;
+        }
+        assert!(round_ties_even_small(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn transpose_moves_every_element_once() {
+        for (r, c) in [(1, 1), (3, 130), (130, 3), (64, 64), (65, 129)] {
+            let m: Vec<u32> = (0..(r * c) as u32).collect();
+            let t = transpose(&m, r, c);
+            for i in 0..r {
+                for j in 0..c {
+                    assert_eq!(t[j * r + i], m[i * c + j]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q8_codes_and_scales_are_per_output_channel() {
+        let m = [0.0, 0.0, 0.0, 1.0, -2.0, 0.5, 3.0, 0.03, -3.0];
+        let (q, s) = quantize_q8(&m, 3);
+        assert_eq!(s, vec![1.0, 2.0 / 127.0, 3.0 / 127.0]);
+        assert_eq!(q, vec![0, 0, 0, 64, -127, 32, 127, 1, -127]);
+    }
 }

@@ -1,26 +1,28 @@
-//! Activation ranges for w8a16, measured by driving the float graph over real text.
+//! The reference calibrator: the float graphs, every intermediate tensor an extra output, driven
+//! through ONNX Runtime over the calibration windows exactly as an app would (host caches, masks,
+//! cos/sin), one part at a time.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::graph::{self, PartPlan, WeightSpec};
-use super::onnx::{DType, Graph};
-use super::weights::WeightReader;
-use super::{descriptors, qdq, write_part, ExportError, ExportOptions};
+use super::super::graph::{PartPlan, WeightSpec};
+use super::super::onnx::{DType, Graph};
+use super::super::weights::WeightReader;
+use super::super::{descriptors, qdq, write_part, ExportError, ExportOptions};
 use crate::artifact::{self, io_err};
 use crate::checkpoint::Checkpoint;
 use crate::phone::manifest;
 use crate::phone::PhoneModel;
-use crate::quantize::calibration;
-use crate::tokenizer::SparkTokenizer;
+use crate::quantize::calibration::Windows;
 
 /// Ranges of every float tensor: write the float graphs with every
 /// intermediate tensor as an extra output, drive them over the calibration
 /// windows exactly as an app would (host caches, masks, cos/sin), record min/max.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn calibrate(
+pub(super) fn ranges(
     ck: &Checkpoint,
     opts: &ExportOptions,
+    windows: &Windows,
     stage: &Path,
     plans: &[PartPlan],
     graphs: &[Graph<WeightSpec>],
@@ -28,21 +30,6 @@ pub(super) fn calibrate(
     reader: &mut WeightReader,
     total_inits: usize,
 ) -> Result<qdq::Ranges, ExportError> {
-    let tok_path = ck.tokenizer_path().ok_or_else(|| {
-        ExportError::Calibration(format!(
-            "{} has no tokenizer.json; w8a16 needs real text to calibrate on",
-            ck.dir.display()
-        ))
-    })?;
-    let tok = SparkTokenizer::from_file(&tok_path).map_err(ExportError::CalibrationTokenizer)?;
-    let files = if opts.calibration.is_empty() {
-        vec![calibration::bundled()]
-    } else {
-        opts.calibration.clone()
-    };
-    let seq_len = opts.calib_seq_len.min(opts.context);
-    let windows = calibration::build(&files, &tok, opts.calib_samples, seq_len)
-        .map_err(ExportError::CalibrationText)?;
     let dir = stage.join("calibration-f32");
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
     let pb = artifact::progress_bar(opts.progress, total_inits as u64, "float graph");
@@ -78,7 +65,6 @@ pub(super) fn calibrate(
     // residual stream each part hands on is kept for every calibration token and fed to the
     // next part (samples · seq_len · hidden floats).
     let mut ranges = qdq::Ranges::default();
-    let mask_value = m.mask_value;
     let n_parts = m.parts.len();
     let hidden = ck.config.hidden_size;
     let pb = artifact::progress_bar(
@@ -114,23 +100,6 @@ pub(super) fn calibrate(
         streams = next;
     }
     pb.finish_and_clear();
-    // Inputs the host builds: masks span {mask, 0}, cos/sin [-1, 1]; the
-    // embedding range comes from the table itself.
-    for t in m.types.values() {
-        ranges.observe(&t.mask, &[mask_value, 0.0]);
-        ranges.observe(&t.cos, &[-1.0, 1.0]);
-        ranges.observe(&t.sin, &[-1.0, 1.0]);
-    }
-    // The embedding range from the table, a block of rows at a time (the 4B's is 1.3 GB in f32).
-    let e = ck.entry("model.embedding.weight")?;
-    let vocab = e.shape[0];
-    for r0 in (0..vocab).step_by(4096) {
-        let rows = ck.store.rows_to_f32(e, r0, (r0 + 4096).min(vocab))?;
-        ranges.observe(graph::EMBEDS, &rows);
-    }
-    if let Some(r) = ranges.0.get(graph::HIDDEN_OUT).copied() {
-        ranges.0.insert(graph::HIDDEN_IN.into(), r);
-    }
     std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
     Ok(ranges)
 }
