@@ -82,8 +82,13 @@ impl Checkpoint {
     /// the map (bit tests, no conversion), about as fast as the disk; a broken weight found later
     /// would only surface as "non-finite activations" or missing ranges, far from its cause.
     pub fn check_finite(&self) -> Result<(), CheckpointError> {
+        use rayon::prelude::*;
         use safetensors::Dtype;
-        for e in self.store.entries() {
+        let entries: Vec<_> = self.store.entries().collect();
+        // In parallel, and each tensor's pages released once scanned: a streaming caller
+        // (export-phone) reads each again when it needs it, so the whole checkpoint never has to
+        // be resident at once.
+        let first_bad = entries.par_iter().find_map_first(|e| {
             let b = self.store.bytes(e);
             let (width, bad): (usize, fn(&[u8]) -> bool) = match e.dtype {
                 Dtype::BF16 => (2, |c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80),
@@ -91,22 +96,26 @@ impl Checkpoint {
                 Dtype::F32 => (4, |c| {
                     !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()
                 }),
-                _ => continue,
+                _ => return None,
             };
-            if let Some(index) = b.chunks_exact(width).position(bad) {
-                let c = &b[index * width..(index + 1) * width];
-                let v = match e.dtype {
-                    Dtype::BF16 => half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32(),
-                    Dtype::F16 => half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32(),
-                    _ => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-                };
-                return Err(CheckpointError::NonFinite {
-                    path: self.store.file_of(e).display().to_string(),
-                    tensor: e.name.clone(),
-                    index,
-                    value: v.to_string(),
-                });
-            }
+            let found = b.chunks_exact(width).position(bad);
+            self.store.release(e);
+            found.map(|index| (*e, index, width))
+        });
+        if let Some((e, index, width)) = first_bad {
+            let b = self.store.bytes(e);
+            let c = &b[index * width..(index + 1) * width];
+            let v = match e.dtype {
+                Dtype::BF16 => half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32(),
+                Dtype::F16 => half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32(),
+                _ => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            };
+            return Err(CheckpointError::NonFinite {
+                path: self.store.file_of(e).display().to_string(),
+                tensor: e.name.clone(),
+                index,
+                value: v.to_string(),
+            });
         }
         Ok(())
     }

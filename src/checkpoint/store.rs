@@ -217,6 +217,38 @@ impl TensorStore {
         &self.files[e.file].1[e.start..e.end]
     }
 
+    /// Hands this process's resident pages of rows `r0..r1` of `e` back to the kernel: a
+    /// streaming reader (export-phone) that is done with them keeps its resident set at what it
+    /// holds itself instead of the whole mapped checkpoint. Best effort: the pages stay in the
+    /// page cache, a later read faults them back in, and a failure changes nothing.
+    pub fn release_rows(&self, e: &TensorEntry, r0: usize, r1: usize) {
+        let row: usize = e.shape[1..].iter().product::<usize>() * (e.dtype.bitsize() / 8);
+        self.release_bytes(e.file, e.start + r0 * row, e.start + r1 * row);
+    }
+
+    /// [`Self::release_rows`] of the whole tensor.
+    pub fn release(&self, e: &TensorEntry) {
+        self.release_bytes(e.file, e.start, e.end);
+    }
+
+    fn release_bytes(&self, file: usize, start: usize, end: usize) {
+        let page = page_size();
+        // Whole pages inside the range only: a page shared with a neighbour may still be in use.
+        let a = start.next_multiple_of(page);
+        let b = end / page * page;
+        if b > a {
+            // SAFETY: the map is a read-only shared file mapping (`Mmap::map`): dropping its
+            // pages loses nothing, since every later access reads the same bytes from the file.
+            let _ = unsafe {
+                self.files[file].1.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    a,
+                    b - a,
+                )
+            };
+        }
+    }
+
     /// Bytes `range` of tensor `e` as u16 values read in place from the map
     /// (no copy, so loading a bf16 embedding costs nothing); `None` when the
     /// data is not 2-byte aligned or the host is big-endian.
@@ -383,6 +415,15 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError, len: usize) -> S
         ),
         other => format!("not a valid safetensors file: {other}"),
     }
+}
+
+fn page_size() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    // SAFETY: sysconf has no preconditions.
+    *PAGE.get_or_init(|| match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        p if p > 0 => p as usize,
+        _ => 4096,
+    })
 }
 
 #[cfg(test)]

@@ -153,6 +153,7 @@ impl<'a> WeightReader<'a> {
         }
         let e = self.ck.entry(&s.tensor)?;
         let mut w = self.ck.store.rows_to_f32(e, s.rows.start, s.rows.end)?;
+        self.ck.store.release_rows(e, s.rows.start, s.rows.end);
         let fold = match &s.fold {
             Some(f) => {
                 if !self.norms.contains_key(f) {
@@ -229,11 +230,13 @@ impl<'a> WeightReader<'a> {
 
 pub(super) fn embedding_tensor(ck: &Checkpoint) -> Result<OwnedTensor, ExportError> {
     let e = ck.entry("model.embedding.weight")?;
+    let data = ck.store.bytes(e).to_vec();
+    ck.store.release_rows(e, 0, e.shape[0]);
     Ok(OwnedTensor {
         name: "embed_tokens".into(),
         dtype: e.dtype,
         shape: e.shape.clone(),
-        data: ck.store.bytes(e).to_vec(),
+        data,
     })
 }
 

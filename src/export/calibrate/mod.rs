@@ -70,7 +70,9 @@ pub(super) fn calibrate(
     let e = ck.entry("model.embedding.weight")?;
     let vocab = e.shape[0];
     for r0 in (0..vocab).step_by(4096) {
-        let rows = ck.store.rows_to_f32(e, r0, (r0 + 4096).min(vocab))?;
+        let r1 = (r0 + 4096).min(vocab);
+        let rows = ck.store.rows_to_f32(e, r0, r1)?;
+        ck.store.release_rows(e, r0, r1);
         ranges.observe(graph::EMBEDS, &rows);
     }
     if let Some(r) = ranges.0.get(graph::HIDDEN_OUT).copied() {

@@ -75,6 +75,7 @@ pub(super) fn ranges(
         let r = ck.store.rows_to_f32(e, t as usize, t as usize + 1)?;
         row.copy_from_slice(&r[..h]);
     }
+    ck.store.release_rows(e, 0, e.shape[0]);
     let ropes: HashMap<_, _> = cfg
         .layer_types
         .iter()
