@@ -10,11 +10,30 @@ pub trait Engine: Sync {
     /// A fresh sequence able to hold `context` positions.
     fn start(&self, context: usize) -> Result<Box<dyn Sequence + '_>, ModelError>;
     fn describe(&self) -> String;
+
+    /// One decode step of several sequences of this engine: `tokens[i]` goes to `seqs[i]`;
+    /// the logits `[n, vocab]`, row i for sequence i. Engines that can batch read their
+    /// weights once for all rows; the default steps each sequence alone.
+    fn step_many(
+        &self,
+        seqs: &mut [Box<dyn Sequence + '_>],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut out = Vec::new();
+        for (s, &t) in seqs.iter_mut().zip(tokens) {
+            out.extend(s.forward(&[t], Logits::Last)?);
+        }
+        Ok(out)
+    }
 }
 
 pub trait Sequence {
     /// Run `tokens` at the next positions; logits for all of them or the last.
     fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>, ModelError>;
+    /// The engine's KV cache, for [`Engine::step_many`] of our own model.
+    fn kv_cache(&mut self) -> Option<&mut KvCache> {
+        None
+    }
 }
 
 struct ModelSequence<'a> {
@@ -28,6 +47,9 @@ impl Sequence for ModelSequence<'_> {
         // start from a worker that takes part, instead of a caller that waits.
         let (model, cache) = (self.model, &mut self.cache);
         rayon::scope(|_| model.forward(tokens, cache, want))
+    }
+    fn kv_cache(&mut self) -> Option<&mut KvCache> {
+        Some(&mut self.cache)
     }
 }
 
@@ -43,6 +65,23 @@ impl Engine for SparkModel {
     }
     fn describe(&self) -> String {
         "spark-tool engine".into()
+    }
+    fn step_many(
+        &self,
+        seqs: &mut [Box<dyn Sequence + '_>],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, ModelError> {
+        assert_eq!(seqs.len(), tokens.len(), "one token per sequence");
+        if !seqs.iter_mut().all(|s| s.kv_cache().is_some()) {
+            // Not all ours to batch: one at a time.
+            let mut out = Vec::new();
+            for (s, &t) in seqs.iter_mut().zip(tokens) {
+                out.extend(s.forward(&[t], Logits::Last)?);
+            }
+            return Ok(out);
+        }
+        let mut caches: Vec<&mut KvCache> = seqs.iter_mut().filter_map(|s| s.kv_cache()).collect();
+        rayon::scope(|_| self.forward_many(tokens, &mut caches))
     }
 }
 

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::Engine;
-use crate::generate::{generate, GenerateOptions};
+use crate::generate::GenerateOptions;
 use crate::model::{Logits, ModelError};
 use crate::tokenizer::{render_chat, SparkTokenizer};
 
@@ -362,6 +362,25 @@ fn perplexity(model: &dyn Engine, windows: &[Vec<u32>]) -> Result<f64, ParityErr
     Ok((nll / n.max(1) as f64).exp())
 }
 
+/// Prompts whose continuations are decoded in lockstep, one batched step for all of them.
+const LOCKSTEP_PROMPTS: usize = 16;
+
+/// A prompt of the group being decoded: its continuation so far, the rows each side last
+/// produced, both sequences while it still runs.
+struct Live<'r, 'c> {
+    prompt_tokens: usize,
+    max_new: usize,
+    cont: Vec<u32>,
+    last_r: Vec<f32>,
+    last_c: Vec<f32>,
+    seqs: Option<(
+        Box<dyn crate::engine::Sequence + 'r>,
+        Box<dyn crate::engine::Sequence + 'c>,
+    )>,
+    acc: Acc,
+    first_divergence: Option<usize>,
+}
+
 pub struct ParityInputs<'a> {
     pub reference: &'a dyn Engine,
     pub candidate: &'a dyn Engine,
@@ -478,86 +497,154 @@ pub fn run(
     let mut reports = Vec::new();
     let mut divergence_sum = 0usize;
     let (mut bad_ref, mut bad_cand) = (0usize, 0usize);
-    let mut first_bad: Option<(String, usize)> = None;
-    for p in inp.prompts {
-        let ids = encode(inp.tokenizer, p)?;
-        let mut opts = GenerateOptions {
-            max_new_tokens: inp.max_new_tokens,
-            ignore_eos: false,
-            stop_ids: r.config().eos_token_ids.clone(),
-            sampling: None,
-            context: None,
-            capture_logits: true,
-        };
-        // Both sides get the same bound and hold the same rows of logits; a clamp is applied
-        // alike, so its warning is not needed.
-        for cfg in [r.config(), c.config()] {
-            crate::generate::plan(cfg, ids.len(), &mut opts)?;
+    // (prompt index, position) of the first non-finite row, in prompt order.
+    let mut first_bad: Option<(usize, usize)> = None;
+    let stop_ids = r.config().eos_token_ids.clone();
+    let mut compare = |pi: usize, pos: usize, a: &[f32], b: &[f32], acc: &mut Acc| {
+        let (fa, fb) = (
+            a.iter().all(|v| v.is_finite()),
+            b.iter().all(|v| v.is_finite()),
+        );
+        bad_ref += usize::from(!fa);
+        bad_cand += usize::from(!fb);
+        if !(fa && fb) && first_bad.is_none_or(|f| (pi, pos) < f) {
+            first_bad = Some((pi, pos));
         }
-        // The reference decodes greedily, keeping every row: the prompt's from its prefill, the
-        // continuation's from its decode steps.
-        let gr = generate(r, &ids, &opts, |_| {})?;
-        let seq = &gr.tokens;
-        let cont = &seq[ids.len()..];
-        let mut lr = gr.prompt_logits;
-        lr.extend_from_slice(gr.decode_logits.get(vocab..).unwrap_or_default());
-        // The candidate is forced along the same sequence through the same path (the prompt as
-        // one prefill, then one decode step per token): each continuation row is exactly what
-        // its own greedy decode would see after the shared prefix, so its greedy choices need no
-        // second generation, and an identical artifact matches bit for bit.
-        let lc = {
-            let mut s = c.start(seq.len())?;
-            let mut l = s.forward(&ids, Logits::All)?;
-            for &t in cont.iter().take(cont.len().saturating_sub(1)) {
-                l.extend(s.forward(&[t], Logits::Last)?);
+        acc.add(a, b);
+        all.add(a, b);
+    };
+    // Prompts run in groups whose continuations are decoded in lockstep: each step feeds every
+    // unfinished prompt of the group at once (`Engine::step_many`), so a model reads its weights
+    // once per step for all of them instead of once per prompt.
+    let mut pi0 = 0;
+    while pi0 < inp.prompts.len() {
+        let group = &inp.prompts[pi0..(pi0 + LOCKSTEP_PROMPTS).min(inp.prompts.len())];
+        let mut live = Vec::new();
+        let mut kv_bytes = 0u128;
+        for (gi, p) in group.iter().enumerate() {
+            let ids = encode(inp.tokenizer, p)?;
+            let mut opts = GenerateOptions {
+                max_new_tokens: inp.max_new_tokens,
+                ignore_eos: false,
+                stop_ids: stop_ids.clone(),
+                sampling: None,
+                context: None,
+                capture_logits: true,
+            };
+            // Both sides get the same bound and hold the same rows of logits; a clamp is applied
+            // alike, so its warning is not needed.
+            for cfg in [r.config(), c.config()] {
+                crate::generate::plan(cfg, ids.len(), &mut opts)?;
             }
-            l
-        };
-        // Greedy diverges at the first continuation token the candidate would not choose.
-        let first_divergence = cont.iter().enumerate().position(|(i, &t)| {
-            let row = (ids.len() - 1 + i) * vocab;
-            crate::sampling::argmax(&lc[row..row + vocab]) != t
-        });
-        divergence_sum += first_divergence.unwrap_or(cont.len());
-        debug_assert_eq!(lr.len(), lc.len());
-
-        // The last token predicts nothing we have.
-        let mut acc = Acc::default();
-        for (pos, (a, b)) in lr
-            .chunks_exact(vocab)
-            .zip(lc.chunks_exact(vocab))
-            .take(seq.len().saturating_sub(1).max(1))
-            .enumerate()
-        {
-            let (fa, fb) = (
-                a.iter().all(|v| v.is_finite()),
-                b.iter().all(|v| v.is_finite()),
-            );
-            bad_ref += usize::from(!fa);
-            bad_cand += usize::from(!fb);
-            if !(fa && fb) && first_bad.is_none() {
-                first_bad = Some((p.name.clone(), pos));
+            let context = ids.len() + opts.max_new_tokens;
+            kv_bytes += crate::resources::kv_cache_bytes(r.config(), context)
+                + crate::resources::kv_cache_bytes(c.config(), context);
+            crate::resources::check_fits(
+                &format!("the KV caches of {} prompts decoded together", gi + 1),
+                kv_bytes,
+                crate::setting::Setting::MaxNewTokens,
+            )
+            .map_err(crate::generate::BudgetError::from)?;
+            // The prompt's rows from one prefill of each; the last predicts the first new token,
+            // which exists unless nothing is generated (the last token predicts nothing we have).
+            let (mut rs, mut cs) = (r.start(context)?, c.start(context)?);
+            let lr = rs.forward(&ids, Logits::All)?;
+            let lc = cs.forward(&ids, Logits::All)?;
+            let rows = if opts.max_new_tokens > 0 {
+                ids.len()
+            } else {
+                (ids.len() - 1).max(1)
+            };
+            let mut acc = Acc::default();
+            for (pos, (a, b)) in lr
+                .chunks_exact(vocab)
+                .zip(lc.chunks_exact(vocab))
+                .take(rows)
+                .enumerate()
+            {
+                compare(pi0 + gi, pos, a, b, &mut acc);
             }
-            acc.add(a, b);
-            all.add(a, b);
+            live.push(Live {
+                prompt_tokens: ids.len(),
+                max_new: opts.max_new_tokens,
+                cont: Vec::new(),
+                last_r: lr[lr.len() - vocab..].to_vec(),
+                last_c: lc[lc.len() - vocab..].to_vec(),
+                seqs: Some((rs, cs)),
+                acc,
+                first_divergence: None,
+            });
         }
-        let n = acc.n().max(1) as f64;
-        let rep = PromptReport {
-            name: p.name.clone(),
-            prompt_tokens: ids.len(),
-            greedy_identical: first_divergence.is_none(),
-            first_divergence,
-            positions: acc.n(),
-            top1: acc.top1 as f64 / n,
-            top5: acc.top5 as f64 / (5.0 * n),
-            kl_mean: acc.kls.iter().sum::<f64>() / n,
-            kl_max: acc.kls.iter().fold(0f64, |m, v| m.max(*v)),
-            max_abs_dlogit: acc.max_abs,
-            snr_db: acc.snr_db(),
-            kl_per_position: acc.kls.clone(),
-        };
-        on_prompt(&rep);
-        reports.push(rep);
+        // The reference decodes greedily; the candidate is forced along the same tokens through
+        // the same path (its decode steps), so each of its rows is exactly what its own greedy
+        // decode would see after the shared prefix: its greedy choices need no second
+        // generation, and an identical artifact matches bit for bit.
+        loop {
+            let mut feed = Vec::new();
+            for (i, l) in live.iter_mut().enumerate() {
+                if l.seqs.is_none() {
+                    continue;
+                }
+                let next = crate::sampling::argmax(&l.last_r);
+                // Greedy diverges at the first continuation token the candidate would not choose.
+                if l.first_divergence.is_none() && crate::sampling::argmax(&l.last_c) != next {
+                    l.first_divergence = Some(l.cont.len());
+                }
+                l.cont.push(next);
+                if stop_ids.contains(&next) || l.cont.len() >= l.max_new {
+                    l.seqs = None;
+                } else {
+                    feed.push(i);
+                }
+            }
+            if feed.is_empty() {
+                break;
+            }
+            let tokens: Vec<u32> = feed
+                .iter()
+                .map(|&i| *live[i].cont.last().unwrap())
+                .collect();
+            let (mut rb, mut cb): (Vec<_>, Vec<_>) = feed
+                .iter()
+                .map(|&i| live[i].seqs.take().expect("fed sequences are live"))
+                .unzip();
+            let rows_r = r.step_many(&mut rb, &tokens)?;
+            let rows_c = c.step_many(&mut cb, &tokens)?;
+            for (j, (&i, seqs)) in feed.iter().zip(rb.into_iter().zip(cb)).enumerate() {
+                let l = &mut live[i];
+                l.seqs = Some(seqs);
+                let (a, b) = (
+                    &rows_r[j * vocab..(j + 1) * vocab],
+                    &rows_c[j * vocab..(j + 1) * vocab],
+                );
+                let pos = l.prompt_tokens + l.cont.len() - 1;
+                compare(pi0 + i, pos, a, b, &mut l.acc);
+                l.last_r.copy_from_slice(a);
+                l.last_c.copy_from_slice(b);
+            }
+        }
+        for (p, l) in group.iter().zip(live) {
+            divergence_sum += l.first_divergence.unwrap_or(l.cont.len());
+            let acc = l.acc;
+            let n = acc.n().max(1) as f64;
+            let rep = PromptReport {
+                name: p.name.clone(),
+                prompt_tokens: l.prompt_tokens,
+                greedy_identical: l.first_divergence.is_none(),
+                first_divergence: l.first_divergence,
+                positions: acc.n(),
+                top1: acc.top1 as f64 / n,
+                top5: acc.top5 as f64 / (5.0 * n),
+                kl_mean: acc.kls.iter().sum::<f64>() / n,
+                kl_max: acc.kls.iter().fold(0f64, |m, v| m.max(*v)),
+                max_abs_dlogit: acc.max_abs,
+                snr_db: acc.snr_db(),
+                kl_per_position: acc.kls.clone(),
+            };
+            on_prompt(&rep);
+            reports.push(rep);
+        }
+        pi0 += group.len();
     }
     let (ppl_reference, ppl_candidate) = if inp.eval_windows.is_empty() {
         (f64::NAN, f64::NAN)
@@ -597,7 +684,8 @@ pub fn run(
     if let Some(d) = &inp.tokenizer_difference {
         failures.push(format!("tokenizer mismatch: {d}"));
     }
-    if let Some((prompt, pos)) = first_bad {
+    if let Some((pi, pos)) = first_bad {
+        let prompt = &inp.prompts[pi].name;
         failures.push(format!(
             "non-finite logits (NaN/Inf) at {bad_cand} candidate and {bad_ref} reference positions, \
              first in prompt `{prompt}` at position {pos}: the artifact is broken"

@@ -5,6 +5,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use rayon::prelude::*;
 
+use crate::kernels::transpose;
+use crate::kernels::w4::round_ties_even_small;
+
 use super::graph::{Repr, WeightSpec};
 use super::lpbq::Lpbq;
 use super::onnx::{self, DType, Graph, TensorInfo};
@@ -51,44 +54,12 @@ fn quantize_q8(m: &[f32], k: usize) -> (Vec<i8>, Vec<f32>) {
             let a = row.iter().fold(0f32, |a, v| a.max(v.abs()));
             *s = if a > 0.0 { a / 127.0 } else { 1.0 };
             for (q, v) in q.iter_mut().zip(row) {
+                // Clamped first, so the rounding trick's |x| ≤ 2²² holds; ±127 are integers, so
+                // this is the old round-then-clamp.
                 *q = round_ties_even_small((v / *s).clamp(-127.0, 127.0)) as i8;
             }
         });
     (q, sc)
-}
-
-/// `x.round_ties_even()` for |x| ≤ 2²²: adding 1.5·2²³ leaves no fraction bits, so the
-/// hardware's round-to-nearest-even does the rounding (and without SSE4.1 in the baseline target
-/// `round_ties_even` is a libm call per value). NaN stays NaN.
-#[inline]
-fn round_ties_even_small(x: f32) -> f32 {
-    const M: f32 = 12_582_912.0;
-    (x + M) - M
-}
-
-/// `[rows, cols]` → `[cols, rows]`, 64 output rows per parallel job.
-pub(super) fn transpose<T: Copy + Default + Send + Sync>(
-    src: &[T],
-    rows: usize,
-    cols: usize,
-) -> Vec<T> {
-    assert_eq!(src.len(), rows * cols);
-    let mut out = vec![T::default(); rows * cols];
-    if rows == 0 || cols == 0 {
-        return out;
-    }
-    out.par_chunks_mut(64 * rows)
-        .enumerate()
-        .for_each(|(b, block)| {
-            let c0 = b * 64;
-            let nc = block.len() / rows;
-            for r in 0..rows {
-                for (c, v) in src[r * cols + c0..r * cols + c0 + nc].iter().enumerate() {
-                    block[c * rows + r] = *v;
-                }
-            }
-        });
-    out
 }
 
 /// What AIMET's `.encodings` says of one LPBQ weight.
@@ -285,32 +256,6 @@ pub(super) fn half_weights(mut g: Graph<WeightSpec>) -> Graph<WeightSpec> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_magic_rounding_is_round_ties_even_over_the_int8_range() {
-        let mut x = -130.0f32;
-        while x <= 130.0 {
-            for v in [x, x + 0.5, x - f32::EPSILON * x.abs(), x + 0.499_999_97] {
-                let c = v.clamp(-127.0, 127.0);
-                assert_eq!(round_ties_even_small(c), c.round_ties_even(), "{v}");
-            }
-            x += 0.25;
-        }
-        assert!(round_ties_even_small(f32::NAN).is_nan());
-    }
-
-    #[test]
-    fn transpose_moves_every_element_once() {
-        for (r, c) in [(1, 1), (3, 130), (130, 3), (64, 64), (65, 129)] {
-            let m: Vec<u32> = (0..(r * c) as u32).collect();
-            let t = transpose(&m, r, c);
-            for i in 0..r {
-                for j in 0..c {
-                    assert_eq!(t[j * r + i], m[i * c + j]);
-                }
-            }
-        }
-    }
 
     #[test]
     fn q8_codes_and_scales_are_per_output_channel() {

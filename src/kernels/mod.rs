@@ -180,6 +180,28 @@ unsafe fn gemm_nt(
     }
 }
 
+/// `[rows, cols]` → `[cols, rows]`, 64 output rows per parallel job.
+pub fn transpose<T: Copy + Default + Send + Sync>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
+    assert_eq!(src.len(), rows * cols);
+    let mut out = vec![T::default(); rows * cols];
+    if rows == 0 || cols == 0 {
+        return out;
+    }
+    use rayon::prelude::*;
+    out.par_chunks_mut(64 * rows)
+        .enumerate()
+        .for_each(|(b, block)| {
+            let c0 = b * 64;
+            let nc = block.len() / rows;
+            for r in 0..rows {
+                for (c, v) in src[r * cols + c0..r * cols + c0 + nc].iter().enumerate() {
+                    block[c * rows + r] = *v;
+                }
+            }
+        });
+    out
+}
+
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight partial sums: lets the compiler vectorise and halves rounding drift.
@@ -238,6 +260,19 @@ pub fn softmax(x: &mut [f32]) {
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn transpose_moves_every_element_once() {
+        for (r, c) in [(1, 1), (3, 130), (130, 3), (64, 64), (65, 129)] {
+            let m: Vec<u32> = (0..(r * c) as u32).collect();
+            let t = transpose(&m, r, c);
+            for i in 0..r {
+                for j in 0..c {
+                    assert_eq!(t[j * r + i], m[i * c + j]);
+                }
+            }
+        }
+    }
 
     fn rand_vec(rng: &mut rand_chacha::ChaCha8Rng, n: usize) -> Vec<f32> {
         (0..n).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect()

@@ -82,6 +82,19 @@ impl SelfAttention {
             .time(Stage::OutProj, || self.out_proj.project(&a, m))
     }
 
+    /// [`Self::forward`] for rows of several sequences ([`Self::attend_segments`]).
+    pub fn forward_segments(
+        &self,
+        h: &[f32],
+        m: usize,
+        segs: &mut [Segment<'_>],
+        ctx: &Ctx,
+    ) -> Vec<f32> {
+        let a = self.attend_segments(h, m, segs, ctx);
+        ctx.timers
+            .time(Stage::OutProj, || self.out_proj.project(&a, m))
+    }
+
     /// Everything before `out_proj`: the gated attention output `[m, q_dim]` of the normed rows
     /// `h` at positions `start..`, over `cache` and these rows. Appends their K/V to `cache`.
     pub fn attend(
@@ -90,6 +103,28 @@ impl SelfAttention {
         m: usize,
         start: usize,
         cache: &mut LayerKvCache,
+        ctx: &Ctx,
+    ) -> Vec<f32> {
+        self.attend_segments(
+            h,
+            m,
+            &mut [Segment {
+                rows: 0..m,
+                start,
+                cache,
+            }],
+            ctx,
+        )
+    }
+
+    /// [`Self::attend`] for rows of several sequences at once: the projections run over all `m`
+    /// rows together (each weight read once), then each segment's rows are rotated at its own
+    /// positions and attend over its own cache, to which they are appended.
+    pub fn attend_segments(
+        &self,
+        h: &[f32],
+        m: usize,
+        segs: &mut [Segment<'_>],
         ctx: &Ctx,
     ) -> Vec<f32> {
         let cfg = ctx.cfg;
@@ -104,19 +139,37 @@ impl SelfAttention {
             [&self.q_proj, &self.k_proj, &self.v_proj, &self.g_proj].map(|l| l.project(h, m))
         });
         ctx.timers.time(Stage::Attention, || {
-            // q, k = RoPE(q, k) at each row's position
-            for i in 0..m {
-                let (cos, sin) = ctx.rope.angles(start + i);
-                for head in q[i * q_dim..(i + 1) * q_dim].chunks_exact_mut(hd) {
-                    ctx.rope.apply(head, &cos, &sin);
-                }
-                for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
-                    ctx.rope.apply(head, &cos, &sin);
-                }
-            }
-            // a = softmax(q·kᵀ/√d over the visible keys)·v
             let mut a = vec![0f32; m * q_dim];
-            attention(ctx, &q, &k, &v, start, cache, &mut a);
+            for seg in segs.iter_mut() {
+                let r = seg.rows.clone();
+                // q, k = RoPE(q, k) at each row's position
+                for (j, i) in r.clone().enumerate() {
+                    let (cos, sin) = ctx.rope.angles(seg.start + j);
+                    for head in q[i * q_dim..(i + 1) * q_dim].chunks_exact_mut(hd) {
+                        ctx.rope.apply(head, &cos, &sin);
+                    }
+                    for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
+                        ctx.rope.apply(head, &cos, &sin);
+                    }
+                }
+                // a = softmax(q·kᵀ/√d over the visible keys)·v
+                let (qs, ks, vs) = (
+                    &q[r.start * q_dim..r.end * q_dim],
+                    &k[r.start * kv_dim..r.end * kv_dim],
+                    &v[r.start * kv_dim..r.end * kv_dim],
+                );
+                attention(
+                    ctx,
+                    qs,
+                    ks,
+                    vs,
+                    seg.start,
+                    seg.cache,
+                    &mut a[r.start * q_dim..r.end * q_dim],
+                );
+                // Only now: a sliding ring must not drop a key a query of this call still needs.
+                seg.cache.append(ks, vs);
+            }
             // a_head *= sigmoid(g_head)
             for (i, row) in a.chunks_exact_mut(q_dim).enumerate() {
                 for (hh, head) in row.chunks_exact_mut(hd).enumerate() {
@@ -124,11 +177,17 @@ impl SelfAttention {
                     head.iter_mut().for_each(|x| *x *= s);
                 }
             }
-            // Only now: a sliding ring must not drop a key a query of this call still needs.
-            cache.append(&k, &v);
             a
         })
     }
+}
+
+/// Rows `rows` of a multi-sequence step belong to one sequence: they sit at positions `start..`
+/// and attend over `cache`.
+pub struct Segment<'c> {
+    pub rows: std::ops::Range<usize>,
+    pub start: usize,
+    pub cache: &'c mut LayerKvCache,
 }
 
 /// Causal attention for `m` new queries at positions `start..start+m`. Keys before `start` come
@@ -259,9 +318,23 @@ impl DecoderLayer {
         cache: &mut LayerKvCache,
         ctx: &Ctx,
     ) {
+        self.forward_segments(
+            x,
+            m,
+            &mut [Segment {
+                rows: 0..m,
+                start,
+                cache,
+            }],
+            ctx,
+        );
+    }
+
+    /// [`Self::forward`] for rows of several sequences, each segment over its own cache.
+    pub fn forward_segments(&self, x: &mut [f32], m: usize, segs: &mut [Segment<'_>], ctx: &Ctx) {
         let tm = ctx.timers;
         let h = tm.time(Stage::Norms, || self.input_layernorm.forward(x));
-        let a = self.self_attn.forward(&h, m, start, cache, ctx);
+        let a = self.self_attn.forward_segments(&h, m, segs, ctx);
         tm.time(Stage::Norms, || residual_add(x, &a));
         let h2 = tm.time(Stage::Norms, || self.post_attention_layernorm.forward(x));
         let d = self.mlp.forward(&h2, m, ctx);

@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use crate::checkpoint::layout::layer_prefix;
 use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, SparkConfig};
 use crate::kernels;
-pub use block::{Ctx, DecoderLayer, Mlp, RmsNorm, SelfAttention};
+pub use block::{Ctx, DecoderLayer, Mlp, RmsNorm, Segment, SelfAttention};
 pub use kv_cache::{CacheError, KvCache};
 pub use linear::{DenseLinear, DenseWeight, Linear};
 use profile::{Stage, StageTimers};
@@ -392,6 +392,44 @@ impl SparkModel {
         Ok(tm.time(Stage::Head, || self.logits(&x[rows * hidden..])))
     }
 
+    /// One decode step of several sequences at once: `tokens[i]` is appended to `caches[i]` at
+    /// its own next position; returns the logits `[n, vocab]`, row i for sequence i. Each
+    /// linear runs once over all n rows, so the weights are read once per step for all of them.
+    pub fn forward_many(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Vec<f32>, ModelError> {
+        let m = tokens.len();
+        assert_eq!(m, caches.len(), "one token per sequence");
+        if m == 0 {
+            return Err(ModelError::Empty);
+        }
+        for c in caches.iter() {
+            c.reserve(1)?;
+        }
+        let starts: Vec<usize> = caches.iter().map(|c| c.pos()).collect();
+        let tm = &self.timers;
+        let mut x = tm.time(Stage::Embed, || self.embed(tokens))?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut segs: Vec<block::Segment> = caches
+                .iter_mut()
+                .zip(&starts)
+                .enumerate()
+                .map(|(i, (c, &start))| block::Segment {
+                    rows: i..i + 1,
+                    start,
+                    cache: c.layer_mut(li),
+                })
+                .collect();
+            layer.forward_segments(&mut x, m, &mut segs, &self.ctx(li));
+        }
+        for c in caches.iter_mut() {
+            c.advance(1);
+        }
+        Ok(tm.time(Stage::Head, || self.logits(&x)))
+    }
+
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }
@@ -620,6 +658,48 @@ mod tests {
         let last = m.forward(&tokens, &mut cache, Logits::Last).unwrap();
         assert!(max_diff(&last, &one[11 * 40..]) < 1e-4);
         assert_eq!(cache.pos(), 12);
+    }
+
+    #[test]
+    fn a_step_of_several_sequences_is_each_sequence_stepped_alone() {
+        // Three sequences at different positions (one past the sliding window of 4): one
+        // batched step must give each the logits and the cache its own decode step gives.
+        let m = model(&["sliding_attention", "full_attention"], 5);
+        let prompts: [Vec<u32>; 3] = [vec![1, 2, 3], (0..9).collect(), vec![7]];
+        let next = [11u32, 12, 13];
+        let prefill = |p: &[u32]| {
+            let mut c = m.new_cache(16);
+            m.forward(p, &mut c, Logits::Last).unwrap();
+            c
+        };
+        let mut batch: Vec<KvCache> = prompts.iter().map(|p| prefill(p)).collect();
+        let mut refs: Vec<&mut KvCache> = batch.iter_mut().collect();
+        let many = m.forward_many(&next, &mut refs).unwrap();
+        assert_eq!(many.len(), 3 * 40);
+        for (i, p) in prompts.iter().enumerate() {
+            let mut alone = prefill(p);
+            let one = m
+                .forward(&next[i..i + 1], &mut alone, Logits::Last)
+                .unwrap();
+            let row = &many[i * 40..(i + 1) * 40];
+            // Three rows may take another matmul kernel than one: same math, other sum order.
+            assert!(
+                max_diff(&one, row) < 1e-4,
+                "sequence {i}: {}",
+                max_diff(&one, row)
+            );
+            assert_eq!(batch[i].pos(), alone.pos());
+            // The next step of each still agrees: the batched step appended the right K/V.
+            let a = m.forward(&[5], &mut batch[i], Logits::Last).unwrap();
+            let b = m.forward(&[5], &mut alone, Logits::Last).unwrap();
+            assert!(max_diff(&a, &b) < 1e-4, "after, sequence {i}");
+        }
+        // A full cache is refused before anything runs.
+        let mut full = m.new_cache(1);
+        m.forward(&[1], &mut full, Logits::Last).unwrap();
+        let mut ok = prefill(&[1]);
+        assert!(m.forward_many(&[2, 3], &mut [&mut ok, &mut full]).is_err());
+        assert_eq!(ok.pos(), 1);
     }
 
     #[test]

@@ -8,6 +8,8 @@ use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::{Mat, Par};
 use rayon::prelude::*;
 
+use crate::kernels::transpose;
+
 use super::grid::{Grid, ScaleRule};
 use super::hessian::Hessian;
 use super::timing::{Clock, SolveTimes, Spent};
@@ -132,16 +134,6 @@ pub struct GptqResult {
     pub weight: QuantizedWeight,
     pub damp_used: f64,
     pub dead_columns: usize,
-}
-
-fn transpose(w: &[f32], n: usize, k: usize) -> Vec<f32> {
-    let mut t = vec![0f32; n * k];
-    t.par_chunks_mut(n).enumerate().for_each(|(c, row)| {
-        for (r, v) in row.iter_mut().enumerate() {
-            *v = w[r * k + c];
-        }
-    });
-    t
 }
 
 /// Round-to-nearest with the same grid and group scales (no error feedback).
