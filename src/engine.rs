@@ -11,6 +11,11 @@ pub trait Engine: Sync {
     fn start(&self, context: usize) -> Result<Box<dyn Sequence + '_>, ModelError>;
     fn describe(&self) -> String;
 
+    /// Bytes one sequence of `context` positions holds (its KV cache), for memory plans.
+    fn sequence_bytes(&self, context: usize) -> u128 {
+        crate::resources::kv_cache_bytes(self.config(), context)
+    }
+
     /// One decode step of several sequences of this engine: `tokens[i]` goes to `seqs[i]`;
     /// the logits `[n, vocab]`, row i for sequence i. Engines that can batch read their
     /// weights once for all rows; the default steps each sequence alone.

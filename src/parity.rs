@@ -5,7 +5,8 @@
 //! along the same tokens (where would its own greedy choice first differ?):
 //! at every position, KL(ref‖cand) of the next-token distributions, top-1
 //! agreement, top-5 overlap, max |Δlogit| and the logits' signal-to-noise
-//! ratio. Plus perplexity of both on held-out text.
+//! ratio. Plus perplexity of both on held-out text. Prompts are decoded in
+//! lockstep groups: one batched step of each model feeds every unfinished one.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -280,10 +281,11 @@ struct Acc {
     noise: f64,
 }
 
-fn log_softmax(x: &[f32]) -> Vec<f64> {
+/// `(x − max, ln Σ exp(x − max))` in f64: the log-softmax is the first minus the second.
+fn shifted_lse(x: &[f32]) -> (f64, f64) {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)) as f64;
-    let lse = x.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln() + max;
-    x.iter().map(|v| *v as f64 - lse).collect()
+    let lse = x.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln();
+    (max, lse)
 }
 
 /// The `k` largest entries' indices, by value (total order) then lower index first: one pass that
@@ -303,20 +305,71 @@ fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     top
 }
 
-impl Acc {
-    fn add(&mut self, r: &[f32], c: &[f32]) {
-        let (lr, lc) = (log_softmax(r), log_softmax(c));
-        let kl: f64 = lr.iter().zip(&lc).map(|(a, b)| a.exp() * (a - b)).sum();
-        self.kls.push(kl.max(0.0));
+/// What one position contributes: the reference row `r` against the candidate row `c`.
+struct RowStats {
+    kl: f64,
+    top1: bool,
+    top5: usize,
+    max_abs: f64,
+    sig: f64,
+    noise: f64,
+    finite: (bool, bool),
+}
+
+impl RowStats {
+    fn of(r: &[f32], c: &[f32]) -> Self {
+        let ((mr, lr), (mc, lc)) = (shifted_lse(r), shifted_lse(c));
+        // KL(p‖q) = Σ p·(log p − log q), with log p = r − mr − lr and p = exp(log p).
+        let kl: f64 = r
+            .iter()
+            .zip(c)
+            .map(|(a, b)| {
+                let la = *a as f64 - mr - lr;
+                let lb = *b as f64 - mc - lc;
+                la.exp() * (la - lb)
+            })
+            .sum();
         let (tr, tc) = (top_k(r, 5), top_k(c, 5));
-        self.top1 += (tr[0] == tc[0]) as usize;
-        self.top5 += tr.iter().filter(|t| tc.contains(t)).count();
+        let (mut max_abs, mut sig, mut noise) = (0f64, 0f64, 0f64);
         for (a, b) in r.iter().zip(c) {
             let d = (*a as f64 - *b as f64).abs();
-            self.max_abs = self.max_abs.max(d);
-            self.sig += (*a as f64).powi(2);
-            self.noise += d * d;
+            max_abs = max_abs.max(d);
+            sig += (*a as f64).powi(2);
+            noise += d * d;
         }
+        RowStats {
+            kl: kl.max(0.0),
+            top1: tr[0] == tc[0],
+            top5: tr.iter().filter(|t| tc.contains(t)).count(),
+            max_abs,
+            sig,
+            noise,
+            finite: (
+                r.iter().all(|v| v.is_finite()),
+                c.iter().all(|v| v.is_finite()),
+            ),
+        }
+    }
+
+    /// Rows `i` of `[n, vocab]` reference and candidate logits, in parallel, in row order.
+    fn of_rows(r: &[f32], c: &[f32], vocab: usize, n: usize) -> Vec<Self> {
+        use rayon::prelude::*;
+        r.par_chunks_exact(vocab)
+            .zip(c.par_chunks_exact(vocab))
+            .take(n)
+            .map(|(a, b)| RowStats::of(a, b))
+            .collect()
+    }
+}
+
+impl Acc {
+    fn add(&mut self, s: &RowStats) {
+        self.kls.push(s.kl);
+        self.top1 += s.top1 as usize;
+        self.top5 += s.top5;
+        self.max_abs = self.max_abs.max(s.max_abs);
+        self.sig += s.sig;
+        self.noise += s.noise;
     }
     fn n(&self) -> usize {
         self.kls.len()
@@ -353,11 +406,20 @@ fn perplexity(model: &dyn Engine, windows: &[Vec<u32>]) -> Result<f64, ParityErr
     let (mut nll, mut n) = (0f64, 0usize);
     let vocab = model.config().vocab_size;
     for w in windows {
+        use rayon::prelude::*;
         let logits = model.start(w.len())?.forward(w, Logits::All)?;
-        for (i, row) in logits.chunks_exact(vocab).enumerate().take(w.len() - 1) {
-            nll -= log_softmax(row)[w[i + 1] as usize];
-            n += 1;
-        }
+        let rows = w.len() - 1;
+        let terms: Vec<f64> = logits
+            .par_chunks_exact(vocab)
+            .zip(&w[1..])
+            .take(rows)
+            .map(|(row, &t)| {
+                let (max, lse) = shifted_lse(row);
+                row[t as usize] as f64 - max - lse
+            })
+            .collect();
+        nll -= terms.iter().sum::<f64>();
+        n += rows;
     }
     Ok((nll / n.max(1) as f64).exp())
 }
@@ -500,18 +562,15 @@ pub fn run(
     // (prompt index, position) of the first non-finite row, in prompt order.
     let mut first_bad: Option<(usize, usize)> = None;
     let stop_ids = r.config().eos_token_ids.clone();
-    let mut compare = |pi: usize, pos: usize, a: &[f32], b: &[f32], acc: &mut Acc| {
-        let (fa, fb) = (
-            a.iter().all(|v| v.is_finite()),
-            b.iter().all(|v| v.is_finite()),
-        );
+    let mut compare = |pi: usize, pos: usize, s: &RowStats, acc: &mut Acc| {
+        let (fa, fb) = s.finite;
         bad_ref += usize::from(!fa);
         bad_cand += usize::from(!fb);
         if !(fa && fb) && first_bad.is_none_or(|f| (pi, pos) < f) {
             first_bad = Some((pi, pos));
         }
-        acc.add(a, b);
-        all.add(a, b);
+        acc.add(s);
+        all.add(s);
     };
     // Prompts run in groups whose continuations are decoded in lockstep: each step feeds every
     // unfinished prompt of the group at once (`Engine::step_many`), so a model reads its weights
@@ -537,8 +596,7 @@ pub fn run(
                 crate::generate::plan(cfg, ids.len(), &mut opts)?;
             }
             let context = ids.len() + opts.max_new_tokens;
-            kv_bytes += crate::resources::kv_cache_bytes(r.config(), context)
-                + crate::resources::kv_cache_bytes(c.config(), context);
+            kv_bytes += r.sequence_bytes(context) + c.sequence_bytes(context);
             crate::resources::check_fits(
                 &format!("the KV caches of {} prompts decoded together", gi + 1),
                 kv_bytes,
@@ -556,13 +614,8 @@ pub fn run(
                 (ids.len() - 1).max(1)
             };
             let mut acc = Acc::default();
-            for (pos, (a, b)) in lr
-                .chunks_exact(vocab)
-                .zip(lc.chunks_exact(vocab))
-                .take(rows)
-                .enumerate()
-            {
-                compare(pi0 + gi, pos, a, b, &mut acc);
+            for (pos, st) in RowStats::of_rows(&lr, &lc, vocab, rows).iter().enumerate() {
+                compare(pi0 + gi, pos, st, &mut acc);
             }
             live.push(Live {
                 prompt_tokens: ids.len(),
@@ -610,17 +663,21 @@ pub fn run(
                 .unzip();
             let rows_r = r.step_many(&mut rb, &tokens)?;
             let rows_c = c.step_many(&mut cb, &tokens)?;
-            for (j, (&i, seqs)) in feed.iter().zip(rb.into_iter().zip(cb)).enumerate() {
+            let stats = RowStats::of_rows(&rows_r, &rows_c, vocab, feed.len());
+            for (j, ((&i, seqs), st)) in feed
+                .iter()
+                .zip(rb.into_iter().zip(cb))
+                .zip(&stats)
+                .enumerate()
+            {
                 let l = &mut live[i];
                 l.seqs = Some(seqs);
-                let (a, b) = (
-                    &rows_r[j * vocab..(j + 1) * vocab],
-                    &rows_c[j * vocab..(j + 1) * vocab],
-                );
                 let pos = l.prompt_tokens + l.cont.len() - 1;
-                compare(pi0 + i, pos, a, b, &mut l.acc);
-                l.last_r.copy_from_slice(a);
-                l.last_c.copy_from_slice(b);
+                compare(pi0 + i, pos, st, &mut l.acc);
+                l.last_r
+                    .copy_from_slice(&rows_r[j * vocab..(j + 1) * vocab]);
+                l.last_c
+                    .copy_from_slice(&rows_c[j * vocab..(j + 1) * vocab]);
             }
         }
         for (p, l) in group.iter().zip(live) {
@@ -845,7 +902,7 @@ mod tests {
     fn identical_logits_are_perfect() {
         let mut a = Acc::default();
         let r = [1.0f32, 2.0, -1.0, 0.5, 3.0, 0.0];
-        a.add(&r, &r);
+        a.add(&RowStats::of(&r, &r));
         assert_eq!((a.top1, a.top5), (1, 5));
         assert!(a.kls[0].abs() < 1e-12 && a.snr_db().is_infinite());
     }
@@ -853,7 +910,7 @@ mod tests {
     #[test]
     fn kl_matches_a_hand_computation() {
         let mut a = Acc::default();
-        a.add(&[0.0, 0.0], &[0.0, (3f32).ln()]);
+        a.add(&RowStats::of(&[0.0, 0.0], &[0.0, (3f32).ln()]));
         // p = (.5,.5), q = (.25,.75): KL = .5 ln 2 + .5 ln(2/3)
         let want = 0.5 * 2f64.ln() + 0.5 * (2.0f64 / 3.0).ln();
         assert!((a.kls[0] - want).abs() < 1e-6);

@@ -477,6 +477,10 @@ impl Engine for PhoneModel {
             self.manifest.precision, self.manifest.context
         )
     }
+    /// The host caches are sized by the exported context whatever the sequence needs.
+    fn sequence_bytes(&self, _context: usize) -> u128 {
+        self.manifest.kv_cache_bytes as u128
+    }
 }
 
 impl Sequence for PhoneSequence<'_> {
