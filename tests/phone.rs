@@ -282,18 +282,10 @@ fn calibrating_part_by_part_gives_the_ranges_of_the_whole_graph() {
     let mut o = options(Precision::W8A16, 2048);
     o.parts = 3;
     export_phone(&common::fixture("spark-tiny"), &dir.path().join("e"), &o).unwrap();
-    let enc = |d: &Path| -> std::collections::BTreeMap<String, serde_json::Value> {
-        let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(d.join("model.encodings")).unwrap())
-                .unwrap();
-        v["activation_encodings"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|e| (e["name"].as_str().unwrap().to_string(), e.clone()))
-            .collect()
-    };
-    let (a, b) = (enc(&whole), enc(&dir.path().join("e")));
+    let (a, b) = (
+        common::activation_encodings(&whole),
+        common::activation_encodings(&dir.path().join("e")),
+    );
     // A part's first norm appends to `hidden_states_in`, whose encoding spans every boundary's
     // stream, so its Concat (which moves data on its input's grid) differs with it.
     let man: serde_json::Value = serde_json::from_str(
