@@ -623,7 +623,8 @@ pub fn run(
                 cont: Vec::new(),
                 last_r: lr[lr.len() - vocab..].to_vec(),
                 last_c: lc[lc.len() - vocab..].to_vec(),
-                seqs: Some((rs, cs)),
+                // Nothing to generate: the prompt's rows were all there is.
+                seqs: (opts.max_new_tokens > 0).then_some((rs, cs)),
                 acc,
                 first_divergence: None,
             });

@@ -87,6 +87,55 @@ fn identical_artifact_passes_with_perfect_scores() {
 }
 
 #[test]
+fn every_prompt_scores_its_prompt_rows_and_each_generated_token_once() {
+    // Prompts of different lengths decode in lockstep and finish at different steps (at EOS or
+    // at the limit); with no new tokens only the prompt's own rows are scored.
+    let d = tempfile::tempdir().unwrap();
+    damaged_copy(d.path());
+    let fx = common::fixture("spark-tiny");
+    let out_dir = tempfile::tempdir().unwrap();
+    for new in [0usize, 5] {
+        let json = out_dir.path().join(format!("r{new}.json"));
+        let out = tool()
+            .arg("parity")
+            .arg(&fx)
+            .arg(d.path())
+            .arg("--prompts")
+            .arg(common::root().join("tests/golden/prompts/spark-tiny.json"))
+            .args(["--max-new-tokens", &new.to_string(), "--eval-tokens", "0"])
+            .arg("--json")
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert!(json.exists(), "{}", String::from_utf8_lossy(&out.stderr));
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let prompts = r["prompts"].as_array().unwrap();
+        assert!(prompts.len() > 2);
+        let mut lengths = std::collections::BTreeSet::new();
+        for p in prompts {
+            let (n, pos) = (
+                p["prompt_tokens"].as_u64().unwrap(),
+                p["positions"].as_u64().unwrap(),
+            );
+            lengths.insert(n);
+            if new == 0 {
+                assert_eq!(pos, (n - 1).max(1), "{p}");
+                assert!(p["first_divergence"].is_null(), "{p}");
+                assert_eq!(p["greedy_identical"], true);
+            } else {
+                // The prompt's n rows, then one per generated token but the last.
+                assert!((n..n + new as u64).contains(&pos), "{p}");
+                if let Some(f) = p["first_divergence"].as_u64() {
+                    assert!(f < (pos + 1 - n), "{p}");
+                }
+            }
+        }
+        assert!(lengths.len() > 1, "prompts of one length only");
+    }
+}
+
+#[test]
 fn damaged_artifact_is_reported_as_drift() {
     let d = tempfile::tempdir().unwrap();
     damaged_copy(d.path());

@@ -274,8 +274,18 @@ fn map(a: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
 
 /// `x / sqrt(Σx² + H·eps)` per row (the graph's `LpNormalization` of `[x, √(H·eps)]`, sliced),
 /// then the norm weight's `Mul` where the graph has one. Taps `{p}_aug`, `_lp`, `_out`, `_scaled`.
-fn norm(part: &PartGraph, p: &str, x: &[f32], h: usize, taps: &mut Ranges) -> Vec<f32> {
-    let c = part.constant(&format!("{p}_eps_col")).map_or(0.0, |v| v[0]);
+fn norm(
+    part: &PartGraph,
+    p: &str,
+    x: &[f32],
+    h: usize,
+    taps: &mut Ranges,
+) -> Result<Vec<f32>, ExportError> {
+    let eps = format!("{p}_eps_col");
+    let c = part
+        .constant(&eps)
+        .and_then(|v| v.first().copied())
+        .ok_or_else(|| PartGraph::missing(&eps))?;
     let mut out = vec![0f32; x.len()];
     let (lp_c, unit) = out
         .par_chunks_mut(h)
@@ -300,7 +310,7 @@ fn norm(part: &PartGraph, p: &str, x: &[f32], h: usize, taps: &mut Ranges) -> Ve
     taps.observe(&format!("{p}_aug"), &[c]);
     observe(taps, &format!("{p}_lp"), unit.merge(lp_c));
     observe(taps, &format!("{p}_out"), unit);
-    match part.constant(&format!("{p}_w")) {
+    Ok(match part.constant(&format!("{p}_w")) {
         None => out,
         Some(w) => {
             let mut scaled = out;
@@ -312,7 +322,7 @@ fn norm(part: &PartGraph, p: &str, x: &[f32], h: usize, taps: &mut Ranges) -> Ve
             taps.observe(&format!("{p}_scaled"), &scaled);
             scaled
         }
-    }
+    })
 }
 
 struct Layer<'a> {
@@ -340,7 +350,7 @@ impl Layer<'_> {
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
         );
-        let n1 = norm(self.part, &self.name("ln1"), x, h, taps);
+        let n1 = norm(self.part, &self.name("ln1"), x, h, taps)?;
         let q = self.w.q.apply(&n1);
         let k = self.w.k.apply(&n1);
         let v = self.w.v.apply(&n1);
@@ -376,7 +386,7 @@ impl Layer<'_> {
         let x1 = zip_map(x, &o, |a, b| a + b);
         taps.observe(&self.name("resid1"), &x1);
 
-        let n2 = norm(self.part, &self.name("ln2"), &x1, h, taps);
+        let n2 = norm(self.part, &self.name("ln2"), &x1, h, taps)?;
         let mg = self.w.gate.apply(&n2);
         let mu = self.w.up.apply(&n2);
         drop(n2);
@@ -523,7 +533,7 @@ fn head(
     taps: &mut Ranges,
 ) -> Result<(), ExportError> {
     let h = cfg.hidden_size;
-    let n = norm(part, "final_norm", x, h, taps);
+    let n = norm(part, "final_norm", x, h, taps)?;
     let spec = part.spec("lm_head_w")?;
     let rows = spec.rows.clone();
     let mut logits = MinMax::EMPTY;
