@@ -24,12 +24,17 @@ pub trait Engine: Sync {
         seqs: &mut [Box<dyn Sequence + '_>],
         tokens: &[u32],
     ) -> Result<Vec<f32>, ModelError> {
-        let mut out = Vec::new();
-        for (s, &t) in seqs.iter_mut().zip(tokens) {
-            out.extend(s.forward(&[t], Logits::Last)?);
-        }
-        Ok(out)
+        step_each(seqs, tokens)
     }
+}
+
+/// [`Engine::step_many`] one sequence at a time.
+fn step_each(seqs: &mut [Box<dyn Sequence + '_>], tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+    let mut out = Vec::new();
+    for (s, &t) in seqs.iter_mut().zip(tokens) {
+        out.extend(s.forward(&[t], Logits::Last)?);
+    }
+    Ok(out)
 }
 
 pub trait Sequence {
@@ -79,11 +84,7 @@ impl Engine for SparkModel {
         assert_eq!(seqs.len(), tokens.len(), "one token per sequence");
         if !seqs.iter_mut().all(|s| s.kv_cache().is_some()) {
             // Not all ours to batch: one at a time.
-            let mut out = Vec::new();
-            for (s, &t) in seqs.iter_mut().zip(tokens) {
-                out.extend(s.forward(&[t], Logits::Last)?);
-            }
-            return Ok(out);
+            return step_each(seqs, tokens);
         }
         let mut caches: Vec<&mut KvCache> = seqs.iter_mut().filter_map(|s| s.kv_cache()).collect();
         rayon::scope(|_| self.forward_many(tokens, &mut caches))
