@@ -134,8 +134,13 @@ pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
         }
         if r.calibration_tokens > 0 {
             println!(
-                "calibrated on {} tokens in {:.1} s",
-                r.calibration_tokens, r.calibration_seconds
+                "calibrated on {} tokens in {:.1} s ({})",
+                r.calibration_tokens,
+                r.calibration_seconds,
+                match r.calibrator {
+                    Some(Calibrator::OnnxRuntime) => "ONNX Runtime stepping the float graph",
+                    _ => "native",
+                }
             );
         }
         println!("wrote {} in {:.1} s", r.out, r.seconds);

@@ -113,6 +113,9 @@ pub struct ExportReport {
     pub parts: Vec<PartSummary>,
     pub calibration_tokens: usize,
     pub calibration_seconds: f64,
+    /// How the activation ranges were measured (w8a16/w4a16).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calibrator: Option<Calibrator>,
     pub seconds: f64,
 }
 
@@ -516,7 +519,7 @@ fn export_staged(
                 &mut reader,
                 total_inits,
             )?;
-            calibration_tokens = opts.calib_samples * opts.calib_seq_len;
+            calibration_tokens = opts.calib_samples * opts.calib_seq_len.min(opts.context);
             calibration_seconds = tc.elapsed().as_secs_f64();
             let mut qs = Vec::new();
             let mut encs = Vec::new();
@@ -612,6 +615,7 @@ fn export_staged(
         parts: summaries,
         calibration_tokens,
         calibration_seconds,
+        calibrator: opts.precision.quantized().then_some(opts.calibrator),
         seconds: t0.elapsed().as_secs_f64(),
     })
 }

@@ -236,7 +236,13 @@ pub fn assert_calibrators_agree(model: &Path, mut o: spark_tool::export::ExportO
         ("ort", Calibrator::OnnxRuntime),
     ] {
         o.calibrator = c;
-        export_phone(model, &dir.path().join(name), &o).expect("export");
+        let r = export_phone(model, &dir.path().join(name), &o).expect("export");
+        // The report says how, and over how many tokens (windows are cut to the context).
+        assert_eq!(r.calibrator, Some(c));
+        assert_eq!(
+            r.calibration_tokens,
+            o.calib_samples * o.calib_seq_len.min(o.context)
+        );
         enc.push(activation_encodings(&dir.path().join(name)));
     }
     let (a, b) = (&enc[0], &enc[1]);
