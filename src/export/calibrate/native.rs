@@ -425,7 +425,7 @@ impl Layer<'_> {
         let half = r / 2;
         let width = heads * hd;
         let mut out = vec![0f32; x.len()];
-        // x1, x2, pass, x1c, x2s, x2c, x1s, r1, r2
+        let names = ["x1", "x2", "x1c", "x2s", "x2c", "x1s", "r1", "r2", "pass"];
         let m = out
             .par_chunks_mut(width)
             .zip(x.par_chunks(width))
@@ -440,30 +440,26 @@ impl Layer<'_> {
                         let (r1, r2) = (a - b, c + d);
                         oh[j] = r1;
                         oh[half + j] = r2;
-                        for (mm, v) in [0, 1, 3, 4, 5, 6, 7, 8]
-                            .iter()
-                            .zip([x1, x2, a, b, c, d, r1, r2])
-                        {
-                            m[*mm].add(v);
+                        for (mm, v) in m.iter_mut().zip([x1, x2, a, b, c, d, r1, r2]) {
+                            mm.add(v);
                         }
                     }
                     for j in *r..hd {
                         oh[j] = xh[j];
-                        m[2].add(xh[j]);
+                        m[8].add(xh[j]);
                     }
                 }
                 m
             })
             .reduce(|| [MinMax::EMPTY; 9], merge_all);
-        let names = ["x1", "x2", "pass", "x1c", "x2s", "x2c", "x1s", "r1", "r2"];
-        for (n, mm) in names.iter().zip(m) {
-            if *n != "pass" || *r < hd {
-                observe(taps, &format!("{p}_{n}"), mm);
-            }
+        // `pass` exists only when part of each head is not rotated.
+        let used = if *r < hd { 9 } else { 8 };
+        for (n, mm) in names.iter().zip(m).take(used) {
+            observe(taps, &format!("{p}_{n}"), mm);
         }
-        let mut rot = m[7].merge(m[8]);
+        let mut rot = m[6].merge(m[7]);
         if *r < hd {
-            rot = rot.merge(m[2]);
+            rot = rot.merge(m[8]);
         }
         observe(taps, &format!("{p}_rot"), rot);
         out
@@ -536,7 +532,6 @@ fn head(
     let n = norm(part, "final_norm", x, h, taps)?;
     let spec = part.spec("lm_head_w")?;
     let rows = spec.rows.clone();
-    let mut logits = MinMax::EMPTY;
     for r0 in rows.clone().step_by(HEAD_BLOCK) {
         let block = WeightSpec {
             rows: r0..(r0 + HEAD_BLOCK).min(rows.end),
@@ -544,19 +539,9 @@ fn head(
         };
         let w = Mat::read(reader, &block)?;
         for c in n.chunks(CHUNK_TOKENS * h) {
-            let y = w.apply(c);
-            let m = y
-                .par_chunks(1 << 14)
-                .map(|c| {
-                    let mut m = MinMax::EMPTY;
-                    c.iter().for_each(|v| m.add(*v));
-                    m
-                })
-                .reduce(|| MinMax::EMPTY, MinMax::merge);
-            logits = logits.merge(m);
+            taps.observe(graph::LOGITS, &w.apply(c));
         }
     }
-    observe(taps, graph::LOGITS, logits);
     Ok(())
 }
 
