@@ -14,12 +14,13 @@ use spark_tool::device::WeightFormat;
 use spark_tool::engine::GgufNumerics;
 use spark_tool::formats::gguf::mix::FileType;
 use spark_tool::formats::gguf::{GgmlType, GgufFile, Value};
-use spark_tool::quantize::{quantize, QuantizeOptions};
+use spark_tool::quantize::{quantize, ForwardPrecision, QuantizeOptions};
 
 fn options(out: &Path, ft: FileType) -> QuantizeOptions {
     let mut o =
         common::quantize_options(&common::fixture("spark-tiny"), out, WeightFormat::W4A16, 32);
     (o.samples, o.seq_len, o.compare, o.gguf) = (8, 128, false, Some(ft));
+    o.forward_precision = ForwardPrecision::F32;
     o
 }
 

@@ -56,6 +56,10 @@ RECIPES = {
     # The default since 2026-12-02: the float model's output as each linear's target (GPTAQ).
     "gptq-search act-static float-output": ["--method", "gptq-search", "--order", "act-static",
                                             "--objective", "float-output"],
+    # The calibration forward in f32 (the default before 2026-12-03; bf16 since, for GPTQ checkpoints).
+    "gptq-search act-static float-output f32-forward": ["--method", "gptq-search", "--order", "act-static",
+                                                        "--objective", "float-output",
+                                                        "--forward-precision", "f32"],
     "gptq-search act-static float-output refit1": ["--method", "gptq-search", "--order", "act-static",
                                                    "--objective", "float-output", "--refit-rounds", "1"],
 }

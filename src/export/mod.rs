@@ -365,6 +365,7 @@ fn export_through_gptq(
         order: crate::quant::Order::ActStatic,
         refit_rounds: 0,
         objective: crate::quantize::Objective::FloatOutput,
+        forward_precision: crate::quantize::ForwardPrecision::Bf16,
         path,
         calibration: if opts.calibration.is_empty() {
             vec![calibration::bundled()]

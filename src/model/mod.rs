@@ -24,7 +24,7 @@ use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, SparkConfig};
 use crate::kernels;
 pub use block::{Ctx, DecoderLayer, Mlp, RmsNorm, Segment, SelfAttention};
 pub use kv_cache::{CacheError, KvCache};
-pub use linear::{DenseLinear, DenseWeight, Linear};
+pub use linear::{Bf16Data, DenseLinear, DenseWeight, Linear};
 use profile::{Stage, StageTimers};
 pub use quantized::{QuantExec, W4Numerics};
 use rope::Rope;

@@ -1,8 +1,10 @@
 //! H = 2/n · Σ x xᵀ over calibration tokens, one per distinct linear input.
 //!
-//! Chunks of tokens go through an f32 GEMM (`gemm` crate, multi-threaded);
-//! chunk results are summed in f64 so long calibration runs do not lose the
-//! small contributions to rounding.
+//! Chunks of tokens go through a GEMM with f32 sums — `vdpbf16ps` when the
+//! inputs are bf16 values (the default bf16 calibration forward) and the CPU
+//! has AVX512-BF16, the `gemm` crate's f32 kernel otherwise; chunk results are
+//! summed in f64 so long calibration runs do not lose the small contributions
+//! to rounding.
 
 use rayon::prelude::*;
 
@@ -106,6 +108,11 @@ impl Hessian {
         let mut part = vec![0f32; k * k];
         for chunk in x.chunks(CHUNK * k) {
             let t = chunk.len() / k;
+            if crate::kernels::bf16::gram_bf16(chunk, None, t, k, &mut part) {
+                // xᵀx; the f32 GEMM below folds the 2 in as its beta.
+                self.fold(&part, 2.0);
+                continue;
+            }
             let out = ColumnsOut::new(&mut part, k, k);
             pairs.par_iter().for_each(|&(bi, bj)| {
                 let (r0, c0) = (bi * BLOCK, bj * BLOCK);
@@ -114,19 +121,24 @@ impl Hessian {
                 // written by this job alone.
                 unsafe { at_b_block(&out, (r0, rows), (c0, cols), chunk, chunk, t, k, 2.0) };
             });
-            // Fold the upper triangle (j ≥ i) into the f64 sum.
-            self.sum
-                .par_chunks_mut(k)
-                .zip(part.par_chunks(k))
-                .enumerate()
-                .for_each(|(i, (s, p))| {
-                    s[i..]
-                        .iter_mut()
-                        .zip(&p[i..])
-                        .for_each(|(s, p)| *s += *p as f64);
-                });
+            self.fold(&part, 1.0);
         }
         self.tokens += m;
+    }
+
+    /// Fold the upper triangle (j ≥ i) of a chunk's `scale · part` into the f64 sum.
+    fn fold(&mut self, part: &[f32], scale: f64) {
+        let k = self.k;
+        self.sum
+            .par_chunks_mut(k)
+            .zip(part.par_chunks(k))
+            .enumerate()
+            .for_each(|(i, (s, p))| {
+                s[i..]
+                    .iter_mut()
+                    .zip(&p[i..])
+                    .for_each(|(s, p)| *s += scale * *p as f64);
+            });
     }
 
     /// H scaled by 1/n (GPTQ is invariant to the scale of H; this keeps numbers moderate).
@@ -198,9 +210,22 @@ mod tests {
         }
     }
 
+    /// Inputs that are bf16 values take the `vdpbf16ps` Gram on a CPU that has it (odd chunk
+    /// lengths included); the sums are the same up to order.
+    #[test]
+    fn bf16_inputs_match_naive_outer_products() {
+        for (k, m) in [(5, 601), (BLOCK + 37, 2 * CHUNK + 11), (70, 64)] {
+            check(k, m, |v| crate::kernels::w4::round_bf16(v / 7.0));
+        }
+    }
+
     fn check_against_naive(k: usize, m: usize) {
+        check(k, m, |v| v);
+    }
+
+    fn check(k: usize, m: usize, value: impl Fn(f32) -> f32) {
         let x: Vec<f32> = (0..m * k)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .map(|i| value(((i * 37 % 101) as f32 - 50.0) / 25.0))
             .collect();
         let mut h = Hessian::new(k);
         h.add(&x[..m / 2 * k], m / 2);
@@ -214,7 +239,8 @@ mod tests {
                     / m as f64;
                 assert!(
                     (got[a * k + b] - want).abs() < 1e-4 * (1.0 + want.abs()),
-                    "{a},{b}"
+                    "{a},{b}: {} vs {want}",
+                    got[a * k + b]
                 );
             }
         }

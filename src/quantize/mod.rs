@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use indicatif::ProgressBar;
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::checkpoint::layout::layer_prefix;
@@ -27,7 +28,7 @@ use crate::checkpoint::{Checkpoint, QkvLayout};
 use crate::device::{WeightFormat, WeightPath};
 use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
 use crate::model::block::residual_add;
-use crate::model::{DecoderLayer, DenseLinear, Linear, Proj, SparkModel};
+use crate::model::{Bf16Data, DecoderLayer, DenseLinear, DenseWeight, Linear, Proj, SparkModel};
 use crate::quant::gptaq::{CrossMoment, FloatOutputTarget};
 use crate::quant::timing::Clock;
 use crate::quant::{
@@ -46,6 +47,19 @@ pub enum Objective {
     /// W·X, the float model's output, from X̃ (GPTAQ; [`crate::quant::gptaq`]): the default,
     /// measured best (docs/FIDELITY.md).
     FloatOutput,
+}
+
+/// What the calibration forward feeds each linear (and so what its Hessian is made of).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ForwardPrecision {
+    /// Every linear's input rounded to bf16 and the already quantized linears' weights too, as
+    /// vLLM feeds a GPTQ checkpoint's linears (and as GPTQ's references compute from a bf16
+    /// model); products exact, sums f32 — `vdpbf16ps`, twice the f32 GEMM's rate. The default
+    /// for GPTQ checkpoints.
+    Bf16,
+    /// f32 inputs and f32 weights: what llama.cpp feeds (the default for GGUF).
+    F32,
 }
 
 /// Which quantizer writes the weights.
@@ -83,6 +97,8 @@ pub struct QuantizeOptions {
     pub refit_rounds: usize,
     /// What each layer's linears are solved to reproduce (the head always: its quantized input).
     pub objective: Objective,
+    /// What the calibration forward feeds the linears.
+    pub forward_precision: ForwardPrecision,
     /// Why this format (the probe's decision, or "explicit").
     pub path: WeightPath,
     pub calibration: Vec<PathBuf>,
@@ -220,6 +236,8 @@ pub struct QuantReport {
     pub refit_rounds: usize,
     /// What each layer's linears were solved to reproduce.
     pub objective: Objective,
+    /// What the calibration forward fed the linears.
+    pub forward_precision: ForwardPrecision,
     pub qkv_layout: QkvLayout,
     pub quantize_head: bool,
     pub path: WeightPath,
@@ -588,9 +606,29 @@ fn act_rounding_error(x: &[f32], m: usize, w: &[f32], written: &dyn Linear) -> f
     }
 }
 
-fn install(layer: &mut DecoderLayer, proj: Proj, q: &QuantizedWeight) {
-    let lin = DenseLinear::new(q.dequantize().into(), q.out_features, q.in_features);
+fn install(layer: &mut DecoderLayer, proj: Proj, q: &QuantizedWeight, fp: ForwardPrecision) {
+    let (w, n, k) = (q.dequantize(), q.out_features, q.in_features);
+    let lin = match fp {
+        ForwardPrecision::F32 => DenseLinear::new(w.into(), n, k),
+        ForwardPrecision::Bf16 => {
+            let bits: Vec<u16> = w
+                .par_iter()
+                .map(|v| half::bf16::from_f32(*v).to_bits())
+                .collect();
+            DenseLinear::from_weight(DenseWeight::Bf16(Bf16Data::Owned(bits.into())), n, k)
+        }
+    };
     layer.set_linear(proj, Box::new(lin));
+}
+
+/// A linear's input as the calibration forward feeds it: rounded to bf16 values with
+/// [`ForwardPrecision::Bf16`].
+fn linear_input(mut v: Vec<f32>, fp: ForwardPrecision) -> Vec<f32> {
+    if fp == ForwardPrecision::Bf16 {
+        v.par_iter_mut()
+            .for_each(|x| *x = crate::kernels::w4::round_bf16(*x));
+    }
+    v
 }
 
 /// One layer's solve: what its steps share and what they have produced so far.
@@ -659,7 +697,7 @@ impl LayerSolve<'_> {
         drop(h);
         let clock = Clock::start();
         for (&p, q) in projs.iter().zip(qs) {
-            install(layer, p, &q);
+            install(layer, p, &q, self.opts.forward_precision);
             self.result.insert(p, q);
         }
         self.phases.add(Phase::Install, clock.elapsed());
@@ -750,13 +788,14 @@ fn quantize_layer(
     // through the same stages, each computed while the linears it needs are still float.
     bar.set_message(format!("layer {li}: q/k/v"));
     check_finite(x, li, "input_layernorm")?;
-    let h = solve
-        .phases
-        .time(Phase::Forward, || layer.input_layernorm.forward(x));
+    let fp = opts.forward_precision;
+    let h = solve.phases.time(Phase::Forward, || {
+        linear_input(layer.input_layernorm.forward(x), fp)
+    });
     let (h_f, attn_f) = match xf.as_deref() {
         Some(xf) => solve.phases.time(Phase::Forward, || {
-            let h_f = layer.input_layernorm.forward(xf);
-            let attn_f = attend_samples(layer, &h_f, samples, seq_len, &ctx);
+            let h_f = linear_input(layer.input_layernorm.forward(xf), fp);
+            let attn_f = linear_input(attend_samples(layer, &h_f, samples, seq_len, &ctx), fp);
             (Some(h_f), Some(attn_f))
         }),
         None => (None, None),
@@ -773,7 +812,7 @@ fn quantize_layer(
     // gated attention over each sample → a ─ out_proj, x += out(a)
     bar.set_message(format!("layer {li}: out_proj"));
     let attn = solve.phases.time(Phase::Forward, || {
-        attend_samples(layer, &h, samples, seq_len, &ctx)
+        linear_input(attend_samples(layer, &h, samples, seq_len, &ctx), fp)
     });
     drop(h);
     check_finite(&attn, li, "out_proj")?;
@@ -794,14 +833,14 @@ fn quantize_layer(
 
     // x ─ norm → h2 ─ gate, up
     bar.set_message(format!("layer {li}: gate/up"));
-    let h2 = solve
-        .phases
-        .time(Phase::Forward, || layer.post_attention_layernorm.forward(x));
+    let h2 = solve.phases.time(Phase::Forward, || {
+        linear_input(layer.post_attention_layernorm.forward(x), fp)
+    });
     check_finite(&h2, li, "gate_proj/up_proj")?;
     let (h2_f, act_f) = match xf.as_deref() {
         Some(xf) => solve.phases.time(Phase::Forward, || {
-            let h2_f = layer.post_attention_layernorm.forward(xf);
-            let act_f = mlp_act_rows(layer, &h2_f, &ctx);
+            let h2_f = linear_input(layer.post_attention_layernorm.forward(xf), fp);
+            let act_f = linear_input(mlp_act_rows(layer, &h2_f, &ctx), fp);
             (Some(h2_f), Some(act_f))
         }),
         None => (None, None),
@@ -812,9 +851,9 @@ fn quantize_layer(
 
     // gelu(gate) ⊙ up → act ─ down, x += down(act)
     bar.set_message(format!("layer {li}: down_proj"));
-    let act = solve
-        .phases
-        .time(Phase::Forward, || mlp_act_rows(layer, &h2, &ctx));
+    let act = solve.phases.time(Phase::Forward, || {
+        linear_input(mlp_act_rows(layer, &h2, &ctx), fp)
+    });
     drop(h2);
     check_finite(&act, li, "down_proj")?;
     let down_f = act_f.as_ref().map(|a| {
@@ -847,7 +886,9 @@ fn quantize_head(
 ) -> Result<(QuantizedWeight, LinearReport), QuantizeError> {
     let cfg = model.config();
     let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
-    let y = phases.time(Phase::Forward, || model.final_norm(x));
+    let y = phases.time(Phase::Forward, || {
+        linear_input(model.final_norm(x), opts.forward_precision)
+    });
     let mut h = Hessian::new(hidden);
     phases.time(Phase::Hessian, || h.add(&y, rows));
     drop(y);
@@ -1186,6 +1227,7 @@ fn run(
         order: opts.order,
         refit_rounds: opts.refit_rounds,
         objective: opts.effective_objective(),
+        forward_precision: opts.forward_precision,
         qkv_layout: opts.qkv_layout,
         quantize_head: opts.quantize_head,
         path: opts.path.clone(),
@@ -1256,6 +1298,7 @@ mod tests {
             order: Order::Natural,
             refit_rounds: 0,
             objective: Objective::QuantizedInput,
+            forward_precision: ForwardPrecision::Bf16,
             path: crate::device::decide(&CpuFeatures::default(), Target::X86, Priority::Speed),
             calibration: Vec::new(),
             samples: 1,

@@ -98,7 +98,7 @@ pub fn settings_fingerprint(
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} {:?} gguf{:?}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} {:?} {:?} gguf{:?}",
         opts.format,
         opts.group_size,
         opts.samples,
@@ -110,6 +110,7 @@ pub fn settings_fingerprint(
         opts.order,
         opts.refit_rounds,
         opts.effective_objective(),
+        opts.forward_precision,
         opts.gguf
     ));
     Ok(format!("{:x}", h.finalize()))
@@ -676,6 +677,7 @@ impl Output {
             "scale_rule": report.scale_rule,
             "order": report.order,
             "objective": report.objective,
+            "forward_precision": report.forward_precision,
             "calibration_sha256": report.calibration_sha256,
             "samples": report.samples,
             "seq_len": report.seq_len,
@@ -797,6 +799,7 @@ impl Output {
                 "order": r.order,
                 "refit_rounds": r.refit_rounds,
                 "objective": r.objective,
+                "forward_precision": r.forward_precision,
                 "qkv_layout": r.qkv_layout,
                 "device_path": r.path,
                 "calibration_sha256": r.calibration_sha256,

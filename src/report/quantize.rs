@@ -173,6 +173,7 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         ("column order", json_name(&r.order)),
         ("refit rounds", r.refit_rounds.to_string()),
         ("objective", json_name(&r.objective)),
+        ("calibration forward", json_name(&r.forward_precision)),
         ("q/k/v layout", json_name(&r.qkv_layout)),
         ("4-bit head", r.quantize_head.to_string()),
         (

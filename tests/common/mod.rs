@@ -124,6 +124,7 @@ pub fn quantize_options(
         order: Order::Natural,
         refit_rounds: 0,
         objective: spark_tool::quantize::Objective::FloatOutput,
+        forward_precision: spark_tool::quantize::ForwardPrecision::Bf16,
         path: device::decide(
             &device::CpuFeatures::default(),
             Target::X86,

@@ -179,11 +179,17 @@ unsafe fn bf16_dot<const R: usize, const S: usize>(
 /// Columns per packed slice of [`bf16_gemm_slice`]: two 16-lane tiles.
 pub(super) const GEMM_SLICE: usize = 32;
 
-/// Pack `w` (`[cols ≤ 32, k]` f32 holding bf16 values, k even) into the
-/// slice layout: tile s (columns 16s…), input pair p, lane j →
+/// Pack `w` (`[cols ≤ 32, k]`, bf16 values as f32 or as bits, `bits` giving the bits; k even)
+/// into the slice layout: tile s (columns 16s…), input pair p, lane j →
 /// `out[(s·k/2 + p)·32 + 2j + {0,1}]` = bits of `w[16s + j][2p + {0,1}]`;
 /// missing columns are zero.
-pub(super) fn pack_bf16_slice(w: &[f32], cols: usize, k: usize, out: &mut [u16]) {
+pub(super) fn pack_bf16_slice<T: Copy>(
+    w: &[T],
+    cols: usize,
+    k: usize,
+    out: &mut [u16],
+    bits: impl Fn(T) -> u16,
+) {
     debug_assert!(k.is_multiple_of(2) && out.len() == GEMM_SLICE * k && w.len() == cols * k);
     out.fill(0);
     for c in 0..cols {
@@ -191,8 +197,8 @@ pub(super) fn pack_bf16_slice(w: &[f32], cols: usize, k: usize, out: &mut [u16])
         let row = &w[c * k..(c + 1) * k];
         for p in 0..k / 2 {
             let o = (s * (k / 2) + p) * 32 + 2 * j;
-            out[o] = (row[2 * p].to_bits() >> 16) as u16;
-            out[o + 1] = (row[2 * p + 1].to_bits() >> 16) as u16;
+            out[o] = bits(row[2 * p]);
+            out[o + 1] = bits(row[2 * p + 1]);
         }
     }
 }

@@ -138,12 +138,90 @@ pub(super) fn bf16_act_panel_matmul(
             let c = cols.len();
             expand(cols.clone(), &mut wf[..c * k]);
             debug_assert!(wf[..c * k].iter().all(|v| v.to_bits() & 0xFFFF == 0));
-            avx512::pack_bf16_slice(&wf[..c * k], c, k, &mut packed);
+            avx512::pack_bf16_slice(&wf[..c * k], c, k, &mut packed, |v| {
+                (v.to_bits() >> 16) as u16
+            });
             // SAFETY: the tier was checked above; this job owns columns `cols`.
             unsafe { avx512::bf16_gemm_slice(&xb, k, &packed, 0..m, cols.start, c, &out) };
         }
     });
     true
+}
+
+/// `out[i, j] = Σ_t a[t, i]·b[t, j]` over the `t` rows of `a` and `b` (`[t, k]`, row-major) with
+/// `vdpbf16ps` when every value is a bf16 value and the CPU has AVX512-BF16: exact products, f32
+/// sums (the numerics of an f32 GEMM on bf16 inputs, up to summation order) at about twice the
+/// f32 GEMM's rate. The Gram matrices of calibration inputs (Hessians, cross moments) are these.
+/// `b = None` computes aᵀa on and above the diagonal only, by 32-column slices (an entry
+/// (i, j) with i > j may or may not be written). Returns false with `out` untouched where the
+/// CPU lacks AVX512-BF16 or a value is not a bf16 value: the caller runs its f32 GEMM then.
+pub fn gram_bf16(a: &[f32], b: Option<&[f32]>, t: usize, k: usize, out: &mut [f32]) -> bool {
+    gram_bf16_with(isa(), a, b, t, k, out)
+}
+
+/// [`gram_bf16`] with an explicit tier (tests).
+pub fn gram_bf16_with(
+    isa: Isa,
+    a: &[f32],
+    b: Option<&[f32]>,
+    t: usize,
+    k: usize,
+    out: &mut [f32],
+) -> bool {
+    assert_eq!((a.len(), out.len()), (t * k, k * k));
+    assert!(b.is_none_or(|b| b.len() == t * k));
+    #[cfg(target_arch = "x86_64")]
+    {
+        use rayon::prelude::*;
+        if isa < Isa::Avx512Bf16 || t == 0 || k == 0 {
+            return false;
+        }
+        // Both operands transposed to [k, t2] bits, t2 = t rounded up to even with a zero token
+        // (it adds nothing): the slice kernel reduces over pairs of its rows' elements.
+        let t2 = t + t % 2;
+        let transposed = |x: &[f32]| -> Option<Vec<u16>> {
+            let mut bits = bf16_bits(x)?;
+            bits.resize(t2 * k, 0);
+            Some(super::transpose(&bits, t2, k))
+        };
+        let Some(at) = transposed(a) else {
+            return false;
+        };
+        let bt = match b {
+            Some(b) => match transposed(b) {
+                Some(bt) => Some(bt),
+                None => return false,
+            },
+            None => None,
+        };
+        let cols_of = bt.as_deref().unwrap_or(&at);
+        let dst = ColumnsOut::new(out, k, k);
+        let slices = k.div_ceil(avx512::GEMM_SLICE);
+        // Largest jobs first: the upper triangle's slices grow with their column.
+        (0..slices).into_par_iter().rev().for_each_init(
+            || vec![0u16; avx512::GEMM_SLICE * t2],
+            |packed, si| {
+                let c0 = si * avx512::GEMM_SLICE;
+                let c = (k - c0).min(avx512::GEMM_SLICE);
+                avx512::pack_bf16_slice(&cols_of[c0 * t2..(c0 + c) * t2], c, t2, packed, |v| v);
+                let rows = if b.is_none() { 0..c0 + c } else { 0..k };
+                // SAFETY: the tier was checked above; this job alone writes columns c0..c0 + c.
+                unsafe { avx512::bf16_gemm_slice(&at, t2, packed, rows, c0, c, &dst) };
+            },
+        );
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, b);
+        false
+    }
+}
+
+/// Whether every value of `x` is a bf16 value (its low 16 bits zero).
+pub fn all_bf16(x: &[f32]) -> bool {
+    use rayon::prelude::*;
+    x.par_iter().all(|v| v.to_bits() & 0xFFFF == 0)
 }
 
 /// `x` as bf16 bits when every value is a bf16 value (the low 16 bits
@@ -270,6 +348,60 @@ mod tests {
                     ));
                     assert_close_sum_order(&got, &want, &abs, k);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn the_bf16_gram_is_the_sum_of_outer_products() {
+        use crate::kernels::test_util::activations;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for &(t, k) in &[(1, 1), (7, 33), (64, 32), (131, 70), (300, 97)] {
+            let a = activations(&mut rng, t, k);
+            let b = activations(&mut rng, t, k);
+            let f32_only = vec![0.1f32 + f32::EPSILON; t * k];
+            // Reference sums in f64, checked with the f32 sum-order tolerance.
+            let reference = |b: &[f32]| {
+                let (mut want, mut abs) = (vec![0f32; k * k], vec![0f32; k * k]);
+                for i in 0..k {
+                    for j in 0..k {
+                        let (mut s, mut sa) = (0f64, 0f64);
+                        for r in 0..t {
+                            let p = a[r * k + i] as f64 * b[r * k + j] as f64;
+                            s += p;
+                            sa += p.abs();
+                        }
+                        want[i * k + j] = s as f32;
+                        abs[i * k + j] = sa as f32;
+                    }
+                }
+                (want, abs)
+            };
+            for isa in Isa::tested() {
+                let mut got = vec![f32::NAN; k * k];
+                let done = gram_bf16_with(isa, &a, Some(&b), t, k, &mut got);
+                assert_eq!(done, cfg!(target_arch = "x86_64") && isa >= Isa::Avx512Bf16);
+                if !done {
+                    assert!(got.iter().all(|v| v.is_nan()), "untouched when not done");
+                    continue;
+                }
+                let (want, abs) = reference(&b);
+                assert_close_sum_order(&got, &want, &abs, t);
+                // aᵀa: every entry on and above the diagonal.
+                let mut got = vec![f32::NAN; k * k];
+                assert!(gram_bf16_with(isa, &a, None, t, k, &mut got));
+                let (want, abs) = reference(&a);
+                for i in 0..k {
+                    for j in i..k {
+                        let e = i * k + j;
+                        assert_close_sum_order(&got[e..=e], &want[e..=e], &abs[e..=e], t);
+                    }
+                }
+                // A value that is not bf16 anywhere in either operand: nothing done.
+                let mut got = vec![f32::NAN; k * k];
+                assert!(!gram_bf16_with(isa, &a, Some(&f32_only), t, k, &mut got));
+                assert!(!gram_bf16_with(isa, &f32_only, None, t, k, &mut got));
+                assert!(got.iter().all(|v| v.is_nan()));
             }
         }
     }
