@@ -230,7 +230,6 @@ mod tests {
         let (at_target, at_w) = (gradient(&ws), gradient(&w));
         // f32 GEMM chunks and f32 weights: the normal equations hold to well under 1 % of the
         // gradient W itself leaves.
-        eprintln!("gradient at W* {at_target:.3e}, at W {at_w:.3e}");
         assert!(at_target < tolerance * at_w, "{at_target} vs {at_w}");
     }
 }

@@ -108,20 +108,21 @@ impl Hessian {
         let mut part = vec![0f32; k * k];
         for chunk in x.chunks(CHUNK * k) {
             let t = chunk.len() / k;
-            if crate::kernels::bf16::gram_bf16(chunk, None, t, k, &mut part) {
-                // xᵀx; the f32 GEMM below folds the 2 in as its beta.
-                self.fold(&part, 2.0);
-                continue;
-            }
-            let out = ColumnsOut::new(&mut part, k, k);
-            pairs.par_iter().for_each(|&(bi, bj)| {
-                let (r0, c0) = (bi * BLOCK, bj * BLOCK);
-                let (rows, cols) = ((k - r0).min(BLOCK), (k - c0).min(BLOCK));
-                // SAFETY: chunk holds t × k values; the block at (r0, c0) of part is
-                // written by this job alone.
-                unsafe { at_b_block(&out, (r0, rows), (c0, cols), chunk, chunk, t, k, 2.0) };
-            });
-            self.fold(&part, 1.0);
+            // xᵀx on bf16 inputs; otherwise f32 GEMM blocks, which fold the 2 in as their beta.
+            let scale = if crate::kernels::bf16::gram_bf16(chunk, None, t, k, &mut part) {
+                2.0
+            } else {
+                let out = ColumnsOut::new(&mut part, k, k);
+                pairs.par_iter().for_each(|&(bi, bj)| {
+                    let (r0, c0) = (bi * BLOCK, bj * BLOCK);
+                    let (rows, cols) = ((k - r0).min(BLOCK), (k - c0).min(BLOCK));
+                    // SAFETY: chunk holds t × k values; the block at (r0, c0) of part is
+                    // written by this job alone.
+                    unsafe { at_b_block(&out, (r0, rows), (c0, cols), chunk, chunk, t, k, 2.0) };
+                });
+                1.0
+            };
+            self.fold(&part, scale);
         }
         self.tokens += m;
     }
