@@ -395,6 +395,12 @@ impl Staging {
     /// not ours is refused.
     pub fn reset(&self) -> Result<(), ArtifactError> {
         if self.root.exists() {
+            // A kill between creating the folder and writing its marker leaves it empty: an
+            // empty folder holds nothing of anyone's, so it is taken (remove_dir only removes
+            // empty ones).
+            if !self.exists() && std::fs::remove_dir(&self.root).is_ok() {
+                return self.reset();
+            }
             if !self.exists() {
                 return Err(ArtifactError::Refused(format!(
                     "{} exists and was not made by spark-tool; remove it or choose another output",
@@ -684,6 +690,18 @@ mod tests {
         assert!(st.reset().is_err());
         st.discard();
         assert!(st.root().join("theirs").is_file());
+    }
+
+    /// A kill between creating the staging folder and writing its marker leaves it empty; the
+    /// next run takes it (nothing in it to lose) and marks it.
+    #[test]
+    fn an_empty_unmarked_staging_folder_is_taken() {
+        let d = tempfile::tempdir().unwrap();
+        let st = Staging::plan(&d.path().join("a"), "thing", &[], false).unwrap();
+        std::fs::create_dir_all(st.root()).unwrap();
+        assert!(!st.exists());
+        st.reset().unwrap();
+        assert!(st.exists());
     }
 
     #[test]
