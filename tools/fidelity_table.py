@@ -60,6 +60,10 @@ RECIPES = {
     "gptq-search act-static float-output f32-forward": ["--method", "gptq-search", "--order", "act-static",
                                                         "--objective", "float-output",
                                                         "--forward-precision", "f32"],
+    "gptq-search act-static float-output cd4": ["--method", "gptq-search", "--order", "act-static",
+                                                "--objective", "float-output", "--descent-passes", "4"],
+    "gptq-search act-static float-output cd16": ["--method", "gptq-search", "--order", "act-static",
+                                                 "--objective", "float-output", "--descent-passes", "16"],
     "gptq-search act-static float-output refit1": ["--method", "gptq-search", "--order", "act-static",
                                                    "--objective", "float-output", "--refit-rounds", "1"],
 }
@@ -94,12 +98,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
+    ap.add_argument("--calibration", type=Path, nargs=2, metavar=("SUBSET_A", "SUBSET_B"),
+                    help="two calibration files instead of the testbed's own (e.g. tools/self_calibration.py)")
     ap.add_argument("--spark-tool", type=Path, default=BIN, help="the binary (default: target/release/spark-tool)")
     a = ap.parse_args()
     binary = str(a.spark_tool)
     tb = TESTBEDS[a.testbed]
     a.work.mkdir(parents=True, exist_ok=True)
-    sets = calibration_sets(tb, a.work)
+    sets = list(a.calibration) if a.calibration else calibration_sets(tb, a.work)
     rows, raw = [], []
     for recipe in a.recipes:
         for g in a.groups:

@@ -171,6 +171,11 @@ pub struct QuantizeArgs {
     /// and re-solving GPTQ's codes for those scales; the lowest output error is kept (docs/QUANTIZE.md).
     #[arg(long, default_value_t = 0)]
     refit_rounds: usize,
+    /// After GPTQ, passes of coordinate descent on the codes (scales fixed): each code becomes the
+    /// grid point that lowers the linear's output error most with the others held, until a pass
+    /// changes nothing or the passes run out (docs/QUANTIZE.md "Coordinate descent").
+    #[arg(long, default_value_t = 0)]
+    descent_passes: usize,
     /// What each linear is solved to reproduce: the float model's output from the quantized
     /// model's input (GPTAQ), or the output of that input (classic GPTQ). Default: float-output for
     /// GPTQ checkpoints (measured best, docs/FIDELITY.md); quantized-input for GGUF, whose
@@ -264,6 +269,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             OrderArg::ActStatic => Order::ActStatic,
         },
         refit_rounds: a.refit_rounds,
+        descent_passes: a.descent_passes,
         objective: match (a.objective, gguf) {
             (Some(ObjectiveArg::FloatOutput), _) | (None, None) => Objective::FloatOutput,
             (Some(ObjectiveArg::QuantizedInput), _) | (None, Some(_)) => Objective::QuantizedInput,

@@ -364,6 +364,7 @@ fn export_through_gptq(
         method: Method::GptqSearch,
         order: crate::quant::Order::ActStatic,
         refit_rounds: 0,
+        descent_passes: 0,
         objective: crate::quantize::Objective::FloatOutput,
         forward_precision: crate::quantize::ForwardPrecision::Bf16,
         path,

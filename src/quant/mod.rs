@@ -1,6 +1,7 @@
 //! Quantization algorithms (no file formats here): the zero-point-8 grid and
 //! its scale search, Hessians, GPTQ.
 
+pub mod descent;
 pub mod gptaq;
 pub mod gptq;
 pub mod grid;
@@ -8,6 +9,7 @@ pub mod hessian;
 pub mod refit;
 pub mod timing;
 
+pub use descent::descend;
 pub use gptq::{
     gptq, output_error_parts, relative_output_error, relative_output_error_with, rtn, GptqConfig,
     GptqError, GptqResult, GptqSolver, Order, QuantizedWeight,

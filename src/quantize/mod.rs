@@ -32,7 +32,7 @@ use crate::model::{Bf16Data, DecoderLayer, DenseLinear, DenseWeight, Linear, Pro
 use crate::quant::gptaq::{CrossMoment, FloatOutputTarget};
 use crate::quant::timing::Clock;
 use crate::quant::{
-    output_error_parts, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian, Order,
+    descend, output_error_parts, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian, Order,
     QuantizedWeight, ScaleRule,
 };
 use crate::tokenizer::SparkTokenizer;
@@ -95,6 +95,8 @@ pub struct QuantizeOptions {
     pub order: Order,
     /// Rounds of output-error scale refit ↔ fixed-scale GPTQ after the solve (0 = none).
     pub refit_rounds: usize,
+    /// Passes of coordinate descent on the codes after the solve (0 = none; [`crate::quant::descent`]).
+    pub descent_passes: usize,
     /// What each layer's linears are solved to reproduce (the head always: its quantized input).
     pub objective: Objective,
     /// What the calibration forward feeds the linears.
@@ -234,6 +236,8 @@ pub struct QuantReport {
     pub order: Order,
     /// Rounds of output-error scale refit after GPTQ.
     pub refit_rounds: usize,
+    /// Passes of coordinate descent on the codes after GPTQ (at most; it stops when one changes nothing).
+    pub descent_passes: usize,
     /// What each layer's linears were solved to reproduce.
     pub objective: Objective,
     /// What the calibration forward fed the linears.
@@ -452,6 +456,15 @@ fn solve_linear(
         q = refined;
         parts[method as usize] = Some(err);
         seconds += clock.lap().seconds;
+    }
+    if method != Method::Rtn && opts.descent_passes > 0 {
+        let mut clock = Clock::start();
+        descend(w, &mut q, hm, opts.descent_passes);
+        let spent = clock.lap();
+        phases.add(Phase::Descent, spent);
+        seconds += spent.seconds;
+        parts[method as usize] = Some(output_error_parts(w, &q.dequantize(), n, k, hm));
+        phases.add(Phase::Compare, clock.lap());
     }
     Ok(Solved { q, parts, seconds })
 }
@@ -1226,6 +1239,7 @@ fn run(
         scale_rule: opts.method.scale_rule(),
         order: opts.order,
         refit_rounds: opts.refit_rounds,
+        descent_passes: opts.descent_passes,
         objective: opts.effective_objective(),
         forward_precision: opts.forward_precision,
         qkv_layout: opts.qkv_layout,
@@ -1297,6 +1311,7 @@ mod tests {
             method,
             order: Order::Natural,
             refit_rounds: 0,
+            descent_passes: 0,
             objective: Objective::QuantizedInput,
             forward_precision: ForwardPrecision::Bf16,
             path: crate::device::decide(&CpuFeatures::default(), Target::X86, Priority::Speed),

@@ -98,7 +98,7 @@ pub fn settings_fingerprint(
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} {:?} {:?} gguf{:?}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} descent{} {:?} {:?} gguf{:?}",
         opts.format,
         opts.group_size,
         opts.samples,
@@ -109,6 +109,7 @@ pub fn settings_fingerprint(
         opts.method,
         opts.order,
         opts.refit_rounds,
+        opts.descent_passes,
         opts.effective_objective(),
         opts.forward_precision,
         opts.gguf
@@ -798,6 +799,7 @@ impl Output {
                 "scale_rule": r.scale_rule,
                 "order": r.order,
                 "refit_rounds": r.refit_rounds,
+                "descent_passes": r.descent_passes,
                 "objective": r.objective,
                 "forward_precision": r.forward_precision,
                 "qkv_layout": r.qkv_layout,

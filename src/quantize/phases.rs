@@ -23,6 +23,8 @@ pub enum Phase {
     Columns,
     /// GPTQ's lazy batch updates after each block.
     Flush,
+    /// Coordinate-descent passes over the codes after the solve.
+    Descent,
     /// Every other method of the comparison (with `compare`) and the error of each.
     Compare,
     /// Replacing each solved linear by its dequantized weights for the later stages.
@@ -34,7 +36,7 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 11] = [
+    pub const ALL: [Phase; 12] = [
         Phase::Load,
         Phase::Forward,
         Phase::Hessian,
@@ -42,6 +44,7 @@ impl Phase {
         Phase::ScaleSearch,
         Phase::Columns,
         Phase::Flush,
+        Phase::Descent,
         Phase::Compare,
         Phase::Install,
         Phase::Save,

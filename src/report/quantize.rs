@@ -172,6 +172,7 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         ("scale rule", json_name(&r.scale_rule)),
         ("column order", json_name(&r.order)),
         ("refit rounds", r.refit_rounds.to_string()),
+        ("descent passes", r.descent_passes.to_string()),
         ("objective", json_name(&r.objective)),
         ("calibration forward", json_name(&r.forward_precision)),
         ("q/k/v layout", json_name(&r.qkv_layout)),

@@ -123,6 +123,7 @@ pub fn quantize_options(
         method: Method::GptqSearch,
         order: Order::Natural,
         refit_rounds: 0,
+        descent_passes: 0,
         objective: spark_tool::quantize::Objective::FloatOutput,
         forward_precision: spark_tool::quantize::ForwardPrecision::Bf16,
         path: device::decide(
