@@ -64,6 +64,10 @@ RECIPES = {
                                                 "--objective", "float-output", "--descent-passes", "4"],
     "gptq-search act-static float-output cd16": ["--method", "gptq-search", "--order", "act-static",
                                                  "--objective", "float-output", "--descent-passes", "16"],
+    # GPTQ's damping λ (a fraction of the mean diag(H)) as a regulariser: default 0.01.
+    **{f"gptq-search act-static float-output damp{d}": ["--method", "gptq-search", "--order", "act-static",
+                                                        "--objective", "float-output", "--damp", d]
+       for d in ["0.001", "0.03", "0.1", "0.3"]},
     "gptq-search act-static float-output refit1": ["--method", "gptq-search", "--order", "act-static",
                                                    "--objective", "float-output", "--refit-rounds", "1"],
 }

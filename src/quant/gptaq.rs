@@ -10,6 +10,11 @@
 //! with C = Σ_t (x_t − x̃_t)·x̃_tᵀ and H̃ = Σ_t x̃_t·x̃_tᵀ (both scaled as [`Hessian::matrix`]). So
 //! GPTQ runs unchanged on W* against H̃. H̃ is damped as GPTQ damps it, which keeps W* near W
 //! where X̃ carries little energy.
+//!
+//! With the damping λ the target is a ridge regression towards W, W* = (M + λ·W)·(H̃ + λI)⁻¹ with
+//! M = Σ_t y_t·x̃_tᵀ and y_t = W·x_t the float output (W·C = M − W·H̃). For a linear with fewer
+//! outputs than inputs (`down_proj`: 2048 × 6656 at the 1.7B shape) M is the cheaper moment: N·K
+//! per token instead of C's K², and N·K memory instead of K² ([`OutputMoment`]).
 
 use faer::Mat;
 use rayon::prelude::*;
@@ -78,13 +83,72 @@ impl CrossMoment {
     }
 }
 
+/// Σ_t y_t·x̃_tᵀ over calibration tokens, `[n, k]` row-major: the float model's output `y` (`[m, n]`)
+/// against the quantized model's input `x̃` (`[m, k]`), summed in f64 over f32 GEMM chunks.
+pub struct OutputMoment {
+    n: usize,
+    k: usize,
+    sum: Vec<f64>,
+    tokens: usize,
+}
+
+impl OutputMoment {
+    pub fn new(n: usize, k: usize) -> Self {
+        OutputMoment {
+            n,
+            k,
+            sum: vec![0.0; n * k],
+            tokens: 0,
+        }
+    }
+
+    /// Add `m` rows of the float output `y` (`[m, n]`) and the quantized model's input `xq` (`[m, k]`).
+    pub fn add(&mut self, y: &[f32], xq: &[f32], m: usize) {
+        let (n, k) = (self.n, self.k);
+        assert_eq!((y.len(), xq.len()), (m * n, m * k));
+        let mut part = vec![0f32; n * k];
+        let mut yt = vec![0f32; n * CHUNK.min(m)];
+        for (yc, q) in y.chunks(CHUNK * n).zip(xq.chunks(CHUNK * k)) {
+            let t = yc.len() / n;
+            let yt = &mut yt[..n * t];
+            // yᵀ for a plain row-major GEMM: [n, t] · [t, k].
+            yt.par_chunks_mut(t).enumerate().for_each(|(j, row)| {
+                for (i, v) in row.iter_mut().enumerate() {
+                    *v = yc[i * n + j];
+                }
+            });
+            super::gptq::matmul_nn(yt, n, t, q, k, &mut part, true);
+            self.sum
+                .par_iter_mut()
+                .zip(part.par_iter())
+                .for_each(|(s, p)| *s += *p as f64);
+        }
+        self.tokens += m;
+    }
+
+    /// M scaled like [`Hessian::matrix`] (2/n), f32 row-major.
+    fn matrix_f32(&self) -> Vec<f32> {
+        let s = 2.0 / self.tokens.max(1) as f64;
+        self.sum.par_iter().map(|v| (v * s) as f32).collect()
+    }
+}
+
+/// What the float model contributes to the target.
+enum Moment {
+    /// C, row-major `[k, k]`: W* = W + W·C·(H̃ + λI)⁻¹ for any W.
+    Cross(Vec<f32>),
+    /// M, row-major `[n, k]`, of one linear: W* = (M + λ·W)·(H̃ + λI)⁻¹.
+    Outputs(Vec<f32>, usize),
+}
+
 /// The damped H̃ factored once, for every linear that reads the same input. In f32 like GPTQ's own
 /// factor (docs/QUANTIZE.md): W* differs from W by a correction term, and a failed factorisation
 /// only means more damping.
 pub struct FloatOutputTarget {
     k: usize,
-    /// C, row-major `[k, k]`.
-    c: Vec<f32>,
+    moment: Moment,
+    /// The damping λ the factor holds.
+    lambda: f32,
     /// Lower Cholesky factor of H̃ + λ·I, column-major.
     l: Vec<f32>,
 }
@@ -93,10 +157,21 @@ impl FloatOutputTarget {
     /// Factor H̃ + λ·I, λ = `damp` × mean diag(H̃), raised ×10 while the factorisation fails
     /// (as GPTQ raises its own damping).
     pub fn new(h: &Hessian, cross: &CrossMoment, damp: f64) -> Option<Self> {
+        assert_eq!(h.dim(), cross.k);
+        Self::factor(h, damp, || Moment::Cross(cross.matrix_f32()))
+    }
+
+    /// The target of the one linear whose float outputs `outputs` accumulated: for `apply` with
+    /// that linear's weight only.
+    pub fn from_outputs(h: &Hessian, outputs: &OutputMoment, damp: f64) -> Option<Self> {
+        assert_eq!(h.dim(), outputs.k);
+        Self::factor(h, damp, || Moment::Outputs(outputs.matrix_f32(), outputs.n))
+    }
+
+    fn factor(h: &Hessian, damp: f64, moment: impl FnOnce() -> Moment) -> Option<Self> {
         use faer::dyn_stack::{MemBuffer, MemStack};
         use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
         let k = h.dim();
-        assert_eq!(k, cross.k);
         let inv_t = 1.0 / h.tokens().max(1) as f64;
         let mean = (0..k).map(|i| h.upper(i, i) * inv_t).sum::<f64>() / k.max(1) as f64;
         let mut lambda = damp * mean.max(f64::MIN_POSITIVE);
@@ -123,7 +198,8 @@ impl FloatOutputTarget {
                 // The solves below read the lower triangle only.
                 return Some(FloatOutputTarget {
                     k,
-                    c: cross.matrix_f32(),
+                    moment: moment(),
+                    lambda: lambda as f32,
                     l,
                 });
             }
@@ -132,21 +208,32 @@ impl FloatOutputTarget {
         None
     }
 
-    /// W* = W + W·C·H̃⁻¹ for a row-major `[n, k]` weight.
+    /// W* for a row-major `[n, k]` weight: W + W·C·(H̃ + λI)⁻¹, or (M + λ·W)·(H̃ + λI)⁻¹ from the
+    /// output moment (which belongs to this one weight).
     pub fn apply(&self, w: &[f32], n: usize) -> Vec<f32> {
         use faer::linalg::triangular_solve::{
             solve_lower_triangular_in_place, solve_upper_triangular_in_place,
         };
         let k = self.k;
         let wm = faer::MatRef::from_row_major_slice(w, n, k);
-        let cm = faer::MatRef::from_row_major_slice(&self.c, k, k);
-        // (W·C·H̃⁻¹)ᵀ = H̃⁻¹·(W·C)ᵀ, H̃ symmetric: L·Lᵀ·Z = (W·C)ᵀ.
-        let mut z: Mat<f32> = (wm * cm).transpose().to_owned();
+        // Zᵀ·(H̃ + λI) = R with H̃ symmetric: L·Lᵀ·Z = Rᵀ.
+        let (mut z, add_w): (Mat<f32>, bool) = match &self.moment {
+            Moment::Cross(c) => {
+                let cm = faer::MatRef::from_row_major_slice(c, k, k);
+                ((wm * cm).transpose().to_owned(), true)
+            }
+            Moment::Outputs(m, rows) => {
+                assert_eq!(*rows, n, "an output moment belongs to one linear");
+                let lambda = self.lambda;
+                let z = Mat::from_fn(k, n, |j, i| m[i * k + j] + lambda * w[i * k + j]);
+                (z, false)
+            }
+        };
         let l = faer::MatRef::from_column_major_slice(&self.l, k, k);
         let par = faer::get_global_parallelism();
         solve_lower_triangular_in_place(l, z.as_mut(), par);
         solve_upper_triangular_in_place(l.transpose(), z.as_mut(), par);
-        let mut out = w.to_vec();
+        let mut out = if add_w { w.to_vec() } else { vec![0f32; n * k] };
         out.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
             for (j, v) in row.iter_mut().enumerate() {
                 *v += z[(j, i)];
@@ -191,6 +278,52 @@ mod tests {
     #[test]
     fn the_target_from_bf16_inputs_solves_the_normal_equations() {
         normal_equations(crate::kernels::w4::round_bf16, 4e-3);
+    }
+
+    /// The output moment's ridge form gives the cross moment's target (to f32 GEMM rounding), on
+    /// damped and undamped H̃.
+    #[test]
+    fn the_output_moment_gives_the_cross_moments_target() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (m, k, n) = (CHUNK + 200, 40, 7);
+        let xf = rows(&mut rng, m, k);
+        let xq: Vec<f32> = xf
+            .iter()
+            .map(|v| v + 0.05 * rng.random_range(-1.0f32..1.0))
+            .collect();
+        let w = rows(&mut rng, n, k);
+        let y: Vec<f32> = xf
+            .chunks(k)
+            .flat_map(|x| {
+                w.chunks(k)
+                    .map(|wr| wr.iter().zip(x).map(|(a, b)| a * b).sum::<f32>())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let mut h = Hessian::new(k);
+        h.add(&xq, m);
+        let mut c = CrossMoment::new(k);
+        c.add(&xq, &xf, m);
+        let mut o = OutputMoment::new(n, k);
+        o.add(&y, &xq, m);
+        for damp in [1e-9, 0.01, 0.5] {
+            let a = FloatOutputTarget::new(&h, &c, damp).unwrap().apply(&w, n);
+            let b = FloatOutputTarget::from_outputs(&h, &o, damp)
+                .unwrap()
+                .apply(&w, n);
+            let scale = a.iter().fold(0f32, |s, v| s.max(v.abs()));
+            let worst = a
+                .iter()
+                .zip(&b)
+                .fold(0f32, |s, (a, b)| s.max((a - b).abs()));
+            assert!(worst < 1e-3 * scale, "damp {damp}: {worst} of {scale}");
+            // The correction is real: the target is not W.
+            let moved = a
+                .iter()
+                .zip(&w)
+                .fold(0f32, |s, (a, b)| s.max((a - b).abs()));
+            assert!(moved > 1e-2 * scale, "damp {damp}: {moved}");
+        }
     }
 
     fn normal_equations(value: fn(f32) -> f32, tolerance: f64) {

@@ -29,7 +29,7 @@ use crate::device::{WeightFormat, WeightPath};
 use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
 use crate::model::block::residual_add;
 use crate::model::{Bf16Data, DecoderLayer, DenseLinear, DenseWeight, Linear, Proj, SparkModel};
-use crate::quant::gptaq::{CrossMoment, FloatOutputTarget};
+use crate::quant::gptaq::{CrossMoment, FloatOutputTarget, OutputMoment};
 use crate::quant::timing::Clock;
 use crate::quant::{
     descend, output_error_parts, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian, Order,
@@ -658,14 +658,15 @@ struct LayerSolve<'a> {
 impl LayerSolve<'_> {
     /// One true-sequential step: the projections `projs` of `layer`, which all read `input`
     /// (`[rows, K]`), are quantized against its Hessian and installed, so that later stages
-    /// see the deployed numerics. With `input_fp` (the float model's input of the same stage,
-    /// float-output objective) each is solved for the W* that reproduces the float output.
+    /// see the deployed numerics. With `float` (the float model's input of the same stage, or the
+    /// one projection's float output: float-output objective) each is solved for the W* that
+    /// reproduces the float output.
     fn step(
         &mut self,
         layer: &mut DecoderLayer,
         projs: &[Proj],
         input: &[f32],
-        input_fp: Option<&[f32]>,
+        float: Option<Float>,
     ) -> Result<(), QuantizeError> {
         let cfg = self.cfg;
         let mut h = Hessian::new(projs[0].shape(cfg)[1]);
@@ -686,12 +687,20 @@ impl LayerSolve<'_> {
                 .map(|&p| layer.linear(p).dequantize())
                 .collect()
         });
-        if let Some(xf) = input_fp {
+        if let Some(float) = float {
             // Solve for W* (the float output from this input) instead of W.
-            let target = self.phases.time(Phase::Hessian, || {
-                let mut c = CrossMoment::new(h.dim());
-                c.add(input, xf, self.rows);
-                FloatOutputTarget::new(&h, &c, self.opts.damp)
+            let target = self.phases.time(Phase::Hessian, || match float {
+                Float::Inputs(xf) => {
+                    let mut c = CrossMoment::new(h.dim());
+                    c.add(input, xf, self.rows);
+                    FloatOutputTarget::new(&h, &c, self.opts.damp)
+                }
+                Float::Outputs(y) => {
+                    assert_eq!(outs.len(), 1, "an output moment belongs to one linear");
+                    let mut m = OutputMoment::new(outs[0], h.dim());
+                    m.add(y, input, self.rows);
+                    FloatOutputTarget::from_outputs(&h, &m, self.opts.damp)
+                }
             });
             let target = target.ok_or_else(|| {
                 QuantizeError::Invalid(format!(
@@ -728,6 +737,16 @@ impl LayerSolve<'_> {
         self.reports.extend(reports);
         Ok(())
     }
+}
+
+/// What the float model's stream gives a step of the float-output objective.
+#[derive(Clone, Copy)]
+enum Float<'a> {
+    /// The float model's input of the stage (`[rows, K]`): the cross moment, for any linears.
+    Inputs(&'a [f32]),
+    /// The float output of the stage's one linear (`[rows, N]`): the output moment, cheaper when
+    /// N < K (`down_proj`; docs/QUANTIZE.md "Objective").
+    Outputs(&'a [f32]),
 }
 
 /// The gated attention output `[samples·seq_len, q_dim]` of the normed rows `h`, each sample from
@@ -819,7 +838,7 @@ fn quantize_layer(
     } else {
         &[Proj::Q, Proj::K, Proj::V]
     };
-    solve.step(layer, qkv, &h, h_f.as_deref())?;
+    solve.step(layer, qkv, &h, h_f.as_deref().map(Float::Inputs))?;
     drop(h_f);
 
     // gated attention over each sample → a ─ out_proj, x += out(a)
@@ -834,7 +853,12 @@ fn quantize_layer(
             .phases
             .time(Phase::Forward, || layer.self_attn.out_proj.project(a, rows))
     });
-    solve.step(layer, &[Proj::Out], &attn, attn_f.as_deref())?;
+    solve.step(
+        layer,
+        &[Proj::Out],
+        &attn,
+        attn_f.as_deref().map(Float::Inputs),
+    )?;
     drop(attn_f);
     solve.phases.time(Phase::Forward, || {
         residual_add(x, &layer.self_attn.out_proj.project(&attn, rows));
@@ -859,7 +883,7 @@ fn quantize_layer(
         None => (None, None),
     };
     let gate_up = [Proj::Gate, Proj::Up];
-    solve.step(layer, &gate_up, &h2, h2_f.as_deref())?;
+    solve.step(layer, &gate_up, &h2, h2_f.as_deref().map(Float::Inputs))?;
     drop(h2_f);
 
     // gelu(gate) ⊙ up → act ─ down, x += down(act)
@@ -874,8 +898,15 @@ fn quantize_layer(
             .phases
             .time(Phase::Forward, || layer.mlp.down_proj.project(a, rows))
     });
-    solve.step(layer, &[Proj::Down], &act, act_f.as_deref())?;
+    // down_proj has fewer outputs than inputs: its target comes from the float output it just
+    // gave, and the float input is not needed any more.
     drop(act_f);
+    solve.step(
+        layer,
+        &[Proj::Down],
+        &act,
+        down_f.as_deref().map(Float::Outputs),
+    )?;
     solve.phases.time(Phase::Forward, || {
         residual_add(x, &layer.mlp.down_proj.project(&act, rows));
         if let (Some(xf), Some(d)) = (xf, &down_f) {

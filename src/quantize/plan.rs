@@ -34,7 +34,8 @@ impl MemoryPlan {
     /// `rows` calibration tokens; `widened`: bytes of checkpoint weights stored in a dtype the
     /// model widens to f32 (bf16 stays mapped).
     /// `float_output`: the float-output objective, which carries the float model's stream and
-    /// stage inputs beside the quantized ones and solves for W* against the cross moment.
+    /// stage inputs beside the quantized ones and solves for W* against the cross moment (the
+    /// output moment for `down_proj`).
     pub fn new(
         cfg: &SparkConfig,
         rows: usize,
@@ -61,10 +62,18 @@ impl MemoryPlan {
                 rows_u * f * (hidden + (hidden + q_dim + hidden).max(hidden + inter + hidden));
         }
         // Σxxᵀ in f64 with either the f32 factor and inverse or the f32 copy the error is
-        // measured against beside U; for W*, the f64 cross moment with f32 copies of it and of
-        // the damped factor.
+        // measured against beside U (16 bytes per entry). For W*, beside Σxxᵀ and the damped f32
+        // factor: the f64 cross moment and its f32 copy for the linears of the narrow inputs, and
+        // down_proj's output moment (f64, with an f32 chunk product, then an f32 copy: N·K).
         let k = hidden.max(q_dim).max(inter);
-        let hessian = if float_output { 24 } else { 16 } * k * k;
+        let narrow = hidden.max(q_dim);
+        let hessian = if float_output {
+            (16 * k * k)
+                .max(12 * inter * inter + 16 * hidden * inter)
+                .max(24 * narrow * narrow)
+        } else {
+            16 * k * k
+        };
         let size = |p: &Proj| p.shape(cfg).iter().product::<usize>() as u128;
         let layer: u128 = Proj::ALL.iter().map(size).sum();
         let groups: [&[Proj]; 4] = [
