@@ -25,20 +25,48 @@ use crate::kernels::bf16::{all_bf16, gram_bf16};
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4::round_bf16;
 
+/// A moment summed in f64 over f32 GEMM chunks, so long calibration runs do not lose the small
+/// contributions to rounding.
+#[derive(Clone)]
+struct Sum64 {
+    sum: Vec<f64>,
+    tokens: usize,
+}
+
+impl Sum64 {
+    fn new(len: usize) -> Self {
+        Sum64 {
+            sum: vec![0.0; len],
+            tokens: 0,
+        }
+    }
+
+    fn fold(&mut self, part: &[f32]) {
+        self.sum
+            .par_iter_mut()
+            .zip(part.par_iter())
+            .for_each(|(s, p)| *s += *p as f64);
+    }
+
+    /// Scaled like [`Hessian::matrix`] (2/n), f32.
+    fn matrix_f32(&self) -> Vec<f32> {
+        let s = 2.0 / self.tokens.max(1) as f64;
+        self.sum.par_iter().map(|v| (v * s) as f32).collect()
+    }
+}
+
 /// Σ_t (x_t − x̃_t)·x̃_tᵀ over calibration tokens, `[k, k]` row-major.
 #[derive(Clone)]
 pub struct CrossMoment {
     k: usize,
-    sum: Vec<f64>,
-    tokens: usize,
+    sum: Sum64,
 }
 
 impl CrossMoment {
     pub fn new(k: usize) -> Self {
         CrossMoment {
             k,
-            sum: vec![0.0; k * k],
-            tokens: 0,
+            sum: Sum64::new(k * k),
         }
     }
 
@@ -68,18 +96,9 @@ impl CrossMoment {
                     unsafe { at_b_block(&out, (r0, rows), (0, k), d, q, t, k, 1.0) };
                 });
             }
-            self.sum
-                .par_iter_mut()
-                .zip(part.par_iter())
-                .for_each(|(s, p)| *s += *p as f64);
+            self.sum.fold(&part);
         }
-        self.tokens += m;
-    }
-
-    /// C scaled like [`Hessian::matrix`] (2/n), f32 row-major.
-    fn matrix_f32(&self) -> Vec<f32> {
-        let s = 2.0 / self.tokens.max(1) as f64;
-        self.sum.par_iter().map(|v| (v * s) as f32).collect()
+        self.sum.tokens += m;
     }
 }
 
@@ -88,8 +107,7 @@ impl CrossMoment {
 pub struct OutputMoment {
     n: usize,
     k: usize,
-    sum: Vec<f64>,
-    tokens: usize,
+    sum: Sum64,
 }
 
 impl OutputMoment {
@@ -97,8 +115,7 @@ impl OutputMoment {
         OutputMoment {
             n,
             k,
-            sum: vec![0.0; n * k],
-            tokens: 0,
+            sum: Sum64::new(n * k),
         }
     }
 
@@ -118,18 +135,9 @@ impl OutputMoment {
                 }
             });
             super::gptq::matmul_nn(yt, n, t, q, k, &mut part, true);
-            self.sum
-                .par_iter_mut()
-                .zip(part.par_iter())
-                .for_each(|(s, p)| *s += *p as f64);
+            self.sum.fold(&part);
         }
-        self.tokens += m;
-    }
-
-    /// M scaled like [`Hessian::matrix`] (2/n), f32 row-major.
-    fn matrix_f32(&self) -> Vec<f32> {
-        let s = 2.0 / self.tokens.max(1) as f64;
-        self.sum.par_iter().map(|v| (v * s) as f32).collect()
+        self.sum.tokens += m;
     }
 }
 
@@ -158,14 +166,16 @@ impl FloatOutputTarget {
     /// (as GPTQ raises its own damping).
     pub fn new(h: &Hessian, cross: &CrossMoment, damp: f64) -> Option<Self> {
         assert_eq!(h.dim(), cross.k);
-        Self::factor(h, damp, || Moment::Cross(cross.matrix_f32()))
+        Self::factor(h, damp, || Moment::Cross(cross.sum.matrix_f32()))
     }
 
     /// The target of the one linear whose float outputs `outputs` accumulated: for `apply` with
     /// that linear's weight only.
     pub fn from_outputs(h: &Hessian, outputs: &OutputMoment, damp: f64) -> Option<Self> {
         assert_eq!(h.dim(), outputs.k);
-        Self::factor(h, damp, || Moment::Outputs(outputs.matrix_f32(), outputs.n))
+        Self::factor(h, damp, || {
+            Moment::Outputs(outputs.sum.matrix_f32(), outputs.n)
+        })
     }
 
     fn factor(h: &Hessian, damp: f64, moment: impl FnOnce() -> Moment) -> Option<Self> {
