@@ -8,6 +8,7 @@ pub mod attention;
 mod avx512_util;
 pub mod bf16;
 pub mod convert;
+pub mod gelu;
 pub mod isa;
 pub mod par;
 #[cfg(test)]
@@ -232,11 +233,6 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Exact (erf) GELU, as the reference model's `ACT2FN["gelu"]`.
-pub fn gelu_erf(z: f32) -> f32 {
-    0.5 * z * (1.0 + libm::erff(z * std::f32::consts::FRAC_1_SQRT_2))
-}
-
 pub fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + (-z).exp())
 }
@@ -311,15 +307,6 @@ mod tests {
         rms_norm(&x, &w, 0.0, &mut out);
         // mean(x²) = 25/4 → rms 2.5
         assert!((out[0] - 1.2).abs() < 1e-6 && (out[1] - 3.2).abs() < 1e-6);
-    }
-
-    #[test]
-    fn gelu_is_exact_erf_not_tanh() {
-        // Values from 0.5·z·(1+erf(z/√2)) in float64.
-        assert!((gelu_erf(1.0) - 0.841_344_8).abs() < 1e-6);
-        assert!((gelu_erf(-2.0) - -0.045_500_26).abs() < 1e-6);
-        // The tanh approximation gives 0.841192 at 1.0; make sure we are not it.
-        assert!((gelu_erf(1.0) - 0.841_192).abs() > 1e-4);
     }
 
     #[test]

@@ -90,11 +90,24 @@ impl Codes<'_> {
     }
 }
 
-/// Word `(r, c)` of a GPTQ `qweight` (see [`Codes::GptqWords`]).
+/// How many stored `qweight` rows ahead the repacks prefetch (each row of a job is one short run
+/// of a long row, so the hardware prefetchers do not follow).
+pub(crate) const ROWS_AHEAD: usize = 4;
+
+/// Ask for the cache lines of `bytes[at..at + len]` (ignored past the end).
 #[inline]
-pub(crate) fn gptq_word(bytes: &[u8], n_all: usize, r: usize, c: usize) -> u32 {
-    let i = (r * n_all + c) * 4;
-    u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]])
+pub(crate) fn prefetch_run(bytes: &[u8], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (at..(at + len).min(bytes.len())).step_by(64) {
+        // SAFETY: a prefetch of an address inside the slice; it never faults.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                bytes.as_ptr().add(off) as *const i8,
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (bytes, at, len);
 }
 
 /// The 4 nibbles of `x` (bits 0..16) one per byte, in bits 0..4 of each.

@@ -10,7 +10,7 @@ use super::profile::{Stage, StageTimers};
 use super::rope::Rope;
 use super::Linear;
 use crate::checkpoint::{CheckpointError, LayerType, Proj, SparkConfig};
-use crate::kernels::{self, gelu_erf, rms_norm, sigmoid};
+use crate::kernels::{self, gelu::gelu_mul, rms_norm, sigmoid};
 
 /// What a block needs besides its weights: the shapes, its layer type and rotary table, and the
 /// stage timers of `bench --stages`.
@@ -250,7 +250,7 @@ fn attention(
         });
 }
 
-/// `down_proj(gelu_erf(gate_proj(h)) ⊙ up_proj(h))`.
+/// `down_proj(gelu(gate_proj(h)) ⊙ up_proj(h))`, GELU with erf.
 pub struct Mlp {
     pub gate_proj: Box<dyn Linear>,
     pub up_proj: Box<dyn Linear>,
@@ -274,7 +274,7 @@ impl Mlp {
             .time(Stage::DownProj, || self.down_proj.project(&act, m))
     }
 
-    /// `gelu_erf(gate_proj(h)) ⊙ up_proj(h)`: the input of `down_proj`.
+    /// `gelu(gate_proj(h)) ⊙ up_proj(h)`: the input of `down_proj`.
     pub fn act(&self, h: &[f32], m: usize, ctx: &Ctx) -> Vec<f32> {
         let [mut gate, up] = ctx.timers.time(Stage::GateUpProj, || {
             [&self.gate_proj, &self.up_proj].map(|l| l.project(h, m))
@@ -286,13 +286,9 @@ impl Mlp {
             if gate.len() >= 2 * CHUNK {
                 gate.par_chunks_mut(CHUNK)
                     .zip(up.par_chunks(CHUNK))
-                    .for_each(|(g, u)| {
-                        g.iter_mut().zip(u).for_each(|(a, u)| *a = gelu_erf(*a) * u)
-                    });
+                    .for_each(|(g, u)| gelu_mul(g, u));
             } else {
-                gate.iter_mut()
-                    .zip(&up)
-                    .for_each(|(a, u)| *a = gelu_erf(*a) * u);
+                gelu_mul(&mut gate, &up);
             }
             gate
         })

@@ -392,7 +392,7 @@ impl Layer<'_> {
         drop(n2);
         taps.observe(&self.name("mlp_gate"), &mg);
         taps.observe(&self.name("mlp_up"), &mu);
-        let ge = map(&mg, kernels::gelu_erf);
+        let ge = map(&mg, kernels::gelu::gelu);
         drop(mg);
         taps.observe(&self.name("mlp_gelu"), &ge);
         let act = zip_map(&ge, &mu, |a, b| a * b);

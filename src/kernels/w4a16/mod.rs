@@ -27,7 +27,7 @@ use super::isa::{isa, Isa};
 use super::par::{for_tiles, ColumnsOut};
 use rayon::prelude::*;
 
-use super::w4::{gptq_word, round_bf16, spread8, Codes, W4Nibbles, Zeros};
+use super::w4::{prefetch_run, round_bf16, spread8, Codes, W4Nibbles, Zeros};
 
 /// A `[n, k]` 4-bit weight packed for W4A16.
 pub struct PackedW4A16 {
@@ -57,8 +57,8 @@ impl PackedW4A16 {
         let (n, k, g) = (w.n, w.k, w.g);
         let chunks = k.div_ceil(64);
         let mut nib = vec![0u8; n * chunks * 32];
-        // 16 columns per job, so GPTQ words are read in 64-byte runs.
-        const COLS: usize = 16;
+        // 128 columns per job, so each stored GPTQ row is read as one 512-byte run.
+        const COLS: usize = 128;
         nib.par_chunks_mut(COLS * chunks * 32)
             .enumerate()
             .for_each_init(Vec::new, |q, (b, out)| {
@@ -66,12 +66,22 @@ impl PackedW4A16 {
                 if let (Codes::GptqWords { bytes, n_all, col0 }, true) = (w.q, k % 64 == 0) {
                     // Bytes 8i..8i+8 of a 64-input chunk: GPTQ words i (inputs
                     // 8i..) and i + 4 (inputs 32 + 8i..), one nibble each.
+                    let c0 = col0 + cols.start;
+                    let run = |r: usize| (r * n_all + c0) * 4..(r * n_all + c0 + cols.len()) * 4;
                     for c in 0..chunks {
-                        for j in 0..cols.len() {
-                            let col = col0 + cols.start + j;
-                            for i in 0..4 {
-                                let lo = gptq_word(bytes, n_all, 8 * c + i, col);
-                                let hi = gptq_word(bytes, n_all, 8 * c + i + 4, col);
+                        if c + 1 < chunks {
+                            for r in 8 * (c + 1)..8 * (c + 2) {
+                                prefetch_run(bytes, run(r).start, 4 * cols.len());
+                            }
+                        }
+                        for i in 0..4 {
+                            let lo = &bytes[run(8 * c + i)];
+                            let hi = &bytes[run(8 * c + i + 4)];
+                            for (j, (lo, hi)) in
+                                lo.chunks_exact(4).zip(hi.chunks_exact(4)).enumerate()
+                            {
+                                let lo = u32::from_le_bytes(lo.try_into().expect("4 bytes"));
+                                let hi = u32::from_le_bytes(hi.try_into().expect("4 bytes"));
                                 let v = spread8(lo) | (spread8(hi) << 4);
                                 let o = (j * chunks + c) * 32 + 8 * i;
                                 out[o..o + 8].copy_from_slice(&v.to_le_bytes());
@@ -234,6 +244,9 @@ mod tests {
             (40, 256, 64, 72, 16),
             (17, 128, 128, 40, 5),
             (3, 96, 32, 8, 2),
+            // several jobs of 128 columns, the last one partial
+            (300, 192, 64, 330, 9),
+            (150, 96, 32, 150, 0),
         ] {
             let case = Case::random(&mut rng, n, k, g, true);
             let bytes = case.gptq_bytes(&mut rng, n_all, col0);
@@ -268,6 +281,7 @@ mod tests {
             (5, 192, 64),
             (4, 192, 96),
             (11, 6656, 128),
+            (150, 128, 64),
         ] {
             for sym in [true, false] {
                 let case = Case::random(&mut rng, n, k, g, sym);

@@ -26,7 +26,7 @@ use super::isa::{isa, Isa};
 use super::par::{for_ranges, ColumnsOut};
 use rayon::prelude::*;
 
-use super::w4::{gptq_word, round_bf16, spread4, Codes, W4Nibbles, Zeros};
+use super::w4::{prefetch_run, round_bf16, spread4, Codes, W4Nibbles, Zeros, ROWS_AHEAD};
 
 const TILE: usize = 16;
 
@@ -88,30 +88,45 @@ impl PackedW4A8 {
         let tiles = n.div_ceil(TILE);
         let octets = k.div_ceil(8);
         let mut nib = vec![0u8; tiles * octets * 64];
-        // One tile per job: its 16 columns' codes fit in L2 (16 × 6656 B).
-        nib.par_chunks_mut(octets * 64)
+        // One job per JOB_TILES tiles: with GPTQ words, each stored row is read as one run of
+        // 4·JOB_TILES·16 bytes (one tile's run is a single cache line, and the rows are far apart).
+        const JOB_TILES: usize = 8;
+        nib.par_chunks_mut(JOB_TILES * octets * 64)
             .enumerate()
-            .for_each_init(Vec::new, |q, (t, out)| {
-                let cols = t * TILE..((t + 1) * TILE).min(n);
+            .for_each_init(Vec::new, |q, (job, out)| {
+                let t0 = job * JOB_TILES;
+                let cols = t0 * TILE..((t0 + JOB_TILES) * TILE).min(n);
                 if let Codes::GptqWords { bytes, n_all, col0 } = w.q {
                     // A lane's 4 bytes hold the same 8 inputs as one GPTQ
                     // word, nibbles reordered (inputs j and j + 4 in byte j).
+                    let c0 = col0 + cols.start;
                     for r in 0..octets {
-                        for lane in 0..cols.len() {
-                            let word = gptq_word(bytes, n_all, r, col0 + cols.start + lane);
-                            let v = spread4(word) | (spread4(word >> 16) << 4);
-                            let o = r * 64 + lane * 4;
-                            out[o..o + 4].copy_from_slice(&v.to_le_bytes());
+                        let at = (r * n_all + c0) * 4;
+                        let run = &bytes[at..at + cols.len() * 4];
+                        // Stored rows are far apart: the hardware does not see the next run coming.
+                        if r + ROWS_AHEAD < octets {
+                            prefetch_run(bytes, ((r + ROWS_AHEAD) * n_all + c0) * 4, run.len());
+                        }
+                        for (t, src) in run.chunks(TILE * 4).enumerate() {
+                            let dst = &mut out[(t * octets + r) * 64..][..src.len()];
+                            for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(4)) {
+                                let word = u32::from_le_bytes(s.try_into().expect("4 bytes"));
+                                let v = spread4(word) | (spread4(word >> 16) << 4);
+                                d.copy_from_slice(&v.to_le_bytes());
+                            }
                         }
                     }
                     return;
                 }
-                q.resize(cols.len() * k, 0);
-                w.q.rows_into(k, cols.clone(), q);
-                for lane in 0..cols.len() {
-                    for kk in 0..k {
-                        let byte = (kk / 8) * 64 + lane * 4 + kk % 4;
-                        out[byte] |= q[lane * k + kk] << (4 * ((kk % 8) / 4));
+                for (t, out) in out.chunks_mut(octets * 64).enumerate() {
+                    let cols = (t0 + t) * TILE..((t0 + t + 1) * TILE).min(n);
+                    q.resize(cols.len() * k, 0);
+                    w.q.rows_into(k, cols.clone(), q);
+                    for lane in 0..cols.len() {
+                        for kk in 0..k {
+                            let byte = (kk / 8) * 64 + lane * 4 + kk % 4;
+                            out[byte] |= q[lane * k + kk] << (4 * ((kk % 8) / 4));
+                        }
                     }
                 }
             });
@@ -315,6 +330,8 @@ mod tests {
             (40, 256, 128, 72, 16),
             (16, 64, 32, 16, 0),
             (5, 128, 64, 24, 3),
+            // several jobs of 8 tiles, the last tile partial
+            (300, 128, 64, 320, 7),
         ] {
             let case = Case::random(&mut rng, n, k, g, true);
             let bytes = case.gptq_bytes(&mut rng, n_all, col0);
@@ -344,6 +361,7 @@ mod tests {
             (7, 512, 256),
             (40, 2048, 128),
             (9, 136, 136),
+            (150, 64, 64),
             (5, 384, 192),
             (3, 24, 8),
         ];
