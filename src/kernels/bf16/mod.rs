@@ -63,6 +63,12 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
         return;
     }
     if m >= GEMM_MIN_ROWS {
+        #[cfg(target_arch = "x86_64")]
+        if bf16_act_panel_matmul(isa, x, m, k, n, y, |cols, out| {
+            out.copy_from_slice(&w[cols.start * k..cols.end * k])
+        }) {
+            return;
+        }
         let expand = |cols: std::ops::Range<usize>, out: &mut [f32]| {
             for (j, o) in cols.zip(out.chunks_exact_mut(k)) {
                 for (d, s) in o.iter_mut().zip(&w[j * k..(j + 1) * k]) {
@@ -70,10 +76,6 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
                 }
             }
         };
-        #[cfg(target_arch = "x86_64")]
-        if bf16_act_panel_matmul(isa, x, m, k, n, y, expand) {
-            return;
-        }
         super::panel_matmul(x, m, k, n, y, expand);
         return;
     }
@@ -119,7 +121,7 @@ pub(super) fn bf16_act_panel_matmul(
     k: usize,
     n: usize,
     y: &mut [f32],
-    expand: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+    expand_bits: impl Fn(std::ops::Range<usize>, &mut [u16]) + Sync,
 ) -> bool {
     use avx512::GEMM_SLICE;
     if isa < Isa::Avx512Bf16 || !k.is_multiple_of(2) {
@@ -131,18 +133,17 @@ pub(super) fn bf16_act_panel_matmul(
     assert_eq!((x.len(), y.len()), (m * k, m * n));
     let out = ColumnsOut::new(y, m, n);
     super::par::for_ranges(n.div_ceil(GEMM_SLICE), m * n * k, |slices| {
-        let mut wf = vec![0f32; GEMM_SLICE * k];
+        let mut wb = vec![0u16; GEMM_SLICE * k];
         let mut packed = vec![0u16; GEMM_SLICE * k];
         for si in slices {
             let cols = si * GEMM_SLICE..((si + 1) * GEMM_SLICE).min(n);
             let c = cols.len();
-            expand(cols.clone(), &mut wf[..c * k]);
-            debug_assert!(wf[..c * k].iter().all(|v| v.to_bits() & 0xFFFF == 0));
-            avx512::pack_bf16_slice(&wf[..c * k], c, k, &mut packed, |v| {
-                (v.to_bits() >> 16) as u16
-            });
-            // SAFETY: the tier was checked above; this job owns columns `cols`.
-            unsafe { avx512::bf16_gemm_slice(&xb, k, &packed, 0..m, cols.start, c, &out) };
+            expand_bits(cols.clone(), &mut wb[..c * k]);
+            // SAFETY (both): the tier was checked above; this job owns columns `cols`.
+            unsafe {
+                avx512::pack_bf16_slice(&wb[..c * k], c, k, &mut packed);
+                avx512::bf16_gemm_slice(&xb, k, &packed, 0..m, cols.start, c, &out)
+            };
         }
     });
     true
@@ -203,10 +204,12 @@ pub fn gram_bf16_with(
             |packed, si| {
                 let c0 = si * avx512::GEMM_SLICE;
                 let c = (k - c0).min(avx512::GEMM_SLICE);
-                avx512::pack_bf16_slice(&cols_of[c0 * t2..(c0 + c) * t2], c, t2, packed, |v| v);
                 let rows = if b.is_none() { 0..c0 + c } else { 0..k };
                 // SAFETY: the tier was checked above; this job alone writes columns c0..c0 + c.
-                unsafe { avx512::bf16_gemm_slice(&at, t2, packed, rows, c0, c, &dst) };
+                unsafe {
+                    avx512::pack_bf16_slice(&cols_of[c0 * t2..(c0 + c) * t2], c, t2, packed);
+                    avx512::bf16_gemm_slice(&at, t2, packed, rows, c0, c, &dst)
+                };
             },
         );
         true
@@ -330,12 +333,8 @@ mod tests {
                 #[cfg(target_arch = "x86_64")]
                 if act_bf16 && m >= GEMM_MIN_ROWS && Isa::tested().contains(&Isa::Avx512Bf16) {
                     let mut got = vec![f32::NAN; m * n];
-                    let expand = |cols: std::ops::Range<usize>, out: &mut [f32]| {
-                        for (j, o) in cols.zip(out.chunks_exact_mut(k)) {
-                            o.iter_mut()
-                                .zip(&w[j * k..])
-                                .for_each(|(d, s)| *d = widen(*s));
-                        }
+                    let expand = |cols: std::ops::Range<usize>, out: &mut [u16]| {
+                        out.copy_from_slice(&w[cols.start * k..cols.end * k])
                     };
                     assert!(super::bf16_act_panel_matmul(
                         Isa::Avx512Bf16,

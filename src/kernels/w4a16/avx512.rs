@@ -362,6 +362,36 @@ pub(super) unsafe fn w4a16_expand(p: &PackedW4A16, cols: Range<usize>, out: &mut
     }
 }
 
+/// Weight rows `cols` as bf16 bits `[cols.len(), k]` (requires `p.simd_ok`): the tables of
+/// [`w4a16_dot_bf16`], one `vpermw` per 32 weights, no f32 on the way.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn w4a16_expand_bits(p: &PackedW4A16, cols: Range<usize>, out: &mut [u16]) {
+    assert!(p.simd_ok && cols.end <= p.n && out.len() == cols.len() * p.k);
+    let cz = uniform_codes(p);
+    for (col, o) in cols.zip(out.chunks_exact_mut(p.k)) {
+        let mut luts = LutCache {
+            group: usize::MAX,
+            lut: _mm512_setzero_si512(),
+        };
+        for ch in 0..p.chunks {
+            let lo = luts.get(p.half_shift, 2 * ch, |gi| lut_bf16_ne(p, cz, col, gi));
+            let hi = luts.get(p.half_shift, 2 * ch + 1, |gi| lut_bf16_ne(p, cz, col, gi));
+            // SAFETY: col < n, ch < chunks; 64·ch + 64 ≤ k = o.len(). Byte layout as in
+            // `w4a16_dot_bf16`: lane i holds inputs 64ch + i and 64ch + 32 + i.
+            unsafe {
+                let at = p.nib.as_ptr().add((col * p.chunks + ch) * 32);
+                let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(at as *const __m256i));
+                let dst = o.as_mut_ptr().add(64 * ch);
+                _mm512_storeu_si512(dst as *mut _, _mm512_permutexvar_epi16(v, lo));
+                _mm512_storeu_si512(
+                    dst.add(32) as *mut _,
+                    _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(v), hi),
+                );
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -161,6 +161,25 @@ impl PackedW4A16 {
         }
     }
 
+    /// Weight rows `cols` as bf16 bits `[cols.len(), k]` (the `vdpbf16ps` GEMM's input).
+    #[cfg(target_arch = "x86_64")]
+    fn expand_bits_with(&self, isa: Isa, cols: Range<usize>, out: &mut [u16]) {
+        assert_eq!(out.len(), cols.len() * self.k);
+        if isa >= Isa::Avx512Bf16 && self.simd_ok {
+            // SAFETY: the tier was detected on this CPU; sizes asserted above.
+            return unsafe { avx512::w4a16_expand_bits(self, cols, out) };
+        }
+        for (col, o) in cols.zip(out.chunks_exact_mut(self.k)) {
+            for gi in 0..self.groups {
+                let lut = self.lut(col, gi);
+                for kk in gi * self.g..(gi + 1) * self.g {
+                    // Table values are bf16 values: their high half is the bf16.
+                    o[kk] = (lut[self.q(col, kk)].to_bits() >> 16) as u16;
+                }
+            }
+        }
+    }
+
     /// The effective weight `[n, k]`: bf16((q − z)·s).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut w = vec![0f32; self.n * self.k];
@@ -181,11 +200,13 @@ impl PackedW4A16 {
             return;
         }
         if m >= GEMM_MIN_ROWS {
-            let expand = |cols, out: &mut [f32]| self.expand_with(isa, cols, out);
             #[cfg(target_arch = "x86_64")]
-            if super::bf16::bf16_act_panel_matmul(isa, x, m, k, n, y, expand) {
+            if super::bf16::bf16_act_panel_matmul(isa, x, m, k, n, y, |cols, out| {
+                self.expand_bits_with(isa, cols, out)
+            }) {
                 return;
             }
+            let expand = |cols, out: &mut [f32]| self.expand_with(isa, cols, out);
             super::panel_matmul(x, m, k, n, y, expand);
             return;
         }
@@ -261,6 +282,28 @@ mod tests {
             let from_codes = PackedW4A16::pack(case.nibbles());
             assert_eq!(from_words.nib, from_codes.nib, "n {n} k {k} col0 {col0}");
             assert_eq!(from_words.dequantize(), from_codes.dequantize());
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_bf16_bits_expansion_is_the_dequantized_weight() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        for &(n, k, g) in &[(5, 128, 64), (3, 256, 128), (7, 192, 32), (2, 96, 32)] {
+            for sym in [true, false] {
+                let case = Case::random(&mut rng, n, k, g, sym);
+                let p = PackedW4A16::pack(case.nibbles());
+                let want: Vec<u16> = p
+                    .dequantize()
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_bits())
+                    .collect();
+                for isa in Isa::tested() {
+                    let mut got = vec![0u16; n * k];
+                    p.expand_bits_with(isa, 0..n, &mut got);
+                    assert_eq!(got, want, "{isa:?} n {n} k {k} g {g}");
+                }
+            }
         }
     }
 
