@@ -27,7 +27,7 @@ use super::isa::{isa, Isa};
 use super::par::{for_tiles, ColumnsOut};
 use rayon::prelude::*;
 
-use super::w4::{prefetch_run, round_bf16, spread8, Codes, W4Nibbles, Zeros};
+use super::w4::{prefault_for_writing, prefetch_run, round_bf16, spread8, Codes, W4Nibbles, Zeros};
 
 /// A `[n, k]` 4-bit weight packed for W4A16.
 pub struct PackedW4A16 {
@@ -62,6 +62,7 @@ impl PackedW4A16 {
         nib.par_chunks_mut(COLS * chunks * 32)
             .enumerate()
             .for_each_init(Vec::new, |q, (b, out)| {
+                prefault_for_writing(out);
                 let cols = b * COLS..((b + 1) * COLS).min(n);
                 if let (Codes::GptqWords { bytes, n_all, col0 }, true) = (w.q, k % 64 == 0) {
                     // Bytes 8i..8i+8 of a 64-input chunk: GPTQ words i (inputs

@@ -26,7 +26,9 @@ use super::isa::{isa, Isa};
 use super::par::{for_ranges, ColumnsOut};
 use rayon::prelude::*;
 
-use super::w4::{prefetch_run, round_bf16, spread4, Codes, W4Nibbles, Zeros, ROWS_AHEAD};
+use super::w4::{
+    prefault_for_writing, prefetch_run, round_bf16, spread4, Codes, W4Nibbles, Zeros, ROWS_AHEAD,
+};
 
 const TILE: usize = 16;
 
@@ -94,6 +96,7 @@ impl PackedW4A8 {
         nib.par_chunks_mut(JOB_TILES * octets * 64)
             .enumerate()
             .for_each_init(Vec::new, |q, (job, out)| {
+                prefault_for_writing(out);
                 let t0 = job * JOB_TILES;
                 let cols = t0 * TILE..((t0 + JOB_TILES) * TILE).min(n);
                 if let Codes::GptqWords { bytes, n_all, col0 } = w.q {
