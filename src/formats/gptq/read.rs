@@ -1,6 +1,7 @@
 //! Reading the GPTQ tensors of one linear (docs/GPTQ_FORMAT.md §1–§2): the tensor-set check
 //! of the layout and the decoding of zero points, scales and g_idx that every loader needs.
 
+use rayon::prelude::*;
 use std::ops::Range;
 
 use safetensors::Dtype;
@@ -136,12 +137,17 @@ pub fn read_linear<'a>(
     let n = cols.len();
     let mut zeros = vec![0i32; n * groups];
     let mut scales = vec![0f32; n * groups];
-    for (j, col) in cols.enumerate() {
-        for gi in 0..groups {
-            zeros[j * groups + gi] = zeros_gn[gi * n_all + col] as i32;
-            scales[j * groups + gi] = scales_gn[gi * n_all + col];
-        }
-    }
+    // [groups, n_all] → [n, groups], by columns in parallel (on the load's critical path).
+    zeros
+        .par_chunks_mut(groups)
+        .zip(scales.par_chunks_mut(groups))
+        .zip(cols)
+        .for_each(|((z, s), col)| {
+            for gi in 0..groups {
+                z[gi] = zeros_gn[gi * n_all + col] as i32;
+                s[gi] = scales_gn[gi * n_all + col];
+            }
+        });
     Ok(GptqLinearData {
         qweight: store.bytes(qw),
         n_all,

@@ -144,9 +144,19 @@ impl PackedW4A8 {
                 })
             })
         };
-        let scales = slots()
-            .map(|i| i.map_or(0, |i| half::bf16::from_f32(w.scales[i]).to_bits()))
-            .collect();
+        // Per tile in parallel: ≈ 11 M slots for a 1.7B model, on the load's critical path.
+        let mut scales = vec![0u16; tiles * groups * TILE];
+        scales
+            .par_chunks_mut(groups * TILE)
+            .enumerate()
+            .for_each(|(t, st)| {
+                for (lane, col) in (t * TILE..((t + 1) * TILE).min(n)).enumerate() {
+                    let src = &w.scales[col * groups..(col + 1) * groups];
+                    for (gi, &sc) in src.iter().enumerate() {
+                        st[gi * TILE + lane] = half::bf16::from_f32(sc).to_bits();
+                    }
+                }
+            });
         let zeros = Zeros::new(w.zeros, slots());
         let mut segs = vec![];
         let mut block_segs = vec![0];
