@@ -280,8 +280,8 @@ impl Mlp {
             [&self.gate_proj, &self.up_proj].map(|l| l.project(h, m))
         });
         ctx.timers.time(Stage::GeluMul, || {
-            // erf is the costly part of prefill outside the matmuls: spread it when there is
-            // enough of it (decode's one row stays on this thread).
+            // Spread a prefill's rows over the threads when there are enough of them (decode's
+            // one row stays on this thread).
             const CHUNK: usize = 1 << 14;
             if gate.len() >= 2 * CHUNK {
                 gate.par_chunks_mut(CHUNK)

@@ -382,7 +382,7 @@ mod tests {
     }
 
     #[test]
-    fn the_gathered_pack_is_the_transposition_value_by_value() {
+    fn the_transposed_pack_is_the_layout_value_by_value() {
         if !crate::kernels::isa::Isa::tested().contains(&crate::kernels::isa::Isa::Avx512Vnni) {
             return;
         }

@@ -170,14 +170,11 @@ impl PackedW4A16 {
             // SAFETY: the tier was detected on this CPU; sizes asserted above.
             return unsafe { avx512::w4a16_expand_bits(self, cols, out) };
         }
-        for (col, o) in cols.zip(out.chunks_exact_mut(self.k)) {
-            for gi in 0..self.groups {
-                let lut = self.lut(col, gi);
-                for kk in gi * self.g..(gi + 1) * self.g {
-                    // Table values are bf16 values: their high half is the bf16.
-                    o[kk] = (lut[self.q(col, kk)].to_bits() >> 16) as u16;
-                }
-            }
+        // Shapes the SIMD layout does not cover: the f32 expansion, whose values are bf16 values.
+        let mut f = vec![0f32; out.len()];
+        self.expand_with(isa, cols, &mut f);
+        for (o, v) in out.iter_mut().zip(f) {
+            *o = (v.to_bits() >> 16) as u16;
         }
     }
 
