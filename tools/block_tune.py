@@ -139,13 +139,19 @@ class QLinear:
         codes = torch.clamp(ste_round(self.q + self.V), -8, 7)
         return codes * (self.s * self.a).repeat_interleave(self.G, dim=1)
 
-    def stored(self) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-        """(codes 0..15 [K, N], fp16 scales [K/G, N], the weight they make)."""
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes q − 8 [N, K], scales [N, K/G] rounded to fp16) as the checkpoint will hold them."""
         with torch.no_grad():
-            c = torch.clamp(torch.round(self.q + self.V), -8, 7)
-            s = (self.s * self.a).half().float()
-            return ((c + 8).to(torch.int64).numpy().T, s.numpy().T.astype(np.float16),
-                    c * s.repeat_interleave(self.G, dim=1))
+            return torch.clamp(torch.round(self.q + self.V), -8, 7), (self.s * self.a).half().float()
+
+    def stored_weight(self) -> torch.Tensor:
+        c, s = self.stored()
+        return c * s.repeat_interleave(self.G, dim=1)
+
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        """(codes 0..15 [K, N], fp16 scales [K/G, N]) in the checkpoint's orientation."""
+        c, s = self.stored()
+        return (c + 8).to(torch.int64).numpy().T, s.numpy().T.astype(np.float16)
 
 
 def patch_checkpoint(src: Path, out: Path, linears: dict, norms: dict) -> None:
@@ -221,7 +227,7 @@ def main() -> None:
         gains = {k: torch.ones_like(fixed[k], requires_grad=True) for k in NORMS}
 
         def weights(stored=False):
-            w = {k: (q.stored()[2] if stored else q.weight()) for k, q in ql.items()}
+            w = {k: (q.stored_weight() if stored else q.weight()) for k, q in ql.items()}
             norms = {k: fixed[k] * gains[k] for k in NORMS}
             if stored:
                 norms = {k: bf16(v) for k, v in norms.items()}
@@ -289,13 +295,12 @@ def main() -> None:
                 restore(initial)
                 after = before
             W = weights(stored=True)
-            moved = sum(int((torch.round(q.q + q.V).clamp(-8, 7) != q.q).sum()) for q in ql.values())
+            moved = sum(int((q.stored()[0] != q.q).sum()) for q in ql.values())
             total = sum(q.q.numel() for q in ql.values())
             print(f"layer {li} ({kind}): block output error {before:.4e} -> {after:.4e} ({after / before - 1:+.1%}), "
                   f"codes moved {moved}/{total}, {t_steps:.2f} s per step, {time.time() - t0:.0f} s", flush=True)
             for k, n in LINEARS.items():
-                codes, scales, _ = ql[k].stored()
-                tuned_linears[p + n] = (codes, scales)
+                tuned_linears[p + n] = ql[k].export()
             for k, n in NORMS.items():
                 tuned_norms[p + n] = W[k].numpy()
             xq = torch.cat([block(xq[i:i + CHUNK], W, kind) for i in range(0, a.samples, CHUNK)])

@@ -6,8 +6,9 @@
 //! Measured in f32 against the f64 erf on a grid of step 5e-5 over [−20, 20] and beyond (tests
 //! below): within 1e-6·|GELU(x)| + 1e-9·|x| ([`MAX_ERROR`]); 6.8e-7 relative at worst where
 //! |GELU(x)| > 1e-3, a few f32 roundings. Every operation is a plain IEEE one (no fused
-//! multiply-add, no libm), so every tier gives the same bits. The model's activations are rounded to bf16 (2⁻⁹) or quantized to
-//! int8 right after, so this error does not show in any parity figure (docs/BENCHMARKS.md).
+//! multiply-add, no libm), so every tier gives the same bits. The model's activations are
+//! rounded to bf16 (2⁻⁹) or quantized to int8 right after, so this error does not show in any
+//! parity figure (docs/BENCHMARKS.md).
 
 #[cfg(target_arch = "x86_64")]
 use super::isa::isa;
