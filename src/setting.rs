@@ -57,6 +57,8 @@ pub enum Setting {
     DumpDequantized,
     /// Rounds of output-error scale refit after GPTQ.
     RefitRounds,
+    /// Block tuning after GPTQ.
+    BlockTune,
     /// The numerics of a phone export.
     Precision,
     /// The file a report is written to as HTML.
@@ -93,6 +95,7 @@ impl Setting {
             Setting::Rows => "rows",
             Setting::Damp => "damp",
             Setting::RefitRounds => "refit_rounds",
+            Setting::BlockTune => "block_tune",
             Setting::DumpDequantized => "dump_dequantized",
             Setting::Html => "html",
             Setting::Markdown => "markdown",

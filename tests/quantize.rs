@@ -504,3 +504,97 @@ fn bad_calibration_is_a_clear_error() {
         .contains("32, 64 or 128"));
     assert!(!out.exists());
 }
+
+#[test]
+fn block_tuning_lowers_block_errors_writes_its_norms_and_resumes_identically() {
+    use spark_tool::quantize::block_tune::BlockTune;
+    let d = tempfile::tempdir().unwrap();
+    let tuned = |out: &Path| {
+        let mut o = opts(out, WeightFormat::W4A8, 128);
+        o.compare = false;
+        o.block_tune = Some(BlockTune {
+            steps: 30,
+            batch: 4,
+            lr: 5e-2,
+            check: 10,
+            ..BlockTune::default()
+        });
+        o
+    };
+    let full = d.path().join("full");
+    let r = quantize(&tuned(&full)).unwrap();
+    assert_eq!(r.block_tune_layers.len(), 8);
+    for l in &r.block_tune_layers {
+        assert!(l.error_after <= l.error_before, "{l:?}");
+    }
+    assert!(
+        r.block_tune_layers
+            .iter()
+            .filter(|l| l.tuned && l.error_after < l.error_before)
+            .count()
+            >= 6,
+        "{:?}",
+        r.block_tune_layers
+    );
+    assert!(r.block_tune_layers.iter().any(|l| l.codes_moved > 0));
+    let phase = r
+        .phases
+        .iter()
+        .find(|p| p.phase == Phase::BlockTune)
+        .unwrap();
+    assert!(phase.seconds > 0.0);
+    assert!(r.memory_plan.block_tune > 0);
+
+    // The tuned norms are in the checkpoint (bf16); the recipe is recorded.
+    let orig = TensorStore::open(&common::fixture("spark-tiny")).unwrap();
+    let out = TensorStore::open(&full).unwrap();
+    let name = "model.layers.0.input_layernorm.weight";
+    let (a, b) = (
+        orig.to_f32(orig.get(name).unwrap()).unwrap(),
+        out.to_f32(out.get(name).unwrap()).unwrap(),
+    );
+    assert_eq!(out.get(name).unwrap().dtype, safetensors::Dtype::BF16);
+    assert!(a != b, "layer 0's norm was tuned");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(full.join("config.json")).unwrap()).unwrap();
+    let recipe = &cfg["quantization_config"]["meta"]["spark_tool"]["block_tune"];
+    assert_eq!(recipe["steps"], 30, "{cfg}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(full.join("quant_report.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["block_tune_layers"].as_array().unwrap().len(), 8);
+
+    // Interrupted after 3 layers and resumed: the same bytes and the same per-layer record.
+    let resumed = d.path().join("resumed");
+    let mut o = tuned(&resumed);
+    o.stop_after_layers = Some(3);
+    assert!(matches!(quantize(&o), Err(QuantizeError::Interrupted(3))));
+    (o.stop_after_layers, o.resume) = (None, true);
+    let r2 = quantize(&o).unwrap();
+    assert_eq!(r2.resumed_from_layer, Some(3));
+    assert_eq!(r2.block_tune_layers.len(), 8);
+    for (a, b) in r.block_tune_layers.iter().zip(&r2.block_tune_layers) {
+        assert_eq!(
+            (a.error_after, a.codes_moved),
+            (b.error_after, b.codes_moved)
+        );
+    }
+    let a = std::fs::read(full.join("model.safetensors")).unwrap();
+    let b = std::fs::read(resumed.join("model.safetensors")).unwrap();
+    assert!(a == b, "resumed block-tuned checkpoint differs");
+}
+
+#[test]
+fn block_tuning_refuses_what_it_cannot_tune() {
+    use spark_tool::quantize::block_tune::BlockTune;
+    let d = tempfile::tempdir().unwrap();
+    let mut o = opts(&d.path().join("q"), WeightFormat::W4A8, 128);
+    o.block_tune = Some(BlockTune::default());
+    o.objective = Objective::QuantizedInput;
+    let e = quantize(&o).unwrap_err().to_string();
+    assert!(
+        e.contains(&Setting::BlockTune.to_string()) && e.contains("float-output"),
+        "{e}"
+    );
+    assert!(!d.path().join("q").exists());
+}

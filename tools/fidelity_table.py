@@ -56,6 +56,9 @@ RECIPES = {
     # The default since 2026-12-02: the float model's output as each linear's target (GPTAQ).
     "gptq-search act-static float-output": ["--method", "gptq-search", "--order", "act-static",
                                             "--objective", "float-output"],
+    # Block tuning after the default recipe's solve (docs/FIDELITY.md "Block tuning after GPTQ").
+    "gptq-search act-static float-output block-tune": ["--method", "gptq-search", "--order", "act-static",
+                                                       "--objective", "float-output", "--block-tune"],
     # The calibration forward in f32 (the default before 2026-12-03; bf16 since, for GPTQ checkpoints).
     "gptq-search act-static float-output f32-forward": ["--method", "gptq-search", "--order", "act-static",
                                                         "--objective", "float-output",

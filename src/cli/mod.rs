@@ -76,6 +76,7 @@ pub fn flag(s: Setting) -> &'static str {
         Setting::Damp => "--damp",
         Setting::DumpDequantized => "--dump-dequantized",
         Setting::RefitRounds => "--refit-rounds",
+        Setting::BlockTune => "--block-tune",
         Setting::Precision => "--precision",
         Setting::Html => "--html",
         Setting::Markdown => "--markdown",

@@ -386,6 +386,7 @@ fn export_through_gptq(
         dump_dequantized: None,
         stop_after_layers: None,
         gguf: None,
+        block_tune: None,
     };
     let r = crate::quantize::quantize(&q)
         .map_err(|e| {

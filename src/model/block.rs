@@ -32,6 +32,16 @@ impl RmsNorm {
         RmsNorm { weight, eps }
     }
 
+    pub fn weight(&self) -> &[f32] {
+        &self.weight
+    }
+
+    /// Replace the weight (block tuning's gains) by one of the same length.
+    pub fn set_weight(&mut self, weight: Vec<f32>) {
+        assert_eq!(weight.len(), self.weight.len(), "a norm keeps its width");
+        self.weight = weight;
+    }
+
     /// `x / rms(x) · weight` per row.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
         let mut y = vec![0f32; x.len()];

@@ -10,6 +10,7 @@
 //! Hessian sees the inputs the deployed model will produce. One Hessian and
 //! one Cholesky per distinct input, shared by the projections that read it.
 
+pub mod block_tune;
 pub mod calibration;
 pub mod output;
 pub mod phases;
@@ -124,6 +125,9 @@ pub struct QuantizeOptions {
     /// Write one GGUF file of this type (`out_dir` is then the file) instead of a GPTQ
     /// checkpoint: every tensor is solved on the grid of its GGML type.
     pub gguf: Option<FileType>,
+    /// Tune each layer's codes, scales and norms to the float block's output after its solve
+    /// ([`block_tune`]; GPTQ checkpoints on vLLM's grid, float-output objective).
+    pub block_tune: Option<block_tune::BlockTune>,
 }
 
 impl QuantizeOptions {
@@ -278,6 +282,10 @@ pub struct QuantReport {
     pub resumed_from_layer: Option<usize>,
     /// The GGUF file type written, when the output is GGUF.
     pub gguf: Option<FileType>,
+    /// Block tuning's settings, when it ran, and what it did to each layer.
+    pub block_tune: Option<block_tune::BlockTune>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub block_tune_layers: Vec<block_tune::LayerTuneReport>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -341,29 +349,44 @@ pub enum QuantizeError {
     Memory { plan: plan::MemoryPlan, have: u64 },
     #[error("layer {layer}: non-finite activations entering {what} (NaN/Inf); the checkpoint or an earlier quantized layer is broken")]
     NonFiniteActivations { layer: usize, what: &'static str },
+    #[error("layer {layer}: block tuning failed: {source}")]
+    BlockTune {
+        layer: usize,
+        source: candle_core::Error,
+    },
 }
 
-/// The quantized linears of one layer, as written: one per [`Proj::QUANTIZED`].
+/// The quantized linears of one layer, as written: one per [`Proj::QUANTIZED`]; with block
+/// tuning also its two norm weights.
 #[derive(Default)]
-pub struct LayerResult(BTreeMap<Proj, QuantizedWeight>);
+pub struct LayerResult {
+    linears: BTreeMap<Proj, QuantizedWeight>,
+    /// (input_layernorm, post_attention_layernorm) as tuned (bf16 values).
+    pub norms: Option<Norms>,
+    /// What block tuning did to the layer.
+    pub tune: Option<block_tune::LayerTuneReport>,
+}
+
+/// A layer's two norm weights: (input_layernorm, post_attention_layernorm).
+pub type Norms = (Vec<f32>, Vec<f32>);
 
 impl LayerResult {
     pub fn get(&self, p: Proj) -> &QuantizedWeight {
-        &self.0[&p]
+        &self.linears[&p]
     }
 
     pub fn take(&mut self, p: Proj) -> QuantizedWeight {
-        self.0
+        self.linears
             .remove(&p)
             .expect("every quantized projection is in a layer's result")
     }
 
     pub fn insert(&mut self, p: Proj, q: QuantizedWeight) {
-        self.0.insert(p, q);
+        self.linears.insert(p, q);
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (Proj, &QuantizedWeight)> {
-        self.0.iter().map(|(p, q)| (*p, q))
+        self.linears.iter().map(|(p, q)| (*p, q))
     }
 }
 
@@ -916,6 +939,81 @@ fn quantize_layer(
     Ok((solve.result, solve.reports))
 }
 
+/// Block-tune layer `li` after its solve ([`block_tune`]): `res` and `layer` get the tuned
+/// linears and norms, and `x` (the quantized stream into the layer) is advanced through the
+/// tuned layer. `y` is the float model's stream out of the layer.
+#[allow(clippy::too_many_arguments)]
+fn tune_layer(
+    model: &SparkModel,
+    layer: &mut DecoderLayer,
+    li: usize,
+    res: &mut LayerResult,
+    x: &mut [f32],
+    y: &[f32],
+    windows: &calibration::Windows,
+    bt: &block_tune::BlockTune,
+    opts: &QuantizeOptions,
+    bar: &ProgressBar,
+) -> Result<block_tune::LayerTuneReport, QuantizeError> {
+    let cfg = model.config();
+    let ctx = model.ctx_for(layer.kind);
+    let (samples, seq_len) = (windows.samples, windows.seq_len);
+    let inputs = block_tune::LayerInputs {
+        layer: li,
+        ctx,
+        linears: block_tune::TUNED.iter().map(|&p| (p, res.get(p))).collect(),
+        g_proj: layer.linear(Proj::G).dequantize(),
+        norms: (
+            layer.input_layernorm.weight().to_vec(),
+            layer.post_attention_layernorm.weight().to_vec(),
+        ),
+        x,
+        y,
+        samples,
+        seq_len,
+    };
+    bar.set_message(format!("layer {li}: block tuning"));
+    let t = block_tune::tune_layer(cfg, &inputs, bt, |step| {
+        bar.set_message(format!(
+            "layer {li}: block tuning, step {step}/{}",
+            bt.steps
+        ))
+    })
+    .map_err(|source| QuantizeError::BlockTune { layer: li, source })?;
+    drop(inputs);
+    for (p, q) in t.linears {
+        install(layer, p, &q, opts.forward_precision);
+        res.insert(p, q);
+    }
+    layer.input_layernorm.set_weight(t.norms.0.clone());
+    layer.post_attention_layernorm.set_weight(t.norms.1.clone());
+    res.norms = Some(t.norms);
+    forward_samples(layer, x, samples, seq_len, &ctx, opts.forward_precision);
+    Ok(t.report)
+}
+
+/// Advance the stream `x` of every calibration sample through `layer`, as the calibration
+/// forward computes it.
+fn forward_samples(
+    layer: &DecoderLayer,
+    x: &mut [f32],
+    samples: usize,
+    seq_len: usize,
+    ctx: &crate::model::block::Ctx,
+    fp: ForwardPrecision,
+) {
+    let rows = samples * seq_len;
+    let h = linear_input(layer.input_layernorm.forward(x), fp);
+    let attn = linear_input(attend_samples(layer, &h, samples, seq_len, ctx), fp);
+    drop(h);
+    residual_add(x, &layer.self_attn.out_proj.project(&attn, rows));
+    drop(attn);
+    let h2 = linear_input(layer.post_attention_layernorm.forward(x), fp);
+    let act = linear_input(mlp_act_rows(layer, &h2, ctx), fp);
+    drop(h2);
+    residual_add(x, &layer.mlp.down_proj.project(&act, rows));
+}
+
 /// Quantize the (untied) head on the final-normed residual stream, [`plan::HEAD_ROWS`] output
 /// rows at a time: each row is its own GPTQ problem against the one Hessian, so the blocks give
 /// the codes of the whole, without an f32 copy of the whole head (1.3 GB for the 4B).
@@ -1026,6 +1124,29 @@ fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
             "{} works on the bf16 scale lattice of GPTQ checkpoints only, not on GGUF block scales",
             Setting::RefitRounds
         )));
+    }
+    if let Some(bt) = &opts.block_tune {
+        let why = if opts.gguf.is_some() {
+            Some("GGUF block scales")
+        } else if opts.path.lpbq {
+            Some("the phone's LPBQ lattice (γ·k per channel)")
+        } else if opts.effective_objective() != Objective::FloatOutput {
+            Some("an objective other than float-output (its target is the float model's stream)")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(QuantizeError::Invalid(format!(
+                "{} tunes GPTQ checkpoints on the bf16 scale lattice with the float-output objective, not {why}",
+                Setting::BlockTune
+            )));
+        }
+        if bt.batch == 0 || bt.steps == 0 {
+            return Err(QuantizeError::Invalid(format!(
+                "{}: steps and batch must be at least 1",
+                Setting::BlockTune
+            )));
+        }
     }
     for (s, v) in [
         (Setting::Samples, opts.samples),
@@ -1143,13 +1264,21 @@ fn run(
         .map(|e| e.numel() as u64 * 4)
         .sum();
     let float_output = opts.effective_objective() == Objective::FloatOutput;
-    let memory_plan = plan::MemoryPlan::new(
+    let mut memory_plan = plan::MemoryPlan::new(
         &ck.config,
         opts.samples.saturating_mul(opts.seq_len),
         widened,
         opts.solves_head(),
         float_output,
     );
+    if let Some(bt) = &opts.block_tune {
+        memory_plan.block_tune = block_tune::planned_bytes(
+            &ck.config,
+            opts.samples.saturating_mul(opts.seq_len),
+            bt,
+            opts.seq_len,
+        );
+    }
     let have = crate::resources::memory_budget().map(|b| b.min(u64::MAX as u128) as u64);
     if opts.progress {
         let avail = have
@@ -1185,7 +1314,7 @@ fn run(
     };
 
     // `xf`: the float model's residual stream, beside the quantized model's `x`.
-    let (mut x, mut xf, first, mut reports, resumed_from_layer) = match state {
+    let (mut x, mut xf, first, mut reports, mut tuned, resumed_from_layer) = match state {
         // The finished layers' output is in `x`; they never run again.
         Some(st) => {
             *done = Some(st.completed);
@@ -1194,6 +1323,7 @@ fn run(
                 st.x_float,
                 st.completed,
                 st.reports,
+                st.block_tune,
                 Some(st.completed),
             )
         }
@@ -1202,7 +1332,7 @@ fn run(
             *done = Some(0);
             let x = model.embed(&windows.tokens)?;
             let xf = float_output.then(|| x.clone());
-            (x, xf, 0, Vec::new(), None)
+            (x, xf, 0, Vec::new(), Vec::new(), None)
         }
     };
     if float_output != xf.is_some() {
@@ -1220,7 +1350,8 @@ fn run(
     // Each layer is dropped once solved and its result once staged: memory holds one layer's
     // f32 weights and codes, not all of them.
     for (li, mut layer) in model.take_layers().into_iter().enumerate().skip(first) {
-        let (res, rep) = quantize_layer(
+        let x_in = opts.block_tune.is_some().then(|| x.clone());
+        let (mut res, rep) = quantize_layer(
             &model,
             &mut layer,
             li,
@@ -1231,10 +1362,20 @@ fn run(
             &bar,
             &mut phases,
         )?;
+        if let (Some(bt), Some(mut x_in), Some(y)) = (&opts.block_tune, x_in, xf.as_deref()) {
+            let r = phases.time(Phase::BlockTune, || {
+                tune_layer(
+                    &model, &mut layer, li, &mut res, &mut x_in, y, &windows, bt, opts, &bar,
+                )
+            })?;
+            x = x_in;
+            res.tune = Some(r);
+        }
         drop(layer);
         phases.time(Phase::Save, || {
             out.save_layer(li, &res, &rep, &x, xf.as_deref(), &settings)
         })?;
+        tuned.extend(res.tune.take());
         drop(res);
         *done = Some(li + 1);
         reports.extend(rep);
@@ -1303,6 +1444,8 @@ fn run(
         memory_plan,
         resumed_from_layer,
         gguf: opts.gguf,
+        block_tune: opts.block_tune,
+        block_tune_layers: tuned,
     };
     let write = Clock::start();
     if let Some(path) = &opts.dump_dequantized {
@@ -1360,6 +1503,7 @@ mod tests {
             dump_dequantized: None,
             stop_after_layers: None,
             gguf: None,
+            block_tune: None,
         }
     }
 

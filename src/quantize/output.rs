@@ -12,7 +12,10 @@ use safetensors::Dtype;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::{grid_for, LayerResult, LinearReport, QuantReport, QuantizeError, QuantizeOptions};
+use super::block_tune::LayerTuneReport;
+use super::{
+    grid_for, LayerResult, LinearReport, Norms, QuantReport, QuantizeError, QuantizeOptions,
+};
 use crate::artifact::{self, io_err, Staging};
 use crate::checkpoint::layout::{layer_prefix, stored_linears};
 use crate::checkpoint::write::{
@@ -39,6 +42,9 @@ pub struct Output {
     layers: usize,
     tied: bool,
 }
+
+/// A layer's norm weights, under their module names (block tuning stages them with the layer).
+const NORMS: [&str; 2] = ["input_layernorm.weight", "post_attention_layernorm.weight"];
 
 /// What `crate::artifact` records a quantized checkpoint folder as.
 pub const ARTIFACT_KIND: &str = "gptq checkpoint";
@@ -67,6 +73,8 @@ pub struct ResumeState {
     pub x: Vec<f32>,
     /// The float model's stream (float-output objective).
     pub x_float: Option<Vec<f32>>,
+    /// What block tuning did to the finished layers.
+    pub block_tune: Vec<LayerTuneReport>,
 }
 
 /// Identifies a run: same model bytes, calibration and settings ⇒ same fingerprint. The weights
@@ -98,7 +106,7 @@ pub fn settings_fingerprint(
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} descent{} {:?} {:?} gguf{:?}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} refit{} descent{} {:?} {:?} gguf{:?} tune{:?}",
         opts.format,
         opts.group_size,
         opts.samples,
@@ -112,7 +120,8 @@ pub fn settings_fingerprint(
         opts.descent_passes,
         opts.effective_objective(),
         opts.forward_precision,
-        opts.gguf
+        opts.gguf,
+        opts.block_tune
     ));
     Ok(format!("{:x}", h.finalize()))
 }
@@ -177,6 +186,7 @@ struct LayerCache<'a> {
     out: &'a Output,
     layer: Option<usize>,
     linears: Vec<(String, QuantizedWeight)>,
+    norms: Option<Norms>,
 }
 
 impl<'a> LayerCache<'a> {
@@ -185,20 +195,29 @@ impl<'a> LayerCache<'a> {
             out,
             layer: None,
             linears: Vec::new(),
+            norms: None,
         }
     }
 
-    fn get(&mut self, li: usize, prefix: &str) -> Result<&QuantizedWeight, QuantizeError> {
+    fn load(&mut self, li: usize) -> Result<(), QuantizeError> {
         if self.layer != Some(li) {
             self.linears.clear();
-            self.linears = stored_owned(
-                li,
-                self.out.load_layer(li)?,
-                self.out.qkv_layout,
-                self.out.projs,
-            );
+            let mut r = self.out.load_layer(li)?;
+            self.norms = r.norms.take();
+            self.linears = stored_owned(li, r, self.out.qkv_layout, self.out.projs);
             self.layer = Some(li);
         }
+        Ok(())
+    }
+
+    /// Layer `li`'s tuned norms, when it has them.
+    fn norms(&mut self, li: usize) -> Result<Option<&Norms>, QuantizeError> {
+        self.load(li)?;
+        Ok(self.norms.as_ref())
+    }
+
+    fn get(&mut self, li: usize, prefix: &str) -> Result<&QuantizedWeight, QuantizeError> {
+        self.load(li)?;
         Ok(self
             .linears
             .iter()
@@ -212,6 +231,8 @@ impl<'a> LayerCache<'a> {
 enum Source {
     /// Copied from the input checkpoint as bf16.
     Copy(String),
+    /// A norm weight of layer `layer` as block tuning left it (`which`: index in [`NORMS`]).
+    TunedNorm { layer: usize, which: usize },
     /// A GPTQ part of a stored linear of layer `li` (`None`: the head).
     Gptq {
         layer: Option<usize>,
@@ -333,6 +354,13 @@ impl Output {
                     source,
                 }
             })?;
+        let block_tune: Vec<LayerTuneReport> = match st.get("block_tune") {
+            Some(v) => serde_json::from_value(v.clone()).map_err(|source| QuantizeError::Json {
+                path: state_path.clone(),
+                source,
+            })?,
+            None => Vec::new(),
+        };
         let completed = done.min(layers);
         // Every finished layer must still be readable; its weights are read when written out.
         for li in 0..completed {
@@ -353,6 +381,7 @@ impl Output {
             reports,
             x,
             x_float,
+            block_tune,
         }))
     }
 
@@ -381,6 +410,9 @@ impl Output {
                 QuantizeError::Invalid(format!("{}: missing {part}", p.display()))
             })?;
             r.insert(proj, q);
+        }
+        if let (Some(a), Some(b)) = (store.get(NORMS[0]), store.get(NORMS[1])) {
+            r.norms = Some((store.to_f32(a)?, store.to_f32(b)?));
         }
         Ok(r)
     }
@@ -474,6 +506,10 @@ impl Output {
                 ));
             }
         }
+        if let Some((a, b)) = &r.norms {
+            t.push(OwnedTensor::f32(NORMS[0], vec![a.len()], a));
+            t.push(OwnedTensor::f32(NORMS[1], vec![b.len()], b));
+        }
         write_safetensors_atomic(&self.layer_path(li), &t, None)?;
         // The residual stream after layer `li`, under its own name: state.json, written last, is
         // the one commit point, so a kill between the files never pairs a count with another
@@ -484,14 +520,22 @@ impl Output {
         }
         write_safetensors_atomic(&self.x_path(li + 1), &streams, None)?;
         let state_path = self.partial.join("state.json");
-        let mut all: Vec<LinearReport> = std::fs::read_to_string(&state_path)
+        let prev = std::fs::read_to_string(&state_path)
             .ok()
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .filter(|v| v["settings"].as_str() == Some(settings))
+            .filter(|v| v["settings"].as_str() == Some(settings));
+        let mut all: Vec<LinearReport> = prev
+            .as_ref()
             .and_then(|v| serde_json::from_value(v["reports"].clone()).ok())
             .unwrap_or_default();
         all.extend_from_slice(reports);
-        let st = json!({"settings": settings, "completed_layers": li + 1, "reports": all});
+        let mut tuned: Vec<LayerTuneReport> = prev
+            .as_ref()
+            .and_then(|v| serde_json::from_value(v["block_tune"].clone()).ok())
+            .unwrap_or_default();
+        tuned.extend(r.tune.clone());
+        let st = json!({"settings": settings, "completed_layers": li + 1, "reports": all,
+                        "block_tune": tuned});
         artifact::write_json(&state_path, &st)?;
         let older = self.x_path(li);
         if older.exists() {
@@ -539,22 +583,24 @@ impl Output {
             sources.insert(name.clone(), Source::Copy(name));
             Ok(())
         };
+        let mut tuned_norms = Vec::new();
         copy("model.embedding.weight".into())?;
         copy("model.norm.weight".into())?;
         for li in 0..layers {
             let p = layer_prefix(li);
-            let g_proj = format!("{}.weight", Proj::G.module());
-            for n in [
-                "input_layernorm.weight",
-                "post_attention_layernorm.weight",
-                g_proj.as_str(),
-            ] {
+            for n in [NORMS[0], NORMS[1], &format!("{}.weight", Proj::G.module())] {
                 copy(format!("{p}{n}"))?;
+            }
+            if report.block_tune.is_some() {
+                for (which, n) in NORMS.iter().enumerate() {
+                    tuned_norms.push((format!("{p}{n}"), Source::TunedNorm { layer: li, which }));
+                }
             }
         }
         if head.is_none() && !ck.layout.tied {
             copy("lm_head.weight".into())?;
         }
+        sources.extend(tuned_norms);
         let mut linear = |layer: Option<usize>, prefix: String, k: usize, n: usize| {
             for (s, part) in gptq::linear_specs(&prefix, k, n, group_size)?
                 .into_iter()
@@ -602,6 +648,18 @@ impl Output {
         write_safetensors_streamed(&path, specs, Some(meta), |spec, w| {
             let bytes = match &sources[&spec.name] {
                 Source::Copy(name) => bf16_copy(ck, name)?,
+                Source::TunedNorm { layer, which } => {
+                    let (a, b) = cache.norms(*layer)?.ok_or_else(|| {
+                        QuantizeError::Invalid(format!(
+                            "{}: layer {layer} was block-tuned but its norms are not staged",
+                            self.partial.display()
+                        ))
+                    })?;
+                    [a, b][*which]
+                        .iter()
+                        .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+                        .collect()
+                }
                 Source::Gptq {
                     layer,
                     prefix,
@@ -808,6 +866,7 @@ impl Output {
                 "calibration_files": r.calibration_files,
                 "samples": r.samples,
                 "seq_len": r.seq_len,
+                "block_tune": r.block_tune,
             }),
         )
     }

@@ -25,6 +25,8 @@ pub enum Phase {
     Flush,
     /// Coordinate-descent passes over the codes after the solve.
     Descent,
+    /// Block tuning after the layer's solve (`--block-tune`), with its forward on the tuned layer.
+    BlockTune,
     /// Every other method of the comparison (with `compare`) and the error of each.
     Compare,
     /// Replacing each solved linear by its dequantized weights for the later stages.
@@ -36,7 +38,7 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 12] = [
+    pub const ALL: [Phase; 13] = [
         Phase::Load,
         Phase::Forward,
         Phase::Hessian,
@@ -45,6 +47,7 @@ impl Phase {
         Phase::Columns,
         Phase::Flush,
         Phase::Descent,
+        Phase::BlockTune,
         Phase::Compare,
         Phase::Install,
         Phase::Save,

@@ -28,6 +28,8 @@ pub struct MemoryPlan {
     pub weights: u64,
     /// Tokenizer, calibration ids, code and thread stacks.
     pub fixed: u64,
+    /// Block tuning's working set (`quantize --block-tune`; 0 without).
+    pub block_tune: u64,
 }
 
 impl MemoryPlan {
@@ -108,11 +110,12 @@ impl MemoryPlan {
             hessian: clamp(hessian),
             weights: clamp(weights + widened as u128),
             fixed: 256 << 20,
+            block_tune: 0,
         }
     }
 
     pub fn total(&self) -> u64 {
-        self.activations + self.hessian + self.weights + self.fixed
+        self.activations + self.hessian + self.weights + self.fixed + self.block_tune
     }
 }
 
@@ -120,13 +123,17 @@ impl fmt::Display for MemoryPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} private at the peak (calibration activations {}, Hessian and factor {}, weights {}, other {})",
+            "{} private at the peak (calibration activations {}, Hessian and factor {}, weights {}, other {}",
             human(self.total() as u128),
             human(self.activations as u128),
             human(self.hessian as u128),
             human(self.weights as u128),
             human(self.fixed as u128)
-        )
+        )?;
+        if self.block_tune > 0 {
+            write!(f, ", block tuning {}", human(self.block_tune as u128))?;
+        }
+        write!(f, ")")
     }
 }
 

@@ -111,6 +111,29 @@ fn error_chart(p: &ProjectionErrors) -> Result<plots::Svg, ReportError> {
     })
 }
 
+/// The block tuning row: its settings and what it did, summed over the layers.
+fn block_tuning(r: &QuantReport) -> String {
+    let Some(bt) = &r.block_tune else {
+        return "off".into();
+    };
+    let l = &r.block_tune_layers;
+    let mean = |f: &dyn Fn(&crate::quantize::block_tune::LayerTuneReport) -> f64| {
+        l.iter().map(f).sum::<f64>() / l.len().max(1) as f64
+    };
+    let moved: u64 = l.iter().map(|x| x.codes_moved).sum();
+    let codes: u64 = l.iter().map(|x| x.codes).sum();
+    format!(
+        "{} steps × {} windows per layer; block output error {} → {} (mean of {} layers, {} tuned), {:.2} % of codes moved",
+        bt.steps,
+        bt.batch,
+        page::sci(mean(&|x| x.error_before)),
+        page::sci(mean(&|x| x.error_after)),
+        l.len(),
+        l.iter().filter(|x| x.tuned).count(),
+        100.0 * moved as f64 / codes.max(1) as f64
+    )
+}
+
 fn phase_chart(r: &QuantReport) -> Result<plots::Svg, ReportError> {
     let categories: Vec<String> = r.phases.iter().map(|p| json_name(&p.phase)).collect();
     plots::bar_chart(&BarChart {
@@ -174,6 +197,7 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         ("refit rounds", r.refit_rounds.to_string()),
         ("descent passes", r.descent_passes.to_string()),
         ("objective", json_name(&r.objective)),
+        ("block tuning", block_tuning(r)),
         ("calibration forward", json_name(&r.forward_precision)),
         ("q/k/v layout", json_name(&r.qkv_layout)),
         ("4-bit head", r.quantize_head.to_string()),
@@ -202,14 +226,15 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         (
             "peak memory",
             format!(
-                "RSS {}, private {}; planned {} (activations {}, Hessian {}, weights {}, fixed {})",
+                "RSS {}, private {}; planned {} (activations {}, Hessian {}, weights {}, fixed {}, block tuning {})",
                 r.peak_rss_bytes.map_or("–".into(), page::bytes),
                 r.peak_private_bytes.map_or("–".into(), page::bytes),
-                page::bytes(plan.activations + plan.hessian + plan.weights + plan.fixed),
+                page::bytes(plan.total()),
                 page::bytes(plan.activations),
                 page::bytes(plan.hessian),
                 page::bytes(plan.weights),
-                page::bytes(plan.fixed)
+                page::bytes(plan.fixed),
+                page::bytes(plan.block_tune)
             ),
         ),
         (

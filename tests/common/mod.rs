@@ -145,6 +145,7 @@ pub fn quantize_options(
         dump_dequantized: None,
         stop_after_layers: None,
         gguf: None,
+        block_tune: None,
     }
 }
 

@@ -1,0 +1,835 @@
+//! Block tuning after GPTQ (`quantize --block-tune`, docs/FIDELITY.md "Block tuning after
+//! GPTQ"). GPTQ fits each linear to its own output; this fits the whole decoder block to the
+//! float model's block output, so that the errors of q/k/v, out, gate, up and down may cancel
+//! through attention, the head gate, GELU and the product:
+//!
+//! - every code may move one step: code = clamp(round(q − 8 + V), −8, 7) with V ∈ [−½, ½],
+//!   rounding straight through (AutoRound's parameterisation, started from GPTQ's codes);
+//! - every group scale takes a factor in [½, 1½];
+//! - the two RMSNorm gains of the block take a factor (they stay bf16 in the checkpoint);
+//! - Adam on the block output's mean square error over random batches of calibration windows,
+//!   with a linearly decaying step; every `check` steps the stored state (bf16 scales, rounded
+//!   codes and norms) is scored on all windows and the best kept; a layer whose error did not
+//!   fall keeps GPTQ's solution.
+//!
+//! The differentiable block is written on `candle` tensors (its autograd) in f32; it is the
+//! math of [`crate::model::block`] and is tested against it. The product's forward stays ours.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use half::bf16;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{LayerType, Proj, SparkConfig};
+use crate::model::block::Ctx;
+use crate::quant::{Grid, QuantizedWeight};
+
+/// The linears a block tunes (g_proj stays 16-bit in a GPTQ checkpoint).
+pub const TUNED: [Proj; 7] = [
+    Proj::Q,
+    Proj::K,
+    Proj::V,
+    Proj::Out,
+    Proj::Gate,
+    Proj::Up,
+    Proj::Down,
+];
+
+/// Windows per forward when the state is scored on all of them.
+const SCORE_CHUNK: usize = 8;
+
+/// The settings of a block tuning run (defaults: the measured recipe of docs/FIDELITY.md).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BlockTune {
+    /// Optimiser steps per layer.
+    pub steps: usize,
+    /// Calibration windows per step.
+    pub batch: usize,
+    /// Adam's step for the code offsets V.
+    pub lr: f64,
+    /// Adam's step for the group scale factors.
+    pub scale_lr: f64,
+    /// Adam's step for the norm gain factors (0: norms not tuned).
+    pub norm_lr: f64,
+    /// Score the stored state on all windows every this many steps and keep the best (0: never).
+    pub check: usize,
+    pub seed: u64,
+}
+
+impl Default for BlockTune {
+    fn default() -> Self {
+        BlockTune {
+            steps: 200,
+            batch: 8,
+            lr: 2e-2,
+            scale_lr: 4e-3,
+            norm_lr: 1e-3,
+            check: 25,
+            seed: 0,
+        }
+    }
+}
+
+/// What tuning did to one layer (quant_report.json `block_tune_layers`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerTuneReport {
+    pub layer: usize,
+    /// The block's output error ‖y − ŷ‖² / ‖y‖² on all calibration windows with GPTQ's weights.
+    pub error_before: f64,
+    /// The same with the weights written (equal to `error_before` when GPTQ's were kept).
+    pub error_after: f64,
+    /// Codes that differ from GPTQ's, of all codes of the tuned linears.
+    pub codes_moved: u64,
+    pub codes: u64,
+    /// Whether the tuned state was written (false: it did not lower the error; GPTQ's kept).
+    pub tuned: bool,
+    pub seconds: f64,
+}
+
+/// Everything a layer's tuning changes: its linears' codes and scales and its norm weights.
+pub struct TunedLayer {
+    pub linears: Vec<(Proj, QuantizedWeight)>,
+    /// (input_layernorm, post_attention_layernorm), bf16 values.
+    pub norms: super::Norms,
+    pub report: LayerTuneReport,
+}
+
+/// What a layer's tuning starts from.
+pub struct LayerInputs<'a> {
+    pub layer: usize,
+    pub ctx: Ctx<'a>,
+    /// GPTQ's solution of each of [`TUNED`].
+    pub linears: Vec<(Proj, &'a QuantizedWeight)>,
+    /// `g_proj`'s weight `[heads, hidden]`, which is not tuned.
+    pub g_proj: Vec<f32>,
+    pub norms: super::Norms,
+    /// The quantized model's stream into the layer, `[samples·seq_len, hidden]`.
+    pub x: &'a [f32],
+    /// The float model's stream out of the layer (the target), same shape.
+    pub y: &'a [f32],
+    pub samples: usize,
+    pub seq_len: usize,
+}
+
+type Result<T> = std::result::Result<T, candle_core::Error>;
+
+/// The shape and constants of one layer's differentiable block.
+struct Block {
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rotary: usize,
+    eps: f64,
+    seq: usize,
+    /// `[seq, rotary/2]`.
+    cos: Tensor,
+    sin: Tensor,
+    /// `[seq, seq]`: 0 where a query sees a key, −∞ elsewhere.
+    mask: Tensor,
+}
+
+/// The block's weights as the forward takes them.
+struct Weights {
+    lin: Vec<Tensor>,
+    g: Tensor,
+    ln_in: Tensor,
+    ln_post: Tensor,
+}
+
+impl Block {
+    fn new(
+        cfg: &SparkConfig,
+        kind: LayerType,
+        ctx: &Ctx,
+        seq: usize,
+        dev: &Device,
+    ) -> Result<Self> {
+        let rotary = ctx.rope.rotary_dims();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in 0..seq {
+            let (c, s) = ctx.rope.angles(p);
+            cos.extend(c);
+            sin.extend(s);
+        }
+        let mask: Vec<f32> = (0..seq * seq)
+            .map(|i| {
+                let (q, k) = (i / seq, i % seq);
+                let visible = k <= q
+                    && match kind {
+                        LayerType::Full => true,
+                        LayerType::Sliding => k + cfg.sliding_window > q,
+                    };
+                if visible {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        Ok(Block {
+            hidden: cfg.hidden_size,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            rotary,
+            eps: cfg.rms_norm_eps as f64,
+            seq,
+            cos: Tensor::from_vec(cos, (seq, rotary / 2), dev)?,
+            sin: Tensor::from_vec(sin, (seq, rotary / 2), dev)?,
+            mask: Tensor::from_vec(mask, (seq, seq), dev)?,
+        })
+    }
+
+    fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.broadcast_mul(w)
+    }
+
+    /// `x·Wᵀ` for `x` `[b, t, k]`.
+    fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let (b, t, k) = x.dims3()?;
+        x.reshape((b * t, k))?
+            .matmul(&w.t()?)?
+            .reshape((b, t, w.dim(0)?))
+    }
+
+    /// NeoX rotate-half within the first `rotary` dims of each head of `x` `[b, n, t, hd]`.
+    fn rope(&self, x: &Tensor) -> Result<Tensor> {
+        let (r, half) = (self.rotary, self.rotary / 2);
+        let a = x.narrow(D::Minus1, 0, half)?;
+        let b = x.narrow(D::Minus1, half, half)?;
+        let ra = (a.broadcast_mul(&self.cos)? - b.broadcast_mul(&self.sin)?)?;
+        let rb = (b.broadcast_mul(&self.cos)? + a.broadcast_mul(&self.sin)?)?;
+        if r == self.head_dim {
+            Tensor::cat(&[ra, rb], D::Minus1)
+        } else {
+            let rest = x.narrow(D::Minus1, r, self.head_dim - r)?;
+            Tensor::cat(&[ra, rb, rest], D::Minus1)
+        }
+    }
+
+    /// The block on `x` `[b, t, hidden]`: `x += out(attn(norm(x)) ⊙ σ(g)); x += down(gelu(gate) ⊙ up)`.
+    fn forward(&self, x: &Tensor, w: &Weights) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let rep = nh / nkv;
+        let [q, k, v, out, gate, up, down] = &w.lin[..] else {
+            unreachable!("seven tuned linears")
+        };
+        let h = self.rms(x, &w.ln_in)?;
+        let heads = |p: &Tensor, n: usize| -> Result<Tensor> {
+            Self::linear(&h, p)?.reshape((b, t, n, hd))?.transpose(1, 2)
+        };
+        // The `rep` query heads of a KV head are consecutive: one matmul per KV head.
+        let qh = self
+            .rope(&heads(q, nh)?)?
+            .contiguous()?
+            .reshape((b, nkv, rep * t, hd))?;
+        let kh = self.rope(&heads(k, nkv)?)?.contiguous()?;
+        let vh = heads(v, nkv)?.contiguous()?;
+        let scores = (qh.matmul(&kh.t()?)? * (1.0 / (hd as f64).sqrt()))?
+            .reshape((b, nkv, rep, t, t))?
+            .broadcast_add(&self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?)?;
+        let max = scores.max_keepdim(D::Minus1)?.detach();
+        let e = scores.broadcast_sub(&max)?.exp()?;
+        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        let a = p
+            .reshape((b, nkv, rep * t, t))?
+            .matmul(&vh)?
+            .reshape((b, nh, t, hd))?
+            .transpose(1, 2)?;
+        let g = sigmoid(&Self::linear(&h, &w.g)?)?.unsqueeze(3)?;
+        let a = a.broadcast_mul(&g)?.reshape((b, t, nh * hd))?;
+        let x = (x + Self::linear(&a, out)?)?;
+        let h2 = self.rms(&x, &w.ln_post)?;
+        let m = (Self::linear(&h2, gate)?.gelu_erf()? * Self::linear(&h2, up)?)?;
+        x + Self::linear(&m, down)?
+    }
+}
+
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
+/// One tuned linear: GPTQ's codes q − 8 and scales `[N, K]`, `[N, K/G]` (PyTorch order), with
+/// the offsets V and scale factors being tuned.
+struct TunedLinear {
+    n: usize,
+    k: usize,
+    g: usize,
+    grid: Grid,
+    /// q − 8, `[N·K]`.
+    q: Vec<f32>,
+    /// `[N·K/G]`.
+    s: Vec<f32>,
+    s_t: Tensor,
+    v: Var,
+    a: Var,
+}
+
+impl TunedLinear {
+    fn new(w: &QuantizedWeight, dev: &Device) -> Result<Self> {
+        let (k, n, g) = (w.in_features, w.out_features, w.group_size);
+        let z = w.grid.zero() as f32;
+        let mut q = vec![0f32; n * k];
+        for kk in 0..k {
+            for nn in 0..n {
+                q[nn * k + kk] = w.codes[kk * n + nn] as f32 - z;
+            }
+        }
+        let groups = k / g;
+        let mut s = vec![0f32; n * groups];
+        for gi in 0..groups {
+            for nn in 0..n {
+                s[nn * groups + gi] = w.scales[gi * n + nn];
+            }
+        }
+        Ok(TunedLinear {
+            n,
+            k,
+            g,
+            grid: w.grid,
+            s_t: Tensor::from_slice(&s, (n, groups), dev)?,
+            q,
+            s,
+            v: Var::zeros((n, k), DType::F32, dev)?,
+            a: Var::ones((n, groups), DType::F32, dev)?,
+        })
+    }
+
+    /// The stored codes q − 8 (round half to even, as the grid does) and, per code, whether the
+    /// rounding lay inside the grid (where the straight-through gradient passes).
+    fn codes(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let v = self.v.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+        let (lo, hi) = (
+            -(self.grid.zero() as f32),
+            (self.grid.qmax() - self.grid.zero()) as f32,
+        );
+        Ok(self
+            .q
+            .iter()
+            .zip(&v)
+            .map(|(q, v)| {
+                let r = (q + v).round_ties_even();
+                (
+                    r.clamp(lo, hi),
+                    if (lo..=hi).contains(&r) { 1.0 } else { 0.0 },
+                )
+            })
+            .unzip())
+    }
+
+    /// The scales as stored: GPTQ's times the factor, on the grid's lattice.
+    fn stored_scales(&self) -> Result<Vec<f32>> {
+        let a = self.a.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+        Ok(self
+            .s
+            .iter()
+            .zip(&a)
+            .map(|(s, a)| self.grid.stored(s * a, 0.0))
+            .collect())
+    }
+
+    /// `W = codes · s·a` per group, differentiable in V (straight through) and a.
+    fn weight(&self, dev: &Device) -> Result<Tensor> {
+        let (c, mask) = self.codes()?;
+        let c = Tensor::from_vec(c, (self.n, self.k), dev)?;
+        let mask = Tensor::from_vec(mask, (self.n, self.k), dev)?;
+        let vm = (self.v.as_tensor() * mask)?;
+        let codes = (&vm + (c - &vm)?.detach())?;
+        let sa = (&self.s_t * self.a.as_tensor())?;
+        self.scaled(&codes, &sa)
+    }
+
+    /// The weight as the checkpoint will hold it.
+    fn stored_weight(&self, dev: &Device) -> Result<Tensor> {
+        let (c, _) = self.codes()?;
+        let c = Tensor::from_vec(c, (self.n, self.k), dev)?;
+        let s = Tensor::from_vec(self.stored_scales()?, (self.n, self.k / self.g), dev)?;
+        self.scaled(&c, &s)
+    }
+
+    fn scaled(&self, codes: &Tensor, s: &Tensor) -> Result<Tensor> {
+        let groups = self.k / self.g;
+        codes
+            .reshape((self.n, groups, self.g))?
+            .broadcast_mul(&s.unsqueeze(2)?)?
+            .reshape((self.n, self.k))
+    }
+
+    /// The stored state back in the checkpoint's orientation, and how many codes moved.
+    fn export(&self, like: &QuantizedWeight) -> Result<(QuantizedWeight, u64)> {
+        let (c, _) = self.codes()?;
+        let s = self.stored_scales()?;
+        let (n, k, groups) = (self.n, self.k, self.k / self.g);
+        let z = self.grid.zero() as f32;
+        let mut codes = vec![0u8; k * n];
+        let mut moved = 0u64;
+        for nn in 0..n {
+            for kk in 0..k {
+                let v = c[nn * k + kk];
+                moved += u64::from(v != self.q[nn * k + kk]);
+                codes[kk * n + nn] = (v + z) as u8;
+            }
+        }
+        let mut scales = vec![0f32; groups * n];
+        for nn in 0..n {
+            for gi in 0..groups {
+                scales[gi * n + nn] = s[nn * groups + gi];
+            }
+        }
+        Ok((
+            QuantizedWeight {
+                codes,
+                scales,
+                ..like.clone()
+            },
+            moved,
+        ))
+    }
+}
+
+/// bf16 rounding of a norm weight times its gain, as the checkpoint stores it.
+fn bf16_values(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_vec1::<f32>()?
+        .into_iter()
+        .map(|v| bf16::from_f32(v).to_f32())
+        .collect())
+}
+
+/// A snapshot of the tuned variables.
+type State = Vec<Tensor>;
+
+struct Tuner<'a> {
+    dev: Device,
+    block: Block,
+    linears: Vec<TunedLinear>,
+    g: Tensor,
+    norms: (Tensor, Tensor),
+    gains: (Var, Var),
+    inp: &'a LayerInputs<'a>,
+}
+
+impl Tuner<'_> {
+    fn weights(&self, stored: bool) -> Result<Weights> {
+        let lin = self
+            .linears
+            .iter()
+            .map(|l| {
+                if stored {
+                    l.stored_weight(&self.dev)
+                } else {
+                    l.weight(&self.dev)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ln_in = (&self.norms.0 * self.gains.0.as_tensor())?;
+        let ln_post = (&self.norms.1 * self.gains.1.as_tensor())?;
+        let (ln_in, ln_post) = if stored {
+            let h = self.block.hidden;
+            (
+                Tensor::from_vec(bf16_values(&ln_in)?, h, &self.dev)?,
+                Tensor::from_vec(bf16_values(&ln_post)?, h, &self.dev)?,
+            )
+        } else {
+            (ln_in, ln_post)
+        };
+        Ok(Weights {
+            lin,
+            g: self.g.clone(),
+            ln_in,
+            ln_post,
+        })
+    }
+
+    /// Windows `idx` of `src` as `[len, seq, hidden]`.
+    fn windows(&self, src: &[f32], idx: &[usize]) -> Result<Tensor> {
+        let w = self.block.seq * self.block.hidden;
+        let mut v = Vec::with_capacity(idx.len() * w);
+        for &i in idx {
+            v.extend_from_slice(&src[i * w..(i + 1) * w]);
+        }
+        Tensor::from_vec(v, (idx.len(), self.block.seq, self.block.hidden), &self.dev)
+    }
+
+    /// ‖y − block(x)‖² / ‖y‖² over all windows with the stored state.
+    fn error(&self) -> Result<f64> {
+        let w = self.weights(true)?;
+        let (mut se, mut norm) = (0f64, 0f64);
+        let all: Vec<usize> = (0..self.inp.samples).collect();
+        for idx in all.chunks(SCORE_CHUNK) {
+            let y = self.windows(self.inp.y, idx)?;
+            let out = self.block.forward(&self.windows(self.inp.x, idx)?, &w)?;
+            se += (out - &y)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+            norm += y.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        }
+        Ok(se / norm.max(f64::MIN_POSITIVE))
+    }
+
+    fn vars(&self) -> Vec<&Var> {
+        let mut v: Vec<&Var> = self.linears.iter().flat_map(|l| [&l.v, &l.a]).collect();
+        v.extend([&self.gains.0, &self.gains.1]);
+        v
+    }
+
+    fn snapshot(&self) -> Result<State> {
+        self.vars().iter().map(|v| v.as_tensor().copy()).collect()
+    }
+
+    fn restore(&self, s: &State) -> Result<()> {
+        for (v, t) in self.vars().into_iter().zip(s) {
+            v.set(t)?;
+        }
+        Ok(())
+    }
+}
+
+/// Tune one layer (see the module doc). Deterministic for a given `opts.seed` and layer.
+pub fn tune_layer(
+    cfg: &SparkConfig,
+    inp: &LayerInputs,
+    opts: &BlockTune,
+    mut progress: impl FnMut(usize),
+) -> Result<TunedLayer> {
+    let clock = std::time::Instant::now();
+    keep_freed_memory();
+    let dev = Device::Cpu;
+    let h = cfg.hidden_size;
+    let tuner = Tuner {
+        block: Block::new(cfg, inp.ctx.kind, &inp.ctx, inp.seq_len, &dev)?,
+        linears: inp
+            .linears
+            .iter()
+            .map(|(_, w)| TunedLinear::new(w, &dev))
+            .collect::<Result<_>>()?,
+        g: Tensor::from_slice(&inp.g_proj, (cfg.num_attention_heads, h), &dev)?,
+        norms: (
+            Tensor::from_slice(&inp.norms.0, h, &dev)?,
+            Tensor::from_slice(&inp.norms.1, h, &dev)?,
+        ),
+        gains: (
+            Var::ones(h, DType::F32, &dev)?,
+            Var::ones(h, DType::F32, &dev)?,
+        ),
+        dev,
+        inp,
+    };
+    let initial = tuner.snapshot()?;
+    let before = tuner.error()?;
+    let adam = |vars: Vec<Var>, lr: f64| {
+        AdamW::new(
+            vars,
+            ParamsAdamW {
+                lr,
+                weight_decay: 0.0,
+                ..ParamsAdamW::default()
+            },
+        )
+    };
+    let mut groups = vec![
+        (
+            adam(tuner.linears.iter().map(|l| l.v.clone()).collect(), opts.lr)?,
+            opts.lr,
+        ),
+        (
+            adam(
+                tuner.linears.iter().map(|l| l.a.clone()).collect(),
+                opts.scale_lr,
+            )?,
+            opts.scale_lr,
+        ),
+    ];
+    if opts.norm_lr > 0.0 {
+        let g = vec![tuner.gains.0.clone(), tuner.gains.1.clone()];
+        groups.push((adam(g, opts.norm_lr)?, opts.norm_lr));
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed ^ ((inp.layer as u64) << 32));
+    let mut order: Vec<usize> = (0..inp.samples).collect();
+    let mut best = (before, initial.clone());
+    for it in 0..opts.steps {
+        if opts.check > 0 && it > 0 && it % opts.check == 0 {
+            let e = tuner.error()?;
+            if e < best.0 {
+                best = (e, tuner.snapshot()?);
+            }
+        }
+        order.shuffle(&mut rng);
+        let idx = &order[..opts.batch.min(inp.samples)];
+        let out = tuner
+            .block
+            .forward(&tuner.windows(inp.x, idx)?, &tuner.weights(false)?)?;
+        let loss = (out - tuner.windows(inp.y, idx)?)?.sqr()?.mean_all()?;
+        let grads = loss.backward()?;
+        let decay = 1.0 - it as f64 / opts.steps as f64;
+        for (opt, lr) in groups.iter_mut() {
+            opt.set_learning_rate(*lr * decay);
+            opt.step(&grads)?;
+        }
+        for l in &tuner.linears {
+            l.v.set(&l.v.as_tensor().clamp(-0.5f32, 0.5f32)?)?;
+            l.a.set(&l.a.as_tensor().clamp(0.5f32, 1.5f32)?)?;
+        }
+        progress(it + 1);
+    }
+    let mut after = tuner.error()?;
+    if best.0 < after {
+        tuner.restore(&best.1)?;
+        after = best.0;
+    }
+    let tuned = after < before;
+    if !tuned {
+        tuner.restore(&initial)?;
+        after = before;
+    }
+    let mut linears = Vec::new();
+    let (mut moved, mut codes) = (0u64, 0u64);
+    for ((proj, like), l) in inp.linears.iter().zip(&tuner.linears) {
+        let (w, m) = l.export(like)?;
+        moved += m;
+        codes += (l.n * l.k) as u64;
+        linears.push((*proj, w));
+    }
+    let w = tuner.weights(true)?;
+    Ok(TunedLayer {
+        linears,
+        norms: (w.ln_in.to_vec1()?, w.ln_post.to_vec1()?),
+        report: LayerTuneReport {
+            layer: inp.layer,
+            error_before: before,
+            error_after: after,
+            codes_moved: moved,
+            codes,
+            tuned,
+            seconds: clock.elapsed().as_secs_f64(),
+        },
+    })
+}
+
+/// Every tensor op allocates its output anew, and glibc serves blocks above its mmap threshold
+/// (≤ 32 MB) with fresh pages that fault in on first touch and go back to the system when freed:
+/// a fifth of the time went to page faults. Keep such blocks in the heap for reuse instead.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator thresholds; any value is valid.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
+/// Private bytes a layer's tuning holds at its peak beyond the quantizer's own (a copy of the
+/// quantized stream into the layer; per tuned weight its codes, offsets, Adam moments, gradient,
+/// best state and the differentiable weight's intermediates; one batch's activations with what
+/// the backward keeps).
+pub fn planned_bytes(cfg: &SparkConfig, rows: usize, opts: &BlockTune, seq_len: usize) -> u64 {
+    let f = 4u128;
+    let params: u128 = TUNED
+        .iter()
+        .map(|p| p.shape(cfg).iter().product::<usize>() as u128)
+        .sum();
+    let tokens = (opts.batch.max(SCORE_CHUNK) * seq_len) as u128;
+    let (h, q, kv, inter) = (
+        cfg.hidden_size as u128,
+        cfg.q_dim() as u128,
+        cfg.kv_dim() as u128,
+        cfg.intermediate_size as u128,
+    );
+    let per_token = f * (16 * h + 10 * q + 8 * kv + 10 * inter);
+    let scores = f * 8 * (cfg.num_attention_heads as u128) * tokens * seq_len as u128;
+    let total = rows as u128 * h * f + params * f * 14 + tokens * per_token + scores;
+    total.min(u64::MAX as u128) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::Checkpoint;
+    use crate::model::kv_cache::LayerKvCache;
+    use crate::model::{DecoderLayer, DenseLinear, SparkModel};
+    use crate::quant::{rtn, Hessian, ScaleRule};
+    use rand::Rng;
+
+    const SEQ: usize = 96; // past the fixture's 64-token sliding window
+
+    fn fixture() -> SparkModel {
+        let ck = Checkpoint::open(&crate::bundled_fixture()).unwrap();
+        SparkModel::from_checkpoint(&ck, false).unwrap()
+    }
+
+    /// `windows` windows of SEQ random tokens, embedded: `[windows·SEQ, hidden]`.
+    fn stream(model: &SparkModel, windows: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let vocab = model.config().vocab_size as u32;
+        let ids: Vec<u32> = (0..windows * SEQ)
+            .map(|_| rng.random_range(0..vocab))
+            .collect();
+        model.embed(&ids).unwrap()
+    }
+
+    /// Our model's layer on each window of `x`.
+    fn layer_forward(layer: &DecoderLayer, ctx: &Ctx, x: &[f32]) -> Vec<f32> {
+        let w = SEQ * ctx.cfg.hidden_size;
+        let mut y = x.to_vec();
+        for win in y.chunks_mut(w) {
+            let mut cache = LayerKvCache::new(ctx.cfg, layer.kind, SEQ);
+            layer.forward(win, SEQ, 0, &mut cache, ctx);
+        }
+        y
+    }
+
+    fn rel_error(a: &[f32], b: &[f32]) -> f64 {
+        let se: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        se / b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>()
+    }
+
+    #[test]
+    fn the_differentiable_block_is_the_models_layer() {
+        let model = fixture();
+        let cfg = model.config();
+        let dev = Device::Cpu;
+        let x = stream(&model, 2, 1);
+        // A sliding and a full layer: their masks and rotary widths differ.
+        for li in [0, 3] {
+            let (layer, ctx) = model.layer(li);
+            let block = Block::new(cfg, layer.kind, &ctx, SEQ, &dev).unwrap();
+            let t = |p: Proj| {
+                let [n, k] = p.shape(cfg);
+                Tensor::from_vec(layer.linear(p).dequantize(), (n, k), &dev).unwrap()
+            };
+            let h = cfg.hidden_size;
+            let w = Weights {
+                lin: TUNED.iter().map(|&p| t(p)).collect(),
+                g: t(Proj::G),
+                ln_in: Tensor::from_slice(layer.input_layernorm.weight(), h, &dev).unwrap(),
+                ln_post: Tensor::from_slice(layer.post_attention_layernorm.weight(), h, &dev)
+                    .unwrap(),
+            };
+            let xt = Tensor::from_slice(&x, (2, SEQ, h), &dev).unwrap();
+            let ours = block
+                .forward(&xt, &w)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let want = layer_forward(layer, &ctx, &x);
+            // What the layer adds to the stream, compared: f32 sums in different orders.
+            let delta = |y: &[f32]| -> Vec<f32> { y.iter().zip(&x).map(|(a, b)| a - b).collect() };
+            let e = rel_error(&delta(&ours), &delta(&want));
+            assert!(e < 1e-9, "layer {li}: relative squared difference {e:e}");
+        }
+    }
+
+    /// Layer `li` of the fixture with RTN codes, its float input and target.
+    struct Case {
+        model: SparkModel,
+        rtn: Vec<(Proj, QuantizedWeight)>,
+        x: Vec<f32>,
+        y: Vec<f32>,
+    }
+
+    const LI: usize = 1;
+    const WINDOWS: usize = 8;
+
+    fn case() -> Case {
+        let model = fixture();
+        let (layer, ctx) = model.layer(LI);
+        let x = stream(&model, WINDOWS, 2);
+        let y = layer_forward(layer, &ctx, &x);
+        let rtn = TUNED
+            .iter()
+            .map(|&p| {
+                let [n, k] = p.shape(model.config());
+                let w = layer.linear(p).dequantize();
+                let h = Hessian::new(k);
+                (p, rtn(&w, n, k, &h, 32, ScaleRule::MaxOver7_5, Grid::VLLM))
+            })
+            .collect();
+        Case { model, rtn, x, y }
+    }
+
+    fn tune(c: &Case, opts: &BlockTune) -> TunedLayer {
+        let (layer, ctx) = c.model.layer(LI);
+        let inputs = LayerInputs {
+            layer: LI,
+            ctx,
+            linears: c.rtn.iter().map(|(p, q)| (*p, q)).collect(),
+            g_proj: layer.linear(Proj::G).dequantize(),
+            norms: (
+                layer.input_layernorm.weight().to_vec(),
+                layer.post_attention_layernorm.weight().to_vec(),
+            ),
+            x: &c.x,
+            y: &c.y,
+            samples: WINDOWS,
+            seq_len: SEQ,
+        };
+        tune_layer(c.model.config(), &inputs, opts, |_| {}).unwrap()
+    }
+
+    #[test]
+    fn tuning_lowers_the_block_error_and_our_forward_scores_what_it_reports() {
+        let c = case();
+        let opts = BlockTune {
+            steps: 40,
+            batch: 4,
+            lr: 5e-2,
+            check: 10,
+            ..BlockTune::default()
+        };
+        let t = tune(&c, &opts);
+        let r = &t.report;
+        assert!(r.tuned && r.error_after < 0.97 * r.error_before, "{r:?}");
+        assert!(r.codes_moved > 0, "{r:?}");
+        // Codes move by at most one step, scales stay on vLLM's lattice.
+        for ((_, before), (_, after)) in c.rtn.iter().zip(&t.linears) {
+            for (a, b) in before.codes.iter().zip(&after.codes) {
+                assert!((*a as i32 - *b as i32).abs() <= 1);
+            }
+            for s in &after.scales {
+                assert_eq!(Grid::VLLM.stored(*s, 0.0), *s);
+            }
+        }
+        // The written layer, run by our own forward, has the error the tuning reported.
+        let mut model = c.model;
+        let mut layer = model.take_layers().swap_remove(LI);
+        for (p, q) in &t.linears {
+            let lin = DenseLinear::new(q.dequantize().into(), q.out_features, q.in_features);
+            layer.set_linear(*p, Box::new(lin));
+        }
+        layer.input_layernorm.set_weight(t.norms.0.clone());
+        layer.post_attention_layernorm.set_weight(t.norms.1.clone());
+        let ctx = model.ctx_for(layer.kind);
+        let e = rel_error(&layer_forward(&layer, &ctx, &c.x), &c.y);
+        assert!(
+            (e / r.error_after - 1.0).abs() < 1e-3,
+            "our forward {e:e}, reported {:e}",
+            r.error_after
+        );
+    }
+
+    #[test]
+    fn a_layer_that_does_not_improve_keeps_its_solution() {
+        let c = case();
+        let still = BlockTune {
+            steps: 3,
+            batch: 2,
+            lr: 0.0,
+            scale_lr: 0.0,
+            norm_lr: 0.0,
+            ..BlockTune::default()
+        };
+        let t = tune(&c, &still);
+        assert!(!t.report.tuned && t.report.codes_moved == 0);
+        assert_eq!(t.report.error_after, t.report.error_before);
+        for ((_, a), (_, b)) in c.rtn.iter().zip(&t.linears) {
+            assert_eq!((&a.codes, &a.scales), (&b.codes, &b.scales));
+        }
+        let layer = c.model.layer(LI).0;
+        assert_eq!(t.norms.0, layer.input_layernorm.weight());
+        assert_eq!(t.norms.1, layer.post_attention_layernorm.weight());
+    }
+}
