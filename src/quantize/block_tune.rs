@@ -26,17 +26,6 @@ use crate::checkpoint::{LayerType, Proj, SparkConfig};
 use crate::model::block::Ctx;
 use crate::quant::{Grid, QuantizedWeight};
 
-/// The linears a block tunes (g_proj stays 16-bit in a GPTQ checkpoint).
-pub const TUNED: [Proj; 7] = [
-    Proj::Q,
-    Proj::K,
-    Proj::V,
-    Proj::Out,
-    Proj::Gate,
-    Proj::Up,
-    Proj::Down,
-];
-
 /// Windows per forward when the state is scored on all of them.
 const SCORE_CHUNK: usize = 8;
 
@@ -86,6 +75,8 @@ pub struct LayerTuneReport {
     /// Whether the tuned state was written (false: it did not lower the error; GPTQ's kept).
     pub tuned: bool,
     pub seconds: f64,
+    /// Mean wall time of one optimiser step (forward and backward of a batch, Adam).
+    pub step_seconds: f64,
 }
 
 /// Everything a layer's tuning changes: its linears' codes and scales and its norm weights.
@@ -100,7 +91,8 @@ pub struct TunedLayer {
 pub struct LayerInputs<'a> {
     pub layer: usize,
     pub ctx: Ctx<'a>,
-    /// GPTQ's solution of each of [`TUNED`].
+    /// GPTQ's solution of each of [`Proj::QUANTIZED`] (`g_proj` is not tuned: a GPTQ checkpoint
+    /// keeps it 16-bit).
     pub linears: Vec<(Proj, &'a QuantizedWeight)>,
     /// `g_proj`'s weight `[heads, hidden]`, which is not tuned.
     pub g_proj: Vec<f32>,
@@ -133,6 +125,7 @@ struct Block {
 
 /// The block's weights as the forward takes them.
 struct Weights {
+    /// `[N, K]` in [`Proj::QUANTIZED`]'s order: q, k, v, out, gate, up, down.
     lin: Vec<Tensor>,
     g: Tensor,
     ln_in: Tensor,
@@ -217,7 +210,7 @@ impl Block {
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let rep = nh / nkv;
         let [q, k, v, out, gate, up, down] = &w.lin[..] else {
-            unreachable!("seven tuned linears")
+            unreachable!("the seven linears of Proj::QUANTIZED")
         };
         let h = self.rms(x, &w.ln_in)?;
         let heads = |p: &Tensor, n: usize| -> Result<Tensor> {
@@ -495,7 +488,7 @@ pub fn tune_layer(
     mut progress: impl FnMut(usize),
 ) -> Result<TunedLayer> {
     let clock = std::time::Instant::now();
-    keep_freed_memory();
+    let _heap = HeapReuse::new();
     let dev = Device::Cpu;
     let h = cfg.hidden_size;
     let tuner = Tuner {
@@ -549,6 +542,7 @@ pub fn tune_layer(
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed ^ ((inp.layer as u64) << 32));
     let mut order: Vec<usize> = (0..inp.samples).collect();
     let mut best = (before, initial.clone());
+    let mut stepping = std::time::Duration::ZERO;
     for it in 0..opts.steps {
         if opts.check > 0 && it > 0 && it % opts.check == 0 {
             let e = tuner.error()?;
@@ -556,6 +550,7 @@ pub fn tune_layer(
                 best = (e, tuner.snapshot()?);
             }
         }
+        let step_clock = std::time::Instant::now();
         order.shuffle(&mut rng);
         let idx = &order[..opts.batch.min(inp.samples)];
         let out = tuner
@@ -572,6 +567,7 @@ pub fn tune_layer(
             l.v.set(&l.v.as_tensor().clamp(-0.5f32, 0.5f32)?)?;
             l.a.set(&l.a.as_tensor().clamp(0.5f32, 1.5f32)?)?;
         }
+        stepping += step_clock.elapsed();
         progress(it + 1);
     }
     let mut after = tuner.error()?;
@@ -604,19 +600,39 @@ pub fn tune_layer(
             codes,
             tuned,
             seconds: clock.elapsed().as_secs_f64(),
+            step_seconds: stepping.as_secs_f64() / opts.steps.max(1) as f64,
         },
     })
 }
 
 /// Every tensor op allocates its output anew, and glibc serves blocks above its mmap threshold
-/// (≤ 32 MB) with fresh pages that fault in on first touch and go back to the system when freed:
-/// a fifth of the time went to page faults. Keep such blocks in the heap for reuse instead.
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator thresholds; any value is valid.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+/// (at most 32 MB) with fresh pages, zeroed by the kernel on first touch and unmapped again when
+/// freed: at the 1.7B shape, where a batch's activations are 100 MB tensors, a fifth of the time
+/// went to page faults, zeroing and TLB shootdowns. While tuning, large blocks come from the heap
+/// and stay there for reuse; on drop the defaults come back and the heap is trimmed.
+struct HeapReuse;
+
+impl HeapReuse {
+    fn new() -> Self {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: mallopt only changes allocator parameters; these values are valid.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_MAX, 0);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        }
+        HeapReuse
+    }
+}
+
+impl Drop for HeapReuse {
+    fn drop(&mut self) {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: as above; glibc's defaults (65536 mappings, 128 KiB), then return free memory.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_MAX, 65536);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 128 * 1024);
+            libc::malloc_trim(0);
+        }
     }
 }
 
@@ -626,7 +642,7 @@ fn keep_freed_memory() {
 /// the backward keeps).
 pub fn planned_bytes(cfg: &SparkConfig, rows: usize, opts: &BlockTune, seq_len: usize) -> u64 {
     let f = 4u128;
-    let params: u128 = TUNED
+    let params: u128 = Proj::QUANTIZED
         .iter()
         .map(|p| p.shape(cfg).iter().product::<usize>() as u128)
         .sum();
@@ -701,7 +717,7 @@ mod tests {
             };
             let h = cfg.hidden_size;
             let w = Weights {
-                lin: TUNED.iter().map(|&p| t(p)).collect(),
+                lin: Proj::QUANTIZED.iter().map(|&p| t(p)).collect(),
                 g: t(Proj::G),
                 ln_in: Tensor::from_slice(layer.input_layernorm.weight(), h, &dev).unwrap(),
                 ln_post: Tensor::from_slice(layer.post_attention_layernorm.weight(), h, &dev)
@@ -739,7 +755,7 @@ mod tests {
         let (layer, ctx) = model.layer(LI);
         let x = stream(&model, WINDOWS, 2);
         let y = layer_forward(layer, &ctx, &x);
-        let rtn = TUNED
+        let rtn = Proj::QUANTIZED
             .iter()
             .map(|&p| {
                 let [n, k] = p.shape(model.config());

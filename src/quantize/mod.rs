@@ -961,7 +961,7 @@ fn tune_layer(
     let inputs = block_tune::LayerInputs {
         layer: li,
         ctx,
-        linears: block_tune::TUNED.iter().map(|&p| (p, res.get(p))).collect(),
+        linears: Proj::QUANTIZED.iter().map(|&p| (p, res.get(p))).collect(),
         g_proj: layer.linear(Proj::G).dequantize(),
         norms: (
             layer.input_layernorm.weight().to_vec(),
