@@ -17,12 +17,13 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use half::bf16;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{LayerType, Proj, SparkConfig};
+use crate::kernels::transpose;
+use crate::kernels::w4::round_bf16;
 use crate::model::block::Ctx;
 use crate::quant::{Grid, QuantizedWeight};
 
@@ -267,19 +268,12 @@ impl TunedLinear {
     fn new(w: &QuantizedWeight, dev: &Device) -> Result<Self> {
         let (k, n, g) = (w.in_features, w.out_features, w.group_size);
         let z = w.grid.zero() as f32;
-        let mut q = vec![0f32; n * k];
-        for kk in 0..k {
-            for nn in 0..n {
-                q[nn * k + kk] = w.codes[kk * n + nn] as f32 - z;
-            }
-        }
+        let q = transpose(&w.codes, k, n)
+            .into_iter()
+            .map(|c| c as f32 - z)
+            .collect();
         let groups = k / g;
-        let mut s = vec![0f32; n * groups];
-        for gi in 0..groups {
-            for nn in 0..n {
-                s[nn * groups + gi] = w.scales[gi * n + nn];
-            }
-        }
+        let s = transpose(&w.scales, groups, n);
         Ok(TunedLinear {
             n,
             k,
@@ -357,28 +351,19 @@ impl TunedLinear {
     fn export(&self, like: &QuantizedWeight) -> Result<(QuantizedWeight, u64)> {
         let (c, _) = self.codes()?;
         let s = self.stored_scales()?;
-        let (n, k, groups) = (self.n, self.k, self.k / self.g);
+        let (n, k) = (self.n, self.k);
         let z = self.grid.zero() as f32;
-        let mut codes = vec![0u8; k * n];
-        let mut moved = 0u64;
-        for nn in 0..n {
-            for kk in 0..k {
-                let v = c[nn * k + kk];
-                moved += u64::from(v != self.q[nn * k + kk]);
-                codes[kk * n + nn] = (v + z) as u8;
-            }
-        }
-        let mut scales = vec![0f32; groups * n];
-        for nn in 0..n {
-            for gi in 0..groups {
-                scales[gi * n + nn] = s[nn * groups + gi];
-            }
-        }
+        let moved = c.iter().zip(&self.q).filter(|(a, b)| a != b).count() as u64;
+        let codes: Vec<u8> = c.iter().map(|v| (v + z) as u8).collect();
         Ok((
             QuantizedWeight {
-                codes,
-                scales,
-                ..like.clone()
+                in_features: k,
+                out_features: n,
+                group_size: self.g,
+                codes: transpose(&codes, n, k),
+                scales: transpose(&s, n, k / self.g),
+                grid: self.grid,
+                tier_scales: like.tier_scales.clone(),
             },
             moved,
         ))
@@ -387,10 +372,7 @@ impl TunedLinear {
 
 /// bf16 rounding of a norm weight times its gain, as the checkpoint stores it.
 fn bf16_values(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_vec1::<f32>()?
-        .into_iter()
-        .map(|v| bf16::from_f32(v).to_f32())
-        .collect())
+    Ok(t.to_vec1::<f32>()?.into_iter().map(round_bf16).collect())
 }
 
 /// A snapshot of the tuned variables.
