@@ -235,3 +235,30 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
         .arg(common::fixture("spark-tiny")));
     assert!(phone.join("phone_manifest.json").exists());
 }
+
+#[test]
+fn block_tune_settings_without_block_tune_are_refused() {
+    // A tuning setting on a run that does not tune would silently do nothing.
+    for flag in [
+        &["--block-tune-steps", "10"][..],
+        &["--block-tune-check", "0"],
+        &["--block-tune-int8"],
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        let out = tool()
+            .arg("quantize")
+            .arg(common::fixture("spark-tiny"))
+            .args(flag)
+            .arg("--out")
+            .arg(d.path().join("q"))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag:?}");
+        let se = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            se.contains(flag[0]) && se.contains("--block-tune"),
+            "{flag:?}: {se}"
+        );
+        assert!(!d.path().join("q").exists());
+    }
+}

@@ -59,6 +59,14 @@ RECIPES = {
     # Block tuning after the default recipe's solve (docs/FIDELITY.md "Block tuning after GPTQ").
     "gptq-search act-static float-output block-tune": ["--method", "gptq-search", "--order", "act-static",
                                                        "--objective", "float-output", "--block-tune"],
+    # The same, keeping each layer's final state instead of the best one scored every 25 steps.
+    "gptq-search act-static float-output block-tune last": ["--method", "gptq-search", "--order", "act-static",
+                                                            "--objective", "float-output", "--block-tune",
+                                                            "--block-tune-check", "0"],
+    # Block tuning with W4A8's per-token int8 rounding of each quantized linear's input.
+    "gptq-search act-static float-output block-tune int8": ["--method", "gptq-search", "--order", "act-static",
+                                                            "--objective", "float-output", "--block-tune",
+                                                            "--block-tune-int8"],
     # The calibration forward in f32 (the default before 2026-12-03; bf16 since, for GPTQ checkpoints).
     "gptq-search act-static float-output f32-forward": ["--method", "gptq-search", "--order", "act-static",
                                                         "--objective", "float-output",

@@ -183,8 +183,17 @@ pub struct QuantizeArgs {
     #[arg(long)]
     block_tune: bool,
     /// Optimiser steps per layer of --block-tune.
-    #[arg(long, default_value_t = 200, value_parser = super::at_least_1)]
+    #[arg(long, default_value_t = 200, value_parser = super::at_least_1, requires = "block_tune")]
     block_tune_steps: usize,
+    /// Every this many steps of --block-tune, score the stored state on all calibration windows
+    /// and keep the best one seen; 0 keeps the final state (either way a layer whose error did not
+    /// fall keeps GPTQ's solution).
+    #[arg(long, default_value_t = BlockTune::default().check, requires = "block_tune")]
+    block_tune_check: usize,
+    /// Tune with every quantized linear's input rounded per token to int8, as W4A8 kernels
+    /// (vLLM's `int4_scaled_mm_cpu`) round it.
+    #[arg(long, requires = "block_tune")]
+    block_tune_int8: bool,
     /// What each linear is solved to reproduce: the float model's output from the quantized
     /// model's input (GPTAQ), or the output of that input (classic GPTQ). Default: float-output for
     /// GPTQ checkpoints (measured best, docs/FIDELITY.md); quantized-input for GGUF, whose
@@ -311,6 +320,8 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         gguf,
         block_tune: a.block_tune.then(|| BlockTune {
             steps: a.block_tune_steps,
+            check: a.block_tune_check,
+            int8_inputs: a.block_tune_int8,
             ..BlockTune::default()
         }),
     };

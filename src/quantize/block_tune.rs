@@ -46,6 +46,10 @@ pub struct BlockTune {
     /// Score the stored state on all windows every this many steps and keep the best (0: never).
     pub check: usize,
     pub seed: u64,
+    /// Feed every quantized linear its input rounded per token to int8 (W4A8 numerics,
+    /// straight-through), so the tuning sees what `int4_scaled_mm_cpu` multiplies.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub int8_inputs: bool,
 }
 
 impl Default for BlockTune {
@@ -58,6 +62,7 @@ impl Default for BlockTune {
             norm_lr: 1e-3,
             check: 25,
             seed: 0,
+            int8_inputs: false,
         }
     }
 }
@@ -122,6 +127,8 @@ struct Block {
     sin: Tensor,
     /// `[seq, seq]`: 0 where a query sees a key, −∞ elsewhere.
     mask: Tensor,
+    /// Round each quantized linear's input per token to int8 as W4A8 kernels do.
+    int8: bool,
 }
 
 /// The block's weights as the forward takes them.
@@ -139,6 +146,7 @@ impl Block {
         kind: LayerType,
         ctx: &Ctx,
         seq: usize,
+        int8: bool,
         dev: &Device,
     ) -> Result<Self> {
         let rotary = ctx.rope.rotary_dims();
@@ -174,12 +182,24 @@ impl Block {
             cos: Tensor::from_vec(cos, (seq, rotary / 2), dev)?,
             sin: Tensor::from_vec(sin, (seq, rotary / 2), dev)?,
             mask: Tensor::from_vec(mask, (seq, seq), dev)?,
+            int8,
         })
     }
 
     fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
         x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.broadcast_mul(w)
+    }
+
+    /// `x` rounded per token (last axis) to int8 against its largest magnitude, as
+    /// `kernels::w4::quantize_activation_row`; the gradient passes straight through.
+    fn int8_rows(&self, x: &Tensor) -> Result<Tensor> {
+        if !self.int8 {
+            return Ok(x.clone());
+        }
+        let step = (x.abs()?.max_keepdim(D::Minus1)?.clamp(1e-7f32, f32::MAX)? / 127.0)?.detach();
+        let q = x.broadcast_div(&step)?.round()?.broadcast_mul(&step)?;
+        x + (q - x)?.detach()
     }
 
     /// `x·Wᵀ` for `x` `[b, t, k]`.
@@ -214,8 +234,11 @@ impl Block {
             unreachable!("the seven linears of Proj::QUANTIZED")
         };
         let h = self.rms(x, &w.ln_in)?;
+        let hq = self.int8_rows(&h)?;
         let heads = |p: &Tensor, n: usize| -> Result<Tensor> {
-            Self::linear(&h, p)?.reshape((b, t, n, hd))?.transpose(1, 2)
+            Self::linear(&hq, p)?
+                .reshape((b, t, n, hd))?
+                .transpose(1, 2)
         };
         // The `rep` query heads of a KV head are consecutive: one matmul per KV head.
         let qh = self
@@ -237,10 +260,10 @@ impl Block {
             .transpose(1, 2)?;
         let g = sigmoid(&Self::linear(&h, &w.g)?)?.unsqueeze(3)?;
         let a = a.broadcast_mul(&g)?.reshape((b, t, nh * hd))?;
-        let x = (x + Self::linear(&a, out)?)?;
-        let h2 = self.rms(&x, &w.ln_post)?;
+        let x = (x + Self::linear(&self.int8_rows(&a)?, out)?)?;
+        let h2 = self.int8_rows(&self.rms(&x, &w.ln_post)?)?;
         let m = (Self::linear(&h2, gate)?.gelu_erf()? * Self::linear(&h2, up)?)?;
-        x + Self::linear(&m, down)?
+        x + Self::linear(&self.int8_rows(&m)?, down)?
     }
 }
 
@@ -474,7 +497,14 @@ pub fn tune_layer(
     let dev = Device::Cpu;
     let h = cfg.hidden_size;
     let tuner = Tuner {
-        block: Block::new(cfg, inp.ctx.kind, &inp.ctx, inp.seq_len, &dev)?,
+        block: Block::new(
+            cfg,
+            inp.ctx.kind,
+            &inp.ctx,
+            inp.seq_len,
+            opts.int8_inputs,
+            &dev,
+        )?,
         linears: inp
             .linears
             .iter()
@@ -692,7 +722,7 @@ mod tests {
         // A sliding and a full layer: their masks and rotary widths differ.
         for li in [0, 3] {
             let (layer, ctx) = model.layer(li);
-            let block = Block::new(cfg, layer.kind, &ctx, SEQ, &dev).unwrap();
+            let block = Block::new(cfg, layer.kind, &ctx, SEQ, false, &dev).unwrap();
             let t = |p: Proj| {
                 let [n, k] = p.shape(cfg);
                 Tensor::from_vec(layer.linear(p).dequantize(), (n, k), &dev).unwrap()
@@ -719,6 +749,45 @@ mod tests {
             let e = rel_error(&delta(&ours), &delta(&want));
             assert!(e < 1e-9, "layer {li}: relative squared difference {e:e}");
         }
+    }
+
+    #[test]
+    fn int8_inputs_round_as_the_w4a8_kernel_and_pass_the_gradient_through() {
+        let model = fixture();
+        let (layer, ctx) = model.layer(0);
+        let dev = Device::Cpu;
+        let block = Block::new(model.config(), layer.kind, &ctx, SEQ, true, &dev).unwrap();
+        let (rows, k) = (6, 64);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let x: Vec<f32> = (0..rows * k)
+            .map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32)
+            .collect();
+        let xv = Var::from_slice(&x, (1, rows, k), &dev).unwrap();
+        let r = block.int8_rows(xv.as_tensor()).unwrap();
+        let got = r.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut a = vec![0i32; k];
+        for (row, (xs, gs)) in x.chunks(k).zip(got.chunks(k)).enumerate() {
+            let step = crate::kernels::w4::quantize_activation_row(xs, &mut a);
+            for (j, (&q, &g)) in a.iter().zip(gs).enumerate() {
+                // Equal up to the rounding of the division (x/step against x·127/amax).
+                let want = q as f32 * step;
+                assert!(
+                    (g - want).abs() <= 1e-6 * want.abs().max(step),
+                    "row {row} input {j}: {g} vs {want}"
+                );
+            }
+        }
+        let c: Vec<f32> = (0..rows * k).map(|i| (i % 5) as f32 - 2.0).collect();
+        let ct = Tensor::from_slice(&c, (1, rows, k), &dev).unwrap();
+        let grads = (r * ct).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads
+            .get(xv.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(g, c, "straight-through: the gradient is the upstream one");
     }
 
     /// Layer `li` of the fixture with RTN codes, its float input and target.
