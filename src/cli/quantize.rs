@@ -183,7 +183,7 @@ pub struct QuantizeArgs {
     #[arg(long)]
     block_tune: bool,
     /// Optimiser steps per layer of --block-tune.
-    #[arg(long, default_value_t = 200, value_parser = super::at_least_1, requires = "block_tune")]
+    #[arg(long, default_value_t = BlockTune::default().steps, value_parser = super::at_least_1, requires = "block_tune")]
     block_tune_steps: usize,
     /// Every this many steps of --block-tune, score the stored state on all calibration windows
     /// and keep the best one seen; 0 keeps the final state (either way a layer whose error did not

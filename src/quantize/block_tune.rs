@@ -192,7 +192,8 @@ impl Block {
     }
 
     /// `x` rounded per token (last axis) to int8 against its largest magnitude, as
-    /// `kernels::w4::quantize_activation_row`; the gradient passes straight through.
+    /// `kernels::w4::quantize_activation_row` (except exact .5 ties, which candle rounds away
+    /// from zero); the gradient passes straight through.
     fn int8_rows(&self, x: &Tensor) -> Result<Tensor> {
         if !self.int8 {
             return Ok(x.clone());
