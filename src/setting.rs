@@ -59,6 +59,8 @@ pub enum Setting {
     RefitRounds,
     /// Block tuning after GPTQ.
     BlockTune,
+    /// Model tuning after GPTQ.
+    ModelTune,
     /// The numerics of a phone export.
     Precision,
     /// The file a report is written to as HTML.
@@ -96,6 +98,7 @@ impl Setting {
             Setting::Damp => "damp",
             Setting::RefitRounds => "refit_rounds",
             Setting::BlockTune => "block_tune",
+            Setting::ModelTune => "model_tune",
             Setting::DumpDequantized => "dump_dequantized",
             Setting::Html => "html",
             Setting::Markdown => "markdown",

@@ -239,10 +239,15 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
 #[test]
 fn block_tune_settings_without_block_tune_are_refused() {
     // A tuning setting on a run that does not tune would silently do nothing.
-    for flag in [
-        &["--block-tune-steps", "10"][..],
-        &["--block-tune-check", "0"],
-        &["--block-tune-int8"],
+    for (flag, needs) in [
+        (&["--block-tune-steps", "10"][..], "--block-tune"),
+        (&["--block-tune-check", "0"], "--block-tune"),
+        (&["--block-tune-int8"], "--block-tune"),
+        (&["--model-tune-steps", "10"], "--model-tune"),
+        (&["--model-tune-lr", "1e-3"], "--model-tune"),
+        (&["--model-tune-codes-lr", "1e-3"], "--model-tune"),
+        (&["--model-tune-batch", "2"], "--model-tune"),
+        (&["--model-tune-int8"], "--model-tune"),
     ] {
         let d = tempfile::tempdir().unwrap();
         let out = tool()
@@ -255,10 +260,7 @@ fn block_tune_settings_without_block_tune_are_refused() {
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{flag:?}");
         let se = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            se.contains(flag[0]) && se.contains("--block-tune"),
-            "{flag:?}: {se}"
-        );
+        assert!(se.contains(flag[0]) && se.contains(needs), "{flag:?}: {se}");
         assert!(!d.path().join("q").exists());
     }
 }

@@ -598,3 +598,85 @@ fn block_tuning_refuses_what_it_cannot_tune() {
     );
     assert!(!d.path().join("q").exists());
 }
+
+#[test]
+fn model_tuning_lowers_the_kl_writes_its_state_and_resumes_identically() {
+    use spark_tool::quantize::model_tune::ModelTune;
+    let d = tempfile::tempdir().unwrap();
+    let tuned = |out: &Path| {
+        let mut o = opts(out, WeightFormat::W4A16, 128);
+        o.compare = false;
+        o.model_tune = Some(ModelTune {
+            steps: 24,
+            batch: 4,
+            scale_lr: 2e-3,
+            check: 8,
+            ..ModelTune::default()
+        });
+        o
+    };
+    let full = d.path().join("full");
+    let r = quantize(&tuned(&full)).unwrap();
+    let m = r.model_tune_result.clone().unwrap();
+    assert!(m.tuned && m.kl_after < m.kl_before, "{m:?}");
+    assert_eq!(m.codes_moved, 0);
+    assert!(r.memory_plan.model_tune > 0);
+
+    // Against the same run without tuning: same codes, other scales and norms.
+    let plain = d.path().join("plain");
+    let mut o = tuned(&plain);
+    o.model_tune = None;
+    quantize(&o).unwrap();
+    let (a, b) = (
+        TensorStore::open(&plain).unwrap(),
+        TensorStore::open(&full).unwrap(),
+    );
+    let q = "model.layers.2.mlp.down_proj";
+    assert_eq!(
+        i32s(&a, &format!("{q}.qweight")),
+        i32s(&b, &format!("{q}.qweight"))
+    );
+    let s = |st: &TensorStore, n: &str| st.to_f32(st.get(n).unwrap()).unwrap();
+    assert!(s(&a, &format!("{q}.scales")) != s(&b, &format!("{q}.scales")));
+    let norm = "model.layers.5.post_attention_layernorm.weight";
+    assert_eq!(b.get(norm).unwrap().dtype, safetensors::Dtype::BF16);
+    assert!(s(&a, norm) != s(&b, norm), "the norms were tuned");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(full.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        cfg["quantization_config"]["meta"]["spark_tool"]["model_tune"]["steps"], 24,
+        "{cfg}"
+    );
+
+    // Interrupted after 3 layers and resumed: the same bytes.
+    let resumed = d.path().join("resumed");
+    let mut o = tuned(&resumed);
+    o.stop_after_layers = Some(3);
+    assert!(matches!(quantize(&o), Err(QuantizeError::Interrupted(3))));
+    (o.stop_after_layers, o.resume) = (None, true);
+    let r2 = quantize(&o).unwrap();
+    assert_eq!(r2.model_tune_result.unwrap().kl_after, m.kl_after);
+    let a = std::fs::read(full.join("model.safetensors")).unwrap();
+    let b = std::fs::read(resumed.join("model.safetensors")).unwrap();
+    assert!(a == b, "resumed model-tuned checkpoint differs");
+}
+
+#[test]
+fn model_tuning_refuses_what_it_cannot_tune() {
+    use spark_tool::quantize::model_tune::ModelTune;
+    let d = tempfile::tempdir().unwrap();
+    let mut o = opts(&d.path().join("q"), WeightFormat::W4A8, 128);
+    o.model_tune = Some(ModelTune::default());
+    o.objective = Objective::QuantizedInput;
+    let e = quantize(&o).unwrap_err().to_string();
+    assert!(
+        e.contains(&Setting::ModelTune.to_string()) && e.contains("float-output"),
+        "{e}"
+    );
+    let mut o = opts(&d.path().join("q"), WeightFormat::W4A8, 128);
+    o.model_tune = Some(ModelTune::default());
+    o.quantize_head = true;
+    let e = quantize(&o).unwrap_err().to_string();
+    assert!(e.contains("--quantize-head"), "{e}");
+    assert!(!d.path().join("q").exists());
+}

@@ -67,6 +67,12 @@ RECIPES = {
     "gptq-search act-static float-output block-tune int8": ["--method", "gptq-search", "--order", "act-static",
                                                             "--objective", "float-output", "--block-tune",
                                                             "--block-tune-int8"],
+    # Model tuning (group scales and norms of all layers to the float model's next-token KL).
+    "gptq-search act-static float-output model-tune": ["--method", "gptq-search", "--order", "act-static",
+                                                       "--objective", "float-output", "--model-tune"],
+    "gptq-search act-static float-output block-tune model-tune": ["--method", "gptq-search", "--order",
+                                                                  "act-static", "--objective", "float-output",
+                                                                  "--block-tune", "--model-tune"],
     # The calibration forward in f32 (the default before 2026-12-03; bf16 since, for GPTQ checkpoints).
     "gptq-search act-static float-output f32-forward": ["--method", "gptq-search", "--order", "act-static",
                                                         "--objective", "float-output",

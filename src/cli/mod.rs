@@ -77,6 +77,7 @@ pub fn flag(s: Setting) -> &'static str {
         Setting::DumpDequantized => "--dump-dequantized",
         Setting::RefitRounds => "--refit-rounds",
         Setting::BlockTune => "--block-tune",
+        Setting::ModelTune => "--model-tune",
         Setting::Precision => "--precision",
         Setting::Html => "--html",
         Setting::Markdown => "--markdown",

@@ -8,6 +8,7 @@ use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::formats::gguf::mix::FileType;
 use spark_tool::quant::Order;
 use spark_tool::quantize::block_tune::BlockTune;
+use spark_tool::quantize::model_tune::ModelTune;
 use spark_tool::quantize::{
     calibration, quantize, ForwardPrecision, Method, Objective, QuantizeOptions,
 };
@@ -194,6 +195,25 @@ pub struct QuantizeArgs {
     /// (vLLM's `int4_scaled_mm_cpu`) round it.
     #[arg(long, requires = "block_tune")]
     block_tune_int8: bool,
+    /// After every layer is solved, tune all group scales and norm gains together to the float
+    /// model's next-token distribution (KL; docs/FIDELITY.md "Model tuning").
+    #[arg(long)]
+    model_tune: bool,
+    /// Optimiser steps of --model-tune.
+    #[arg(long, default_value_t = ModelTune::default().steps, value_parser = super::at_least_1, requires = "model_tune")]
+    model_tune_steps: usize,
+    /// Adam's step for the scale factors of --model-tune.
+    #[arg(long, default_value_t = ModelTune::default().scale_lr, requires = "model_tune")]
+    model_tune_lr: f64,
+    /// Adam's step for code offsets in --model-tune (0: codes stay GPTQ's).
+    #[arg(long, default_value_t = ModelTune::default().codes_lr, requires = "model_tune")]
+    model_tune_codes_lr: f64,
+    /// Calibration windows per step of --model-tune.
+    #[arg(long, default_value_t = ModelTune::default().batch, value_parser = super::at_least_1, requires = "model_tune")]
+    model_tune_batch: usize,
+    /// Tune with every quantized linear's input rounded per token to int8, as W4A8 kernels round it.
+    #[arg(long, requires = "model_tune")]
+    model_tune_int8: bool,
     /// What each linear is solved to reproduce: the float model's output from the quantized
     /// model's input (GPTAQ), or the output of that input (classic GPTQ). Default: float-output for
     /// GPTQ checkpoints (measured best, docs/FIDELITY.md); quantized-input for GGUF, whose
@@ -324,6 +344,14 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             int8_inputs: a.block_tune_int8,
             ..BlockTune::default()
         }),
+        model_tune: a.model_tune.then(|| ModelTune {
+            steps: a.model_tune_steps,
+            scale_lr: a.model_tune_lr,
+            codes_lr: a.model_tune_codes_lr,
+            batch: a.model_tune_batch,
+            int8_inputs: a.model_tune_int8,
+            ..ModelTune::default()
+        }),
     };
     let report = quantize(&opts).with_context(|| format!("quantizing {}", model_dir.display()))?;
     if a.json {
@@ -394,6 +422,17 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
                 l.seconds
             );
         }
+    }
+    if let Some(m) = &report.model_tune_result {
+        println!(
+            "model tuning: calibration KL {:.4e} -> {:.4e} ({:+.2} %), {} codes moved, {:.0} s ({:.2} s per step)",
+            m.kl_before,
+            m.kl_after,
+            100.0 * (m.kl_after / m.kl_before.max(f64::MIN_POSITIVE) - 1.0),
+            m.codes_moved,
+            m.seconds,
+            m.step_seconds
+        );
     }
     let gb = |b: Option<u64>| {
         b.map(|b| format!("{:.2} GB", b as f64 / 1e9))

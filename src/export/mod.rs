@@ -387,6 +387,7 @@ fn export_through_gptq(
         stop_after_layers: None,
         gguf: None,
         block_tune: None,
+        model_tune: None,
     };
     let r = crate::quantize::quantize(&q)
         .map_err(|e| {

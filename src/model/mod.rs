@@ -464,6 +464,11 @@ impl SparkModel {
         self.lm_head.as_ref()
     }
 
+    /// The final RMSNorm's weight.
+    pub fn final_norm_weight(&self) -> &[f32] {
+        self.norm.weight()
+    }
+
     /// Final RMSNorm of residual rows (the input of the head).
     pub fn final_norm(&self, x: &[f32]) -> Vec<f32> {
         self.norm.forward(x)

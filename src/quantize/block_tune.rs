@@ -28,7 +28,7 @@ use crate::model::block::Ctx;
 use crate::quant::{Grid, QuantizedWeight};
 
 /// Windows per forward when the state is scored on all of them.
-const SCORE_CHUNK: usize = 8;
+pub(super) const SCORE_CHUNK: usize = 8;
 
 /// The settings of a block tuning run (defaults: the measured recipe of docs/FIDELITY.md).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -114,7 +114,7 @@ pub struct LayerInputs<'a> {
 type Result<T> = std::result::Result<T, candle_core::Error>;
 
 /// The shape and constants of one layer's differentiable block.
-struct Block {
+pub(super) struct Block {
     hidden: usize,
     heads: usize,
     kv_heads: usize,
@@ -132,16 +132,16 @@ struct Block {
 }
 
 /// The block's weights as the forward takes them.
-struct Weights {
+pub(super) struct Weights {
     /// `[N, K]` in [`Proj::QUANTIZED`]'s order: q, k, v, out, gate, up, down.
-    lin: Vec<Tensor>,
-    g: Tensor,
-    ln_in: Tensor,
-    ln_post: Tensor,
+    pub(super) lin: Vec<Tensor>,
+    pub(super) g: Tensor,
+    pub(super) ln_in: Tensor,
+    pub(super) ln_post: Tensor,
 }
 
 impl Block {
-    fn new(
+    pub(super) fn new(
         cfg: &SparkConfig,
         kind: LayerType,
         ctx: &Ctx,
@@ -186,7 +186,7 @@ impl Block {
         })
     }
 
-    fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    pub(super) fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
         x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.broadcast_mul(w)
     }
@@ -204,7 +204,7 @@ impl Block {
     }
 
     /// `x·Wᵀ` for `x` `[b, t, k]`.
-    fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    pub(super) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (b, t, k) = x.dims3()?;
         x.reshape((b * t, k))?
             .matmul(&w.t()?)?
@@ -227,7 +227,7 @@ impl Block {
     }
 
     /// The block on `x` `[b, t, hidden]`: `x += out(attn(norm(x)) ⊙ σ(g)); x += down(gelu(gate) ⊙ up)`.
-    fn forward(&self, x: &Tensor, w: &Weights) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor, w: &Weights) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let rep = nh / nkv;
@@ -274,9 +274,9 @@ fn sigmoid(x: &Tensor) -> Result<Tensor> {
 
 /// One tuned linear: GPTQ's codes q − 8 and scales `[N, K]`, `[N, K/G]` (PyTorch order), with
 /// the offsets V and scale factors being tuned.
-struct TunedLinear {
-    n: usize,
-    k: usize,
+pub(super) struct TunedLinear {
+    pub(super) n: usize,
+    pub(super) k: usize,
     g: usize,
     grid: Grid,
     /// q − 8, `[N·K]`.
@@ -284,12 +284,12 @@ struct TunedLinear {
     /// `[N·K/G]`.
     s: Vec<f32>,
     s_t: Tensor,
-    v: Var,
-    a: Var,
+    pub(super) v: Var,
+    pub(super) a: Var,
 }
 
 impl TunedLinear {
-    fn new(w: &QuantizedWeight, dev: &Device) -> Result<Self> {
+    pub(super) fn new(w: &QuantizedWeight, dev: &Device) -> Result<Self> {
         let (k, n, g) = (w.in_features, w.out_features, w.group_size);
         let z = w.grid.zero() as f32;
         let q = transpose(&w.codes, k, n)
@@ -313,7 +313,7 @@ impl TunedLinear {
 
     /// The stored codes q − 8 (round half to even, as the grid does) and, per code, whether the
     /// rounding lay inside the grid (where the straight-through gradient passes).
-    fn codes(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub(super) fn codes(&self) -> Result<(Vec<f32>, Vec<f32>)> {
         let v = self.v.as_tensor().flatten_all()?.to_vec1::<f32>()?;
         let (lo, hi) = (
             -(self.grid.zero() as f32),
@@ -345,7 +345,7 @@ impl TunedLinear {
     }
 
     /// `W = codes · s·a` per group, differentiable in V (straight through) and a.
-    fn weight(&self, dev: &Device) -> Result<Tensor> {
+    pub(super) fn weight(&self, dev: &Device) -> Result<Tensor> {
         let (c, mask) = self.codes()?;
         let c = Tensor::from_vec(c, (self.n, self.k), dev)?;
         let mask = Tensor::from_vec(mask, (self.n, self.k), dev)?;
@@ -356,7 +356,7 @@ impl TunedLinear {
     }
 
     /// The weight as the checkpoint will hold it.
-    fn stored_weight(&self, dev: &Device) -> Result<Tensor> {
+    pub(super) fn stored_weight(&self, dev: &Device) -> Result<Tensor> {
         let (c, _) = self.codes()?;
         let c = Tensor::from_vec(c, (self.n, self.k), dev)?;
         let s = Tensor::from_vec(self.stored_scales()?, (self.n, self.k / self.g), dev)?;
@@ -372,7 +372,7 @@ impl TunedLinear {
     }
 
     /// The stored state back in the checkpoint's orientation, and how many codes moved.
-    fn export(&self, like: &QuantizedWeight) -> Result<(QuantizedWeight, u64)> {
+    pub(super) fn export(&self, like: &QuantizedWeight) -> Result<(QuantizedWeight, u64)> {
         let (c, _) = self.codes()?;
         let s = self.stored_scales()?;
         let (n, k) = (self.n, self.k);
@@ -395,7 +395,7 @@ impl TunedLinear {
 }
 
 /// bf16 rounding of a norm weight times its gain, as the checkpoint stores it.
-fn bf16_values(t: &Tensor) -> Result<Vec<f32>> {
+pub(super) fn bf16_values(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_vec1::<f32>()?.into_iter().map(round_bf16).collect())
 }
 
@@ -623,10 +623,10 @@ pub fn tune_layer(
 /// freed: at the 1.7B shape, where a batch's activations are 100 MB tensors, a fifth of the time
 /// went to page faults, zeroing and TLB shootdowns. While tuning, large blocks come from the heap
 /// and stay there for reuse; on drop the defaults come back and the heap is trimmed.
-struct HeapReuse;
+pub(super) struct HeapReuse;
 
 impl HeapReuse {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
         // SAFETY: mallopt only changes allocator parameters; these values are valid.
         unsafe {
@@ -672,24 +672,24 @@ pub fn planned_bytes(cfg: &SparkConfig, rows: usize, opts: &BlockTune, seq_len: 
     total.min(u64::MAX as u128) as u64
 }
 
+/// What the tests of block and model tuning share.
 #[cfg(test)]
-mod tests {
+pub(super) mod testing {
     use super::*;
     use crate::checkpoint::Checkpoint;
     use crate::model::kv_cache::LayerKvCache;
-    use crate::model::{DecoderLayer, DenseLinear, SparkModel};
-    use crate::quant::{rtn, Hessian, ScaleRule};
+    use crate::model::{DecoderLayer, SparkModel};
     use rand::Rng;
 
-    const SEQ: usize = 96; // past the fixture's 64-token sliding window
+    pub const SEQ: usize = 96; // past the fixture's 64-token sliding window
 
-    fn fixture() -> SparkModel {
+    pub fn fixture() -> SparkModel {
         let ck = Checkpoint::open(&crate::bundled_fixture()).unwrap();
         SparkModel::from_checkpoint(&ck, false).unwrap()
     }
 
     /// `windows` windows of SEQ random tokens, embedded: `[windows·SEQ, hidden]`.
-    fn stream(model: &SparkModel, windows: usize, seed: u64) -> Vec<f32> {
+    pub fn stream(model: &SparkModel, windows: usize, seed: u64) -> Vec<f32> {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let vocab = model.config().vocab_size as u32;
         let ids: Vec<u32> = (0..windows * SEQ)
@@ -699,7 +699,7 @@ mod tests {
     }
 
     /// Our model's layer on each window of `x`.
-    fn layer_forward(layer: &DecoderLayer, ctx: &Ctx, x: &[f32]) -> Vec<f32> {
+    pub fn layer_forward(layer: &DecoderLayer, ctx: &Ctx, x: &[f32]) -> Vec<f32> {
         let w = SEQ * ctx.cfg.hidden_size;
         let mut y = x.to_vec();
         for win in y.chunks_mut(w) {
@@ -708,6 +708,28 @@ mod tests {
         }
         y
     }
+
+    /// RTN codes (groups of 32, vLLM's grid) of every quantized linear of `layer`.
+    pub fn rtn_linears(model: &SparkModel, layer: &DecoderLayer) -> Vec<(Proj, QuantizedWeight)> {
+        use crate::quant::{rtn, Hessian, ScaleRule};
+        Proj::QUANTIZED
+            .iter()
+            .map(|&p| {
+                let [n, k] = p.shape(model.config());
+                let w = layer.linear(p).dequantize();
+                let h = Hessian::new(k);
+                (p, rtn(&w, n, k, &h, 32, ScaleRule::MaxOver7_5, Grid::VLLM))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+    use super::*;
+    use crate::model::{DenseLinear, SparkModel};
+    use rand::Rng;
 
     fn rel_error(a: &[f32], b: &[f32]) -> f64 {
         let se: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
@@ -807,15 +829,7 @@ mod tests {
         let (layer, ctx) = model.layer(LI);
         let x = stream(&model, WINDOWS, 2);
         let y = layer_forward(layer, &ctx, &x);
-        let rtn = Proj::QUANTIZED
-            .iter()
-            .map(|&p| {
-                let [n, k] = p.shape(model.config());
-                let w = layer.linear(p).dequantize();
-                let h = Hessian::new(k);
-                (p, rtn(&w, n, k, &h, 32, ScaleRule::MaxOver7_5, Grid::VLLM))
-            })
-            .collect();
+        let rtn = rtn_linears(&model, layer);
         Case { model, rtn, x, y }
     }
 

@@ -12,6 +12,7 @@
 
 pub mod block_tune;
 pub mod calibration;
+pub mod model_tune;
 pub mod output;
 pub mod phases;
 pub mod plan;
@@ -128,6 +129,9 @@ pub struct QuantizeOptions {
     /// Tune each layer's codes, scales and norms to the float block's output after its solve
     /// ([`block_tune`]; GPTQ checkpoints on vLLM's grid, float-output objective).
     pub block_tune: Option<block_tune::BlockTune>,
+    /// After every layer is solved, tune all group scales and norm gains together to the float
+    /// model's next-token distribution ([`model_tune`]; same conditions as block tuning).
+    pub model_tune: Option<model_tune::ModelTune>,
 }
 
 impl QuantizeOptions {
@@ -286,6 +290,11 @@ pub struct QuantReport {
     pub block_tune: Option<block_tune::BlockTune>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub block_tune_layers: Vec<block_tune::LayerTuneReport>,
+    /// Model tuning's settings and result, when it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_tune: Option<model_tune::ModelTune>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_tune_result: Option<model_tune::ModelTuneReport>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -354,6 +363,8 @@ pub enum QuantizeError {
         layer: usize,
         source: candle_core::Error,
     },
+    #[error("model tuning failed: {0}")]
+    ModelTune(candle_core::Error),
 }
 
 /// The quantized linears of one layer, as written: one per [`Proj::QUANTIZED`]; with block
@@ -992,6 +1003,63 @@ fn tune_layer(
     Ok(t.report)
 }
 
+/// Model-tune every staged layer together ([`model_tune`]) and stage the result in their place.
+fn tune_model(
+    model: &SparkModel,
+    out: &output::Output,
+    aux: &[(Vec<f32>, Norms)],
+    teacher: &[f32],
+    windows: &calibration::Windows,
+    mt: &model_tune::ModelTune,
+    bar: &ProgressBar,
+) -> Result<model_tune::ModelTuneReport, QuantizeError> {
+    let cfg = model.config();
+    let staged: Vec<LayerResult> = (0..aux.len())
+        .map(|li| out.load_solved_layer(li))
+        .collect::<Result<_, _>>()?;
+    let x0 = model.embed(&windows.tokens)?;
+    let head = model.lm_head().dequantize();
+    let final_norm = model.final_norm_weight().to_vec();
+    let inputs = model_tune::ModelInputs {
+        layers: staged
+            .iter()
+            .zip(aux)
+            .zip(&cfg.layer_types)
+            .map(|((r, (g, norms)), &kind)| model_tune::ModelLayer {
+                ctx: model.ctx_for(kind),
+                linears: Proj::QUANTIZED.iter().map(|&p| (p, r.get(p))).collect(),
+                g_proj: g.clone(),
+                norms: r.norms.clone().unwrap_or_else(|| norms.clone()),
+            })
+            .collect(),
+        x0: &x0,
+        teacher,
+        final_norm: &final_norm,
+        head: &head,
+        samples: windows.samples,
+        seq_len: windows.seq_len,
+    };
+    bar.set_message("model tuning");
+    let (tuned, report) = model_tune::tune_model(cfg, &inputs, mt, |step| {
+        bar.set_message(format!("model tuning, step {step}/{}", mt.steps))
+    })
+    .map_err(QuantizeError::ModelTune)?;
+    drop(inputs);
+    let layers: Vec<LayerResult> = tuned
+        .into_iter()
+        .zip(staged)
+        .map(|(t, mut r)| {
+            for (p, q) in t.linears {
+                r.insert(p, q);
+            }
+            r.norms = Some(t.norms);
+            r
+        })
+        .collect();
+    out.stage_model_tuned(&layers)?;
+    Ok(report)
+}
+
 /// Advance the stream `x` of every calibration sample through `layer`, as the calibration
 /// forward computes it.
 fn forward_samples(
@@ -1125,7 +1193,11 @@ fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
             Setting::RefitRounds
         )));
     }
-    if let Some(bt) = &opts.block_tune {
+    let tunes = [
+        opts.block_tune.map(|_| Setting::BlockTune),
+        opts.model_tune.map(|_| Setting::ModelTune),
+    ];
+    for setting in tunes.into_iter().flatten() {
         let why = if opts.gguf.is_some() {
             Some("GGUF block scales")
         } else if opts.path.lpbq {
@@ -1137,14 +1209,26 @@ fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
         };
         if let Some(why) = why {
             return Err(QuantizeError::Invalid(format!(
-                "{} tunes GPTQ checkpoints on the bf16 scale lattice with the float-output objective, not {why}",
-                Setting::BlockTune
+                "{setting} tunes GPTQ checkpoints on the bf16 scale lattice with the float-output objective, not {why}"
             )));
         }
-        if bt.batch == 0 || bt.steps == 0 {
+    }
+    if opts.model_tune.is_some() && opts.quantize_head {
+        return Err(QuantizeError::Invalid(format!(
+            "{} fits the layers to the float model's head; it cannot be combined with --quantize-head",
+            Setting::ModelTune
+        )));
+    }
+    let sizes = [
+        opts.block_tune
+            .map(|b| (Setting::BlockTune, b.steps, b.batch)),
+        opts.model_tune
+            .map(|m| (Setting::ModelTune, m.steps, m.batch)),
+    ];
+    for (setting, steps, batch) in sizes.into_iter().flatten() {
+        if batch == 0 || steps == 0 {
             return Err(QuantizeError::Invalid(format!(
-                "{}: steps and batch must be at least 1",
-                Setting::BlockTune
+                "{setting}: steps and batch must be at least 1"
             )));
         }
     }
@@ -1279,6 +1363,14 @@ fn run(
             opts.seq_len,
         );
     }
+    if let Some(mt) = &opts.model_tune {
+        memory_plan.model_tune = model_tune::planned_bytes(
+            &ck.config,
+            opts.samples.saturating_mul(opts.seq_len),
+            mt,
+            opts.seq_len,
+        );
+    }
     let have = crate::resources::memory_budget().map(|b| b.min(u64::MAX as u128) as u64);
     if opts.progress {
         let avail = have
@@ -1349,7 +1441,26 @@ fn run(
     phases.add(Phase::Load, t0.elapsed());
     // Each layer is dropped once solved and its result once staged: memory holds one layer's
     // f32 weights and codes, not all of them.
-    for (li, mut layer) in model.take_layers().into_iter().enumerate().skip(first) {
+    let all_layers = model.take_layers();
+    // What model tuning needs of each layer besides its staged result: the untuned `g_proj` and
+    // the checkpoint's norms (block tuning's, when it ran, are staged with the layer).
+    let aux: Vec<(Vec<f32>, Norms)> = if opts.model_tune.is_some() {
+        all_layers
+            .iter()
+            .map(|l| {
+                (
+                    l.linear(Proj::G).dequantize(),
+                    (
+                        l.input_layernorm.weight().to_vec(),
+                        l.post_attention_layernorm.weight().to_vec(),
+                    ),
+                )
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for (li, mut layer) in all_layers.into_iter().enumerate().skip(first) {
         let x_in = opts.block_tune.is_some().then(|| x.clone());
         let (mut res, rep) = quantize_layer(
             &model,
@@ -1385,6 +1496,12 @@ fn run(
             return Err(QuantizeError::Interrupted(li + 1));
         }
     }
+    let model_tune_result = match (&opts.model_tune, xf.as_deref()) {
+        (Some(mt), Some(teacher)) => Some(phases.time(Phase::BlockTune, || {
+            tune_model(&model, out, &aux, teacher, &windows, mt, &bar)
+        })?),
+        _ => None,
+    };
     let head = if opts.solves_head() {
         bar.set_message("lm_head");
         let (q, r) = quantize_head(&model, ck, &x, rows, opts, &mut phases, plan::HEAD_ROWS)?;
@@ -1446,6 +1563,8 @@ fn run(
         gguf: opts.gguf,
         block_tune: opts.block_tune,
         block_tune_layers: tuned,
+        model_tune: opts.model_tune,
+        model_tune_result,
     };
     let write = Clock::start();
     if let Some(path) = &opts.dump_dequantized {
@@ -1504,6 +1623,7 @@ mod tests {
             stop_after_layers: None,
             gguf: None,
             block_tune: None,
+            model_tune: None,
         }
     }
 

@@ -41,6 +41,9 @@ pub struct Output {
     group_size: usize,
     layers: usize,
     tied: bool,
+    /// Set once model tuning has staged every layer's tuned state beside the solved one: the
+    /// solved files stay as they are, so a resume tunes from them again.
+    model_tuned: std::sync::atomic::AtomicBool,
 }
 
 /// A layer's norm weights, under their module names (block tuning stages them with the layer).
@@ -297,6 +300,7 @@ impl Output {
             group_size: opts.group_size,
             layers: ck.config.num_hidden_layers,
             tied: ck.layout.tied,
+            model_tuned: false.into(),
         })
     }
 
@@ -390,9 +394,37 @@ impl Output {
             .join(format!("layers/layer_{li:03}.safetensors"))
     }
 
-    /// A finished layer's quantized linears, read back from the staging folder.
+    fn tuned_layer_path(&self, li: usize) -> PathBuf {
+        self.partial
+            .join(format!("layers/layer_{li:03}.model-tuned.safetensors"))
+    }
+
+    /// A finished layer's quantized linears as solved, read back from the staging folder.
+    pub(super) fn load_solved_layer(&self, li: usize) -> Result<LayerResult, QuantizeError> {
+        self.load_layer_from(&self.layer_path(li), li)
+    }
+
+    /// A finished layer as it will be written: model tuning's state once it has run.
     fn load_layer(&self, li: usize) -> Result<LayerResult, QuantizeError> {
-        let p = self.layer_path(li);
+        if self.model_tuned.load(std::sync::atomic::Ordering::Acquire) {
+            self.load_layer_from(&self.tuned_layer_path(li), li)
+        } else {
+            self.load_solved_layer(li)
+        }
+    }
+
+    /// Stage model tuning's state of every layer (in order) and use it from now on.
+    pub(super) fn stage_model_tuned(&self, layers: &[LayerResult]) -> Result<(), QuantizeError> {
+        for (li, r) in layers.iter().enumerate() {
+            write_safetensors_atomic(&self.tuned_layer_path(li), &self.layer_tensors(r), None)?;
+        }
+        self.model_tuned
+            .store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    fn load_layer_from(&self, p: &Path, li: usize) -> Result<LayerResult, QuantizeError> {
+        let p = p.to_path_buf();
         let store = TensorStore::open_file(&p)?;
         let mut r = LayerResult::default();
         for &proj in self.projs {
@@ -485,6 +517,20 @@ impl Output {
         x_float: Option<&[f32]>,
         settings: &str,
     ) -> Result<(), QuantizeError> {
+        write_safetensors_atomic(&self.layer_path(li), &self.layer_tensors(r), None)?;
+        // The residual stream after layer `li`, under its own name: state.json, written last, is
+        // the one commit point, so a kill between the files never pairs a count with another
+        // layer's stream.
+        let mut streams = vec![OwnedTensor::f32("x", vec![x.len()], x)];
+        if let Some(xf) = x_float {
+            streams.push(OwnedTensor::f32("x_float", vec![xf.len()], xf));
+        }
+        write_safetensors_atomic(&self.x_path(li + 1), &streams, None)?;
+        self.commit_layer(li, r, reports, settings)
+    }
+
+    /// A layer's linears (and tuned norms) as staged.
+    fn layer_tensors(&self, r: &LayerResult) -> Vec<OwnedTensor> {
         let mut t = Vec::new();
         for &proj in self.projs {
             let (part, q) = (proj.key(), r.get(proj));
@@ -510,15 +556,16 @@ impl Output {
             t.push(OwnedTensor::f32(NORMS[0], vec![a.len()], a));
             t.push(OwnedTensor::f32(NORMS[1], vec![b.len()], b));
         }
-        write_safetensors_atomic(&self.layer_path(li), &t, None)?;
-        // The residual stream after layer `li`, under its own name: state.json, written last, is
-        // the one commit point, so a kill between the files never pairs a count with another
-        // layer's stream.
-        let mut streams = vec![OwnedTensor::f32("x", vec![x.len()], x)];
-        if let Some(xf) = x_float {
-            streams.push(OwnedTensor::f32("x_float", vec![xf.len()], xf));
-        }
-        write_safetensors_atomic(&self.x_path(li + 1), &streams, None)?;
+        t
+    }
+
+    fn commit_layer(
+        &self,
+        li: usize,
+        r: &LayerResult,
+        reports: &[LinearReport],
+        settings: &str,
+    ) -> Result<(), QuantizeError> {
         let state_path = self.partial.join("state.json");
         let prev = std::fs::read_to_string(&state_path)
             .ok()
@@ -591,7 +638,7 @@ impl Output {
             for n in [NORMS[0], NORMS[1], &format!("{}.weight", Proj::G.module())] {
                 copy(format!("{p}{n}"))?;
             }
-            if report.block_tune.is_some() {
+            if report.block_tune.is_some() || report.model_tune.is_some() {
                 for (which, n) in NORMS.iter().enumerate() {
                     tuned_norms.push((format!("{p}{n}"), Source::TunedNorm { layer: li, which }));
                 }
@@ -867,6 +914,7 @@ impl Output {
                 "samples": r.samples,
                 "seq_len": r.seq_len,
                 "block_tune": r.block_tune,
+                "model_tune": r.model_tune,
             }),
         )
     }

@@ -30,6 +30,13 @@ pub struct MemoryPlan {
     pub fixed: u64,
     /// Block tuning's working set (`quantize --block-tune`; 0 without).
     pub block_tune: u64,
+    /// Model tuning's working set (`quantize --model-tune`; 0 without).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub model_tune: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 impl MemoryPlan {
@@ -111,11 +118,17 @@ impl MemoryPlan {
             weights: clamp(weights + widened as u128),
             fixed: 256 << 20,
             block_tune: 0,
+            model_tune: 0,
         }
     }
 
     pub fn total(&self) -> u64 {
-        self.activations + self.hessian + self.weights + self.fixed + self.block_tune
+        self.activations
+            + self.hessian
+            + self.weights
+            + self.fixed
+            + self.block_tune
+            + self.model_tune
     }
 }
 
@@ -132,6 +145,9 @@ impl fmt::Display for MemoryPlan {
         )?;
         if self.block_tune > 0 {
             write!(f, ", block tuning {}", human(self.block_tune as u128))?;
+        }
+        if self.model_tune > 0 {
+            write!(f, ", model tuning {}", human(self.model_tune as u128))?;
         }
         write!(f, ")")
     }

@@ -146,6 +146,7 @@ pub fn quantize_options(
         stop_after_layers: None,
         gguf: None,
         block_tune: None,
+        model_tune: None,
     }
 }
 

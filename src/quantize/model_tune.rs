@@ -1,0 +1,511 @@
+//! Model tuning after GPTQ (`quantize --model-tune`, docs/FIDELITY.md "Model tuning"): block
+//! tuning fits each decoder block to the float block's output; this fits the group scales and
+//! norm gains of *all* blocks at once to the float model's next-token distribution, the measure
+//! the fidelity targets are stated in (EfficientQAT's end-to-end step-size training):
+//!
+//! - every group scale takes a factor in [½, 1½], codes fixed unless `codes_lr` > 0 (then
+//!   every code may move one step, as in block tuning);
+//! - every block's two RMSNorm gains take a factor;
+//! - Adam on KL(float ‖ quantized) of the next-token distributions over random batches of
+//!   calibration windows, linearly decaying step; every `check` steps the stored state is scored
+//!   on all windows and the best kept; if nothing beat the starting state it is kept.
+//!
+//! The teacher is the float model's final residual stream, which the float-output objective
+//! already carries through the layers, so each step costs one student forward and backward.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+
+use super::block_tune::{
+    bf16_values, Block, HeapReuse, TunedLayer, TunedLinear, Weights, SCORE_CHUNK,
+};
+use super::Norms;
+use crate::checkpoint::{Proj, SparkConfig};
+use crate::model::block::Ctx;
+use crate::quant::QuantizedWeight;
+
+/// The settings of a model tuning run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ModelTune {
+    pub steps: usize,
+    /// Calibration windows per step.
+    pub batch: usize,
+    /// Adam's step for the group scale factors.
+    pub scale_lr: f64,
+    /// Adam's step for the norm gain factors (0: norms not tuned).
+    pub norm_lr: f64,
+    /// Adam's step for the code offsets (0: codes fixed).
+    pub codes_lr: f64,
+    /// Score the stored state on all windows every this many steps and keep the best (0: never).
+    pub check: usize,
+    pub seed: u64,
+    /// Feed every quantized linear its input rounded per token to int8 (W4A8 numerics,
+    /// straight-through), so the tuning sees what `int4_scaled_mm_cpu` multiplies.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub int8_inputs: bool,
+}
+
+impl Default for ModelTune {
+    fn default() -> Self {
+        ModelTune {
+            steps: 200,
+            batch: 4,
+            scale_lr: 1e-3,
+            norm_lr: 5e-4,
+            codes_lr: 0.0,
+            check: 50,
+            seed: 0,
+            int8_inputs: false,
+        }
+    }
+}
+
+/// What model tuning did (quant_report.json `model_tune_result`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelTuneReport {
+    /// Mean KL(float ‖ quantized) per token on all calibration windows before tuning.
+    pub kl_before: f64,
+    /// The same with the state written.
+    pub kl_after: f64,
+    pub tuned: bool,
+    pub codes_moved: u64,
+    pub seconds: f64,
+    pub step_seconds: f64,
+}
+
+/// One layer as model tuning starts from it.
+pub struct ModelLayer<'a> {
+    pub ctx: Ctx<'a>,
+    /// Each of [`Proj::QUANTIZED`].
+    pub linears: Vec<(Proj, &'a QuantizedWeight)>,
+    /// `g_proj`'s weight `[heads, hidden]` (not tuned).
+    pub g_proj: Vec<f32>,
+    pub norms: Norms,
+}
+
+pub struct ModelInputs<'a> {
+    pub layers: Vec<ModelLayer<'a>>,
+    /// The embedded calibration windows, `[samples·seq_len, hidden]`.
+    pub x0: &'a [f32],
+    /// The float model's residual stream after its last layer, same shape.
+    pub teacher: &'a [f32],
+    /// The final norm's weight and the head `[vocab, hidden]` (both kept as they are).
+    pub final_norm: &'a [f32],
+    pub head: &'a [f32],
+    pub samples: usize,
+    pub seq_len: usize,
+}
+
+type Result<T> = std::result::Result<T, candle_core::Error>;
+
+struct LayerVars {
+    block: Block,
+    linears: Vec<TunedLinear>,
+    g: Tensor,
+    norms: (Tensor, Tensor),
+    gains: (Var, Var),
+}
+
+impl LayerVars {
+    fn weights(&self, stored: bool, dev: &Device, hidden: usize) -> Result<Weights> {
+        let lin = self
+            .linears
+            .iter()
+            .map(|l| {
+                if stored {
+                    l.stored_weight(dev)
+                } else {
+                    l.weight(dev)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ln_in = (&self.norms.0 * self.gains.0.as_tensor())?;
+        let ln_post = (&self.norms.1 * self.gains.1.as_tensor())?;
+        let (ln_in, ln_post) = if stored {
+            (
+                Tensor::from_vec(bf16_values(&ln_in)?, hidden, dev)?,
+                Tensor::from_vec(bf16_values(&ln_post)?, hidden, dev)?,
+            )
+        } else {
+            (ln_in, ln_post)
+        };
+        Ok(Weights {
+            lin,
+            g: self.g.clone(),
+            ln_in,
+            ln_post,
+        })
+    }
+}
+
+struct Tuner<'a> {
+    dev: Device,
+    hidden: usize,
+    layers: Vec<LayerVars>,
+    final_norm: Tensor,
+    head: Tensor,
+    inp: &'a ModelInputs<'a>,
+}
+
+impl Tuner<'_> {
+    fn windows(&self, src: &[f32], idx: &[usize]) -> Result<Tensor> {
+        let w = self.inp.seq_len * self.hidden;
+        let mut v = Vec::with_capacity(idx.len() * w);
+        for &i in idx {
+            v.extend_from_slice(&src[i * w..(i + 1) * w]);
+        }
+        Tensor::from_vec(v, (idx.len(), self.inp.seq_len, self.hidden), &self.dev)
+    }
+
+    fn log_probs(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.layers[0].block.rms(x, &self.final_norm)?;
+        candle_nn::ops::log_softmax(&Block::linear(&h, &self.head)?, D::Minus1)
+    }
+
+    /// Summed KL(teacher ‖ student) over the tokens of windows `idx`, and the token count.
+    fn kl(&self, idx: &[usize], weights: &[Weights]) -> Result<(Tensor, usize)> {
+        let lt = self
+            .log_probs(&self.windows(self.inp.teacher, idx)?)?
+            .detach();
+        let mut x = self.windows(self.inp.x0, idx)?;
+        for (l, w) in self.layers.iter().zip(weights) {
+            x = l.block.forward(&x, w)?;
+        }
+        let ls = self.log_probs(&x)?;
+        let kl = (lt.exp()? * (&lt - ls)?)?.sum_all()?;
+        Ok((kl, idx.len() * self.inp.seq_len))
+    }
+
+    fn weights(&self, stored: bool) -> Result<Vec<Weights>> {
+        self.layers
+            .iter()
+            .map(|l| l.weights(stored, &self.dev, self.hidden))
+            .collect()
+    }
+
+    /// Mean KL per token over all windows with the stored state.
+    fn score(&self) -> Result<f64> {
+        let w = self.weights(true)?;
+        let all: Vec<usize> = (0..self.inp.samples).collect();
+        let (mut sum, mut n) = (0f64, 0usize);
+        for idx in all.chunks(SCORE_CHUNK) {
+            let (kl, t) = self.kl(idx, &w)?;
+            sum += kl.to_scalar::<f32>()? as f64;
+            n += t;
+        }
+        Ok(sum / n.max(1) as f64)
+    }
+
+    fn vars(&self) -> Vec<&Var> {
+        let mut v = Vec::new();
+        for l in &self.layers {
+            v.extend(l.linears.iter().flat_map(|t| [&t.v, &t.a]));
+            v.extend([&l.gains.0, &l.gains.1]);
+        }
+        v
+    }
+
+    fn snapshot(&self) -> Result<Vec<Tensor>> {
+        self.vars().iter().map(|v| v.as_tensor().copy()).collect()
+    }
+
+    fn restore(&self, s: &[Tensor]) -> Result<()> {
+        for (v, t) in self.vars().into_iter().zip(s) {
+            v.set(t)?;
+        }
+        Ok(())
+    }
+}
+
+/// Tune all layers together (see the module doc); returns each layer's written state in order.
+pub fn tune_model(
+    cfg: &SparkConfig,
+    inp: &ModelInputs,
+    opts: &ModelTune,
+    mut progress: impl FnMut(usize),
+) -> Result<(Vec<TunedLayer>, ModelTuneReport)> {
+    let clock = std::time::Instant::now();
+    let _heap = HeapReuse::new();
+    let dev = Device::Cpu;
+    let h = cfg.hidden_size;
+    let layers = inp
+        .layers
+        .iter()
+        .map(|l| {
+            Ok(LayerVars {
+                block: Block::new(cfg, l.ctx.kind, &l.ctx, inp.seq_len, opts.int8_inputs, &dev)?,
+                linears: l
+                    .linears
+                    .iter()
+                    .map(|(_, w)| TunedLinear::new(w, &dev))
+                    .collect::<Result<_>>()?,
+                g: Tensor::from_slice(&l.g_proj, (cfg.num_attention_heads, h), &dev)?,
+                norms: (
+                    Tensor::from_slice(&l.norms.0, h, &dev)?,
+                    Tensor::from_slice(&l.norms.1, h, &dev)?,
+                ),
+                gains: (
+                    Var::ones(h, DType::F32, &dev)?,
+                    Var::ones(h, DType::F32, &dev)?,
+                ),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let tuner = Tuner {
+        final_norm: Tensor::from_slice(inp.final_norm, h, &dev)?,
+        head: Tensor::from_slice(inp.head, (cfg.vocab_size, h), &dev)?,
+        dev,
+        hidden: h,
+        layers,
+        inp,
+    };
+    let initial = tuner.snapshot()?;
+    let before = tuner.score()?;
+    let adam = |vars: Vec<Var>, lr: f64| {
+        AdamW::new(
+            vars,
+            ParamsAdamW {
+                lr,
+                weight_decay: 0.0,
+                ..ParamsAdamW::default()
+            },
+        )
+    };
+    let all_lin = || tuner.layers.iter().flat_map(|l| l.linears.iter());
+    let mut groups = vec![(
+        adam(all_lin().map(|l| l.a.clone()).collect(), opts.scale_lr)?,
+        opts.scale_lr,
+    )];
+    if opts.codes_lr > 0.0 {
+        groups.push((
+            adam(all_lin().map(|l| l.v.clone()).collect(), opts.codes_lr)?,
+            opts.codes_lr,
+        ));
+    }
+    if opts.norm_lr > 0.0 {
+        let g = tuner
+            .layers
+            .iter()
+            .flat_map(|l| [l.gains.0.clone(), l.gains.1.clone()])
+            .collect();
+        groups.push((adam(g, opts.norm_lr)?, opts.norm_lr));
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed);
+    let mut order: Vec<usize> = (0..inp.samples).collect();
+    let mut best = (before, initial.clone());
+    let mut stepping = std::time::Duration::ZERO;
+    for it in 0..opts.steps {
+        if opts.check > 0 && it > 0 && it % opts.check == 0 {
+            let e = tuner.score()?;
+            if e < best.0 {
+                best = (e, tuner.snapshot()?);
+            }
+        }
+        let step_clock = std::time::Instant::now();
+        order.shuffle(&mut rng);
+        let idx = &order[..opts.batch.min(inp.samples)];
+        let (kl, n) = tuner.kl(idx, &tuner.weights(false)?)?;
+        let grads = (kl / n as f64)?.backward()?;
+        let decay = 1.0 - it as f64 / opts.steps as f64;
+        for (opt, lr) in groups.iter_mut() {
+            opt.set_learning_rate(*lr * decay);
+            opt.step(&grads)?;
+        }
+        for l in all_lin() {
+            l.v.set(&l.v.as_tensor().clamp(-0.5f32, 0.5f32)?)?;
+            l.a.set(&l.a.as_tensor().clamp(0.5f32, 1.5f32)?)?;
+        }
+        stepping += step_clock.elapsed();
+        progress(it + 1);
+    }
+    let mut after = tuner.score()?;
+    if best.0 < after {
+        tuner.restore(&best.1)?;
+        after = best.0;
+    }
+    let tuned = after < before;
+    if !tuned {
+        tuner.restore(&initial)?;
+        after = before;
+    }
+    let mut out = Vec::new();
+    let mut moved_all = 0u64;
+    for (l, li) in tuner.layers.iter().zip(&inp.layers) {
+        let mut linears = Vec::new();
+        let (mut moved, mut codes) = (0u64, 0u64);
+        for ((proj, like), t) in li.linears.iter().zip(&l.linears) {
+            let (w, m) = t.export(like)?;
+            moved += m;
+            codes += (t.n * t.k) as u64;
+            linears.push((*proj, w));
+        }
+        moved_all += moved;
+        let w = l.weights(true, &tuner.dev, h)?;
+        out.push(TunedLayer {
+            linears,
+            norms: (w.ln_in.to_vec1()?, w.ln_post.to_vec1()?),
+            report: super::block_tune::LayerTuneReport {
+                layer: 0,
+                error_before: 0.0,
+                error_after: 0.0,
+                codes_moved: moved,
+                codes,
+                tuned,
+                seconds: 0.0,
+                step_seconds: 0.0,
+            },
+        });
+    }
+    Ok((
+        out,
+        ModelTuneReport {
+            kl_before: before,
+            kl_after: after,
+            tuned,
+            codes_moved: moved_all,
+            seconds: clock.elapsed().as_secs_f64(),
+            step_seconds: stepping.as_secs_f64() / opts.steps.max(1) as f64,
+        },
+    ))
+}
+
+/// Private bytes model tuning holds at its peak beyond the quantizer's own: the embedded
+/// windows; per weight of every layer its codes, offsets, best and initial states and the
+/// differentiable weight's intermediates with their gradients (all layers are in one graph);
+/// one batch's activations through every layer with what the backward keeps; the head in f32
+/// and a batch's logits with their softmax terms and gradients.
+pub fn planned_bytes(cfg: &SparkConfig, rows: usize, opts: &ModelTune, seq_len: usize) -> u64 {
+    let f = 4u128;
+    let layers = cfg.num_hidden_layers as u128;
+    let params: u128 = Proj::QUANTIZED
+        .iter()
+        .map(|p| p.shape(cfg).iter().product::<usize>() as u128)
+        .sum::<u128>()
+        * layers;
+    let tokens = (opts.batch.max(SCORE_CHUNK) * seq_len) as u128;
+    let (h, q, kv, inter, vocab) = (
+        cfg.hidden_size as u128,
+        cfg.q_dim() as u128,
+        cfg.kv_dim() as u128,
+        cfg.intermediate_size as u128,
+        cfg.vocab_size as u128,
+    );
+    let per_token = f * (16 * h + 10 * q + 8 * kv + 10 * inter) * layers;
+    let scores = f * 8 * (cfg.num_attention_heads as u128) * tokens * seq_len as u128 * layers;
+    let head = f * (2 * vocab * h + 6 * tokens * vocab);
+    let total = rows as u128 * h * f + params * f * 14 + tokens * per_token + scores + head;
+    total.min(u64::MAX as u128) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::block_tune::testing::*;
+    use super::*;
+    use crate::model::DenseLinear;
+    use crate::quant::Grid;
+
+    const WINDOWS: usize = 4;
+
+    /// Mean KL(float ‖ quantized) per token of two logit matrices `[rows, vocab]`, in f64.
+    fn kl_mean(float: &[f32], quant: &[f32], vocab: usize) -> f64 {
+        let log_softmax = |row: &[f32]| -> Vec<f64> {
+            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+            let z = row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+            row.iter().map(|&v| v as f64 - m - z).collect()
+        };
+        let rows = float.len() / vocab;
+        let mut sum = 0.0;
+        for (f, q) in float.chunks(vocab).zip(quant.chunks(vocab)) {
+            let (lf, lq) = (log_softmax(f), log_softmax(q));
+            sum += lf
+                .iter()
+                .zip(&lq)
+                .map(|(a, b)| a.exp() * (a - b))
+                .sum::<f64>();
+        }
+        sum / rows as f64
+    }
+
+    #[test]
+    fn tuning_lowers_the_models_kl_and_our_forward_scores_what_it_reports() {
+        let mut model = fixture();
+        let cfg = model.config().clone();
+        let x0 = stream(&model, WINDOWS, 3);
+        let mut teacher = x0.clone();
+        for li in 0..model.num_layers() {
+            let (layer, ctx) = model.layer(li);
+            teacher = layer_forward(layer, &ctx, &teacher);
+        }
+        let rtn: Vec<Vec<(Proj, QuantizedWeight)>> = (0..model.num_layers())
+            .map(|li| rtn_linears(&model, model.layer(li).0))
+            .collect();
+        let head = model.lm_head().dequantize();
+        let final_norm = model.final_norm_weight().to_vec();
+        let inputs = ModelInputs {
+            layers: rtn
+                .iter()
+                .enumerate()
+                .map(|(li, lin)| {
+                    let (layer, ctx) = model.layer(li);
+                    ModelLayer {
+                        ctx,
+                        linears: lin.iter().map(|(p, q)| (*p, q)).collect(),
+                        g_proj: layer.linear(Proj::G).dequantize(),
+                        norms: (
+                            layer.input_layernorm.weight().to_vec(),
+                            layer.post_attention_layernorm.weight().to_vec(),
+                        ),
+                    }
+                })
+                .collect(),
+            x0: &x0,
+            teacher: &teacher,
+            final_norm: &final_norm,
+            head: &head,
+            samples: WINDOWS,
+            seq_len: SEQ,
+        };
+        let opts = ModelTune {
+            steps: 30,
+            batch: 2,
+            scale_lr: 5e-3,
+            check: 10,
+            ..ModelTune::default()
+        };
+        let (tuned, r) = tune_model(&cfg, &inputs, &opts, |_| {}).unwrap();
+        drop(inputs);
+        assert!(r.tuned && r.kl_after < 0.97 * r.kl_before, "{r:?}");
+        assert_eq!(r.codes_moved, 0, "codes stay GPTQ's without a codes step");
+        for (t, lin) in tuned.iter().zip(&rtn) {
+            for ((_, before), (_, after)) in lin.iter().zip(&t.linears) {
+                assert_eq!(before.codes, after.codes);
+                for s in &after.scales {
+                    assert_eq!(Grid::VLLM.stored(*s, 0.0), *s);
+                }
+            }
+        }
+        // The written state, run by our own forward, has the KL the tuning reported.
+        let vocab = cfg.vocab_size;
+        let want = model.logits(&teacher);
+        let mut layers = model.take_layers();
+        let mut x = x0.clone();
+        for (layer, t) in layers.iter_mut().zip(&tuned) {
+            for (p, q) in &t.linears {
+                let lin = DenseLinear::new(q.dequantize().into(), q.out_features, q.in_features);
+                layer.set_linear(*p, Box::new(lin));
+            }
+            layer.input_layernorm.set_weight(t.norms.0.clone());
+            layer.post_attention_layernorm.set_weight(t.norms.1.clone());
+            x = layer_forward(layer, &model.ctx_for(layer.kind), &x);
+        }
+        let kl = kl_mean(&want, &model.logits(&x), vocab);
+        assert!(
+            (kl / r.kl_after - 1.0).abs() < 1e-3,
+            "our forward {kl:e}, reported {:e}",
+            r.kl_after
+        );
+    }
+}
