@@ -621,6 +621,8 @@ fn model_tuning_lowers_the_kl_writes_its_state_and_resumes_identically() {
     assert!(m.tuned && m.kl_after < m.kl_before, "{m:?}");
     assert_eq!(m.codes_moved, 0);
     assert!(r.memory_plan.model_tune > 0);
+    let phase = r.phases.iter().find(|p| p.phase == Phase::ModelTune);
+    assert!(phase.unwrap().seconds > 0.0);
 
     // Against the same run without tuning: same codes, other scales and norms.
     let plain = d.path().join("plain");

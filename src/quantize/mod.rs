@@ -1497,7 +1497,7 @@ fn run(
         }
     }
     let model_tune_result = match (&opts.model_tune, xf.as_deref()) {
-        (Some(mt), Some(teacher)) => Some(phases.time(Phase::BlockTune, || {
+        (Some(mt), Some(teacher)) => Some(phases.time(Phase::ModelTune, || {
             tune_model(&model, out, &aux, teacher, &windows, mt, &bar)
         })?),
         _ => None,

@@ -27,6 +27,8 @@ pub enum Phase {
     Descent,
     /// Block tuning after the layer's solve (`--block-tune`), with its forward on the tuned layer.
     BlockTune,
+    /// Model tuning after the last layer (`--model-tune`), with its staging of every layer.
+    ModelTune,
     /// Every other method of the comparison (with `compare`) and the error of each.
     Compare,
     /// Replacing each solved linear by its dequantized weights for the later stages.
@@ -38,7 +40,7 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 13] = [
+    pub const ALL: [Phase; 14] = [
         Phase::Load,
         Phase::Forward,
         Phase::Hessian,
@@ -48,6 +50,7 @@ impl Phase {
         Phase::Flush,
         Phase::Descent,
         Phase::BlockTune,
+        Phase::ModelTune,
         Phase::Compare,
         Phase::Install,
         Phase::Save,

@@ -134,6 +134,25 @@ fn block_tuning(r: &QuantReport) -> String {
     )
 }
 
+/// The model tuning row: its settings and the calibration KL it reached.
+fn model_tuning(r: &QuantReport) -> String {
+    let (Some(mt), Some(res)) = (&r.model_tune, &r.model_tune_result) else {
+        return "off".into();
+    };
+    format!(
+        "{} steps × {} windows; calibration KL {} → {}{}",
+        mt.steps,
+        mt.batch,
+        page::sci(res.kl_before),
+        page::sci(res.kl_after),
+        if res.tuned {
+            String::new()
+        } else {
+            " (not lower: solved state kept)".into()
+        }
+    )
+}
+
 fn phase_chart(r: &QuantReport) -> Result<plots::Svg, ReportError> {
     let categories: Vec<String> = r.phases.iter().map(|p| json_name(&p.phase)).collect();
     plots::bar_chart(&BarChart {
@@ -198,6 +217,7 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         ("descent passes", r.descent_passes.to_string()),
         ("objective", json_name(&r.objective)),
         ("block tuning", block_tuning(r)),
+        ("model tuning", model_tuning(r)),
         ("calibration forward", json_name(&r.forward_precision)),
         ("q/k/v layout", json_name(&r.qkv_layout)),
         ("4-bit head", r.quantize_head.to_string()),
@@ -226,7 +246,7 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         (
             "peak memory",
             format!(
-                "RSS {}, private {}; planned {} (activations {}, Hessian {}, weights {}, fixed {}, block tuning {})",
+                "RSS {}, private {}; planned {} (activations {}, Hessian {}, weights {}, fixed {}, block tuning {}, model tuning {})",
                 r.peak_rss_bytes.map_or("–".into(), page::bytes),
                 r.peak_private_bytes.map_or("–".into(), page::bytes),
                 page::bytes(plan.total()),
@@ -234,7 +254,8 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
                 page::bytes(plan.hessian),
                 page::bytes(plan.weights),
                 page::bytes(plan.fixed),
-                page::bytes(plan.block_tune)
+                page::bytes(plan.block_tune),
+                page::bytes(plan.model_tune)
             ),
         ),
         (
