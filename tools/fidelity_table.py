@@ -73,6 +73,13 @@ RECIPES = {
     "gptq-search act-static float-output block-tune model-tune": ["--method", "gptq-search", "--order",
                                                                   "act-static", "--objective", "float-output",
                                                                   "--block-tune", "--model-tune"],
+    # Model tuning on W4A8's per-token int8 rounding of each quantized linear's input.
+    "gptq-search act-static float-output model-tune int8": ["--method", "gptq-search", "--order", "act-static",
+                                                            "--objective", "float-output", "--model-tune",
+                                                            "--model-tune-int8"],
+    "gptq-search act-static float-output block-tune model-tune int8": [
+        "--method", "gptq-search", "--order", "act-static", "--objective", "float-output", "--block-tune",
+        "--model-tune", "--model-tune-int8"],
     # The calibration forward in f32 (the default before 2026-12-03; bf16 since, for GPTQ checkpoints).
     "gptq-search act-static float-output f32-forward": ["--method", "gptq-search", "--order", "act-static",
                                                         "--objective", "float-output",
