@@ -402,26 +402,65 @@ pub(super) fn bf16_values(t: &Tensor) -> Result<Vec<f32>> {
 /// A snapshot of the tuned variables.
 type State = Vec<Tensor>;
 
-struct Tuner<'a> {
-    dev: Device,
-    block: Block,
-    linears: Vec<TunedLinear>,
+/// One layer's differentiable block with what tuning may move (block and model tuning).
+pub(super) struct TunedBlock {
+    pub(super) block: Block,
+    pub(super) linears: Vec<TunedLinear>,
     g: Tensor,
     norms: (Tensor, Tensor),
-    gains: (Var, Var),
-    inp: &'a LayerInputs<'a>,
+    pub(super) gains: (Var, Var),
 }
 
-impl Tuner<'_> {
-    fn weights(&self, stored: bool) -> Result<Weights> {
+/// A tuned block's stored state: its linears in the checkpoint's orientation, its bf16 norms,
+/// and how many of its codes moved of how many.
+pub(super) struct Exported {
+    pub(super) linears: Vec<(Proj, QuantizedWeight)>,
+    pub(super) norms: super::Norms,
+    pub(super) moved: u64,
+    pub(super) codes: u64,
+}
+
+impl TunedBlock {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        cfg: &SparkConfig,
+        ctx: &Ctx,
+        seq: usize,
+        int8: bool,
+        linears: &[(Proj, &QuantizedWeight)],
+        g_proj: &[f32],
+        norms: &super::Norms,
+        dev: &Device,
+    ) -> Result<Self> {
+        let h = cfg.hidden_size;
+        Ok(TunedBlock {
+            block: Block::new(cfg, ctx.kind, ctx, seq, int8, dev)?,
+            linears: linears
+                .iter()
+                .map(|(_, w)| TunedLinear::new(w, dev))
+                .collect::<Result<_>>()?,
+            g: Tensor::from_slice(g_proj, (cfg.num_attention_heads, h), dev)?,
+            norms: (
+                Tensor::from_slice(&norms.0, h, dev)?,
+                Tensor::from_slice(&norms.1, h, dev)?,
+            ),
+            gains: (
+                Var::ones(h, DType::F32, dev)?,
+                Var::ones(h, DType::F32, dev)?,
+            ),
+        })
+    }
+
+    /// The block's weights: differentiable, or as the checkpoint will store them.
+    pub(super) fn weights(&self, stored: bool, dev: &Device) -> Result<Weights> {
         let lin = self
             .linears
             .iter()
             .map(|l| {
                 if stored {
-                    l.stored_weight(&self.dev)
+                    l.stored_weight(dev)
                 } else {
-                    l.weight(&self.dev)
+                    l.weight(dev)
                 }
             })
             .collect::<Result<Vec<_>>>()?;
@@ -430,8 +469,8 @@ impl Tuner<'_> {
         let (ln_in, ln_post) = if stored {
             let h = self.block.hidden;
             (
-                Tensor::from_vec(bf16_values(&ln_in)?, h, &self.dev)?,
-                Tensor::from_vec(bf16_values(&ln_post)?, h, &self.dev)?,
+                Tensor::from_vec(bf16_values(&ln_in)?, h, dev)?,
+                Tensor::from_vec(bf16_values(&ln_post)?, h, dev)?,
             )
         } else {
             (ln_in, ln_post)
@@ -444,14 +483,56 @@ impl Tuner<'_> {
         })
     }
 
+    pub(super) fn vars(&self) -> Vec<&Var> {
+        let mut v: Vec<&Var> = self.linears.iter().flat_map(|l| [&l.v, &l.a]).collect();
+        v.extend([&self.gains.0, &self.gains.1]);
+        v
+    }
+
+    /// The stored state; `like`: the linears tuning started from, in order.
+    pub(super) fn export(
+        &self,
+        like: &[(Proj, &QuantizedWeight)],
+        dev: &Device,
+    ) -> Result<Exported> {
+        let mut linears = Vec::new();
+        let (mut moved, mut codes) = (0u64, 0u64);
+        for ((proj, like), l) in like.iter().zip(&self.linears) {
+            let (w, m) = l.export(like)?;
+            moved += m;
+            codes += (l.n * l.k) as u64;
+            linears.push((*proj, w));
+        }
+        let w = self.weights(true, dev)?;
+        Ok(Exported {
+            linears,
+            norms: (w.ln_in.to_vec1()?, w.ln_post.to_vec1()?),
+            moved,
+            codes,
+        })
+    }
+}
+
+struct Tuner<'a> {
+    dev: Device,
+    blk: TunedBlock,
+    inp: &'a LayerInputs<'a>,
+}
+
+impl Tuner<'_> {
+    fn weights(&self, stored: bool) -> Result<Weights> {
+        self.blk.weights(stored, &self.dev)
+    }
+
     /// Windows `idx` of `src` as `[len, seq, hidden]`.
     fn windows(&self, src: &[f32], idx: &[usize]) -> Result<Tensor> {
-        let w = self.block.seq * self.block.hidden;
+        let b = &self.blk.block;
+        let w = b.seq * b.hidden;
         let mut v = Vec::with_capacity(idx.len() * w);
         for &i in idx {
             v.extend_from_slice(&src[i * w..(i + 1) * w]);
         }
-        Tensor::from_vec(v, (idx.len(), self.block.seq, self.block.hidden), &self.dev)
+        Tensor::from_vec(v, (idx.len(), b.seq, b.hidden), &self.dev)
     }
 
     /// ‖y − block(x)‖² / ‖y‖² over all windows with the stored state.
@@ -461,25 +542,26 @@ impl Tuner<'_> {
         let all: Vec<usize> = (0..self.inp.samples).collect();
         for idx in all.chunks(SCORE_CHUNK) {
             let y = self.windows(self.inp.y, idx)?;
-            let out = self.block.forward(&self.windows(self.inp.x, idx)?, &w)?;
+            let out = self
+                .blk
+                .block
+                .forward(&self.windows(self.inp.x, idx)?, &w)?;
             se += (out - &y)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
             norm += y.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
         }
         Ok(se / norm.max(f64::MIN_POSITIVE))
     }
 
-    fn vars(&self) -> Vec<&Var> {
-        let mut v: Vec<&Var> = self.linears.iter().flat_map(|l| [&l.v, &l.a]).collect();
-        v.extend([&self.gains.0, &self.gains.1]);
-        v
-    }
-
     fn snapshot(&self) -> Result<State> {
-        self.vars().iter().map(|v| v.as_tensor().copy()).collect()
+        self.blk
+            .vars()
+            .iter()
+            .map(|v| v.as_tensor().copy())
+            .collect()
     }
 
     fn restore(&self, s: &State) -> Result<()> {
-        for (v, t) in self.vars().into_iter().zip(s) {
+        for (v, t) in self.blk.vars().into_iter().zip(s) {
             v.set(t)?;
         }
         Ok(())
@@ -496,30 +578,17 @@ pub fn tune_layer(
     let clock = std::time::Instant::now();
     let _heap = HeapReuse::new();
     let dev = Device::Cpu;
-    let h = cfg.hidden_size;
     let tuner = Tuner {
-        block: Block::new(
+        blk: TunedBlock::new(
             cfg,
-            inp.ctx.kind,
             &inp.ctx,
             inp.seq_len,
             opts.int8_inputs,
+            &inp.linears,
+            &inp.g_proj,
+            &inp.norms,
             &dev,
         )?,
-        linears: inp
-            .linears
-            .iter()
-            .map(|(_, w)| TunedLinear::new(w, &dev))
-            .collect::<Result<_>>()?,
-        g: Tensor::from_slice(&inp.g_proj, (cfg.num_attention_heads, h), &dev)?,
-        norms: (
-            Tensor::from_slice(&inp.norms.0, h, &dev)?,
-            Tensor::from_slice(&inp.norms.1, h, &dev)?,
-        ),
-        gains: (
-            Var::ones(h, DType::F32, &dev)?,
-            Var::ones(h, DType::F32, &dev)?,
-        ),
         dev,
         inp,
     };
@@ -537,19 +606,22 @@ pub fn tune_layer(
     };
     let mut groups = vec![
         (
-            adam(tuner.linears.iter().map(|l| l.v.clone()).collect(), opts.lr)?,
+            adam(
+                tuner.blk.linears.iter().map(|l| l.v.clone()).collect(),
+                opts.lr,
+            )?,
             opts.lr,
         ),
         (
             adam(
-                tuner.linears.iter().map(|l| l.a.clone()).collect(),
+                tuner.blk.linears.iter().map(|l| l.a.clone()).collect(),
                 opts.scale_lr,
             )?,
             opts.scale_lr,
         ),
     ];
     if opts.norm_lr > 0.0 {
-        let g = vec![tuner.gains.0.clone(), tuner.gains.1.clone()];
+        let g = vec![tuner.blk.gains.0.clone(), tuner.blk.gains.1.clone()];
         groups.push((adam(g, opts.norm_lr)?, opts.norm_lr));
     }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed ^ ((inp.layer as u64) << 32));
@@ -567,6 +639,7 @@ pub fn tune_layer(
         order.shuffle(&mut rng);
         let idx = &order[..opts.batch.min(inp.samples)];
         let out = tuner
+            .blk
             .block
             .forward(&tuner.windows(inp.x, idx)?, &tuner.weights(false)?)?;
         let loss = (out - tuner.windows(inp.y, idx)?)?.sqr()?.mean_all()?;
@@ -576,7 +649,7 @@ pub fn tune_layer(
             opt.set_learning_rate(*lr * decay);
             opt.step(&grads)?;
         }
-        for l in &tuner.linears {
+        for l in &tuner.blk.linears {
             l.v.set(&l.v.as_tensor().clamp(-0.5f32, 0.5f32)?)?;
             l.a.set(&l.a.as_tensor().clamp(0.5f32, 1.5f32)?)?;
         }
@@ -593,24 +666,16 @@ pub fn tune_layer(
         tuner.restore(&initial)?;
         after = before;
     }
-    let mut linears = Vec::new();
-    let (mut moved, mut codes) = (0u64, 0u64);
-    for ((proj, like), l) in inp.linears.iter().zip(&tuner.linears) {
-        let (w, m) = l.export(like)?;
-        moved += m;
-        codes += (l.n * l.k) as u64;
-        linears.push((*proj, w));
-    }
-    let w = tuner.weights(true)?;
+    let e = tuner.blk.export(&inp.linears, &tuner.dev)?;
     Ok(TunedLayer {
-        linears,
-        norms: (w.ln_in.to_vec1()?, w.ln_post.to_vec1()?),
+        linears: e.linears,
+        norms: e.norms,
         report: LayerTuneReport {
             layer: inp.layer,
             error_before: before,
             error_after: after,
-            codes_moved: moved,
-            codes,
+            codes_moved: e.moved,
+            codes: e.codes,
             tuned,
             seconds: clock.elapsed().as_secs_f64(),
             step_seconds: stepping.as_secs_f64() / opts.steps.max(1) as f64,

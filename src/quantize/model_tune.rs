@@ -13,15 +13,13 @@
 //! The teacher is the float model's final residual stream, which the float-output objective
 //! already carries through the layers, so each step costs one student forward and backward.
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
-use super::block_tune::{
-    bf16_values, Block, HeapReuse, TunedLayer, TunedLinear, Weights, SCORE_CHUNK,
-};
+use super::block_tune::{Block, HeapReuse, TunedBlock, TunedLayer, Weights, SCORE_CHUNK};
 use super::Norms;
 use crate::checkpoint::{Proj, SparkConfig};
 use crate::model::block::Ctx;
@@ -101,50 +99,10 @@ pub struct ModelInputs<'a> {
 
 type Result<T> = std::result::Result<T, candle_core::Error>;
 
-struct LayerVars {
-    block: Block,
-    linears: Vec<TunedLinear>,
-    g: Tensor,
-    norms: (Tensor, Tensor),
-    gains: (Var, Var),
-}
-
-impl LayerVars {
-    fn weights(&self, stored: bool, dev: &Device, hidden: usize) -> Result<Weights> {
-        let lin = self
-            .linears
-            .iter()
-            .map(|l| {
-                if stored {
-                    l.stored_weight(dev)
-                } else {
-                    l.weight(dev)
-                }
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let ln_in = (&self.norms.0 * self.gains.0.as_tensor())?;
-        let ln_post = (&self.norms.1 * self.gains.1.as_tensor())?;
-        let (ln_in, ln_post) = if stored {
-            (
-                Tensor::from_vec(bf16_values(&ln_in)?, hidden, dev)?,
-                Tensor::from_vec(bf16_values(&ln_post)?, hidden, dev)?,
-            )
-        } else {
-            (ln_in, ln_post)
-        };
-        Ok(Weights {
-            lin,
-            g: self.g.clone(),
-            ln_in,
-            ln_post,
-        })
-    }
-}
-
 struct Tuner<'a> {
     dev: Device,
     hidden: usize,
-    layers: Vec<LayerVars>,
+    layers: Vec<TunedBlock>,
     final_norm: Tensor,
     head: Tensor,
     inp: &'a ModelInputs<'a>,
@@ -182,7 +140,7 @@ impl Tuner<'_> {
     fn weights(&self, stored: bool) -> Result<Vec<Weights>> {
         self.layers
             .iter()
-            .map(|l| l.weights(stored, &self.dev, self.hidden))
+            .map(|l| l.weights(stored, &self.dev))
             .collect()
     }
 
@@ -200,12 +158,7 @@ impl Tuner<'_> {
     }
 
     fn vars(&self) -> Vec<&Var> {
-        let mut v = Vec::new();
-        for l in &self.layers {
-            v.extend(l.linears.iter().flat_map(|t| [&t.v, &t.a]));
-            v.extend([&l.gains.0, &l.gains.1]);
-        }
-        v
+        self.layers.iter().flat_map(|l| l.vars()).collect()
     }
 
     fn snapshot(&self) -> Result<Vec<Tensor>> {
@@ -235,23 +188,16 @@ pub fn tune_model(
         .layers
         .iter()
         .map(|l| {
-            Ok(LayerVars {
-                block: Block::new(cfg, l.ctx.kind, &l.ctx, inp.seq_len, opts.int8_inputs, &dev)?,
-                linears: l
-                    .linears
-                    .iter()
-                    .map(|(_, w)| TunedLinear::new(w, &dev))
-                    .collect::<Result<_>>()?,
-                g: Tensor::from_slice(&l.g_proj, (cfg.num_attention_heads, h), &dev)?,
-                norms: (
-                    Tensor::from_slice(&l.norms.0, h, &dev)?,
-                    Tensor::from_slice(&l.norms.1, h, &dev)?,
-                ),
-                gains: (
-                    Var::ones(h, DType::F32, &dev)?,
-                    Var::ones(h, DType::F32, &dev)?,
-                ),
-            })
+            TunedBlock::new(
+                cfg,
+                &l.ctx,
+                inp.seq_len,
+                opts.int8_inputs,
+                &l.linears,
+                &l.g_proj,
+                &l.norms,
+                &dev,
+            )
         })
         .collect::<Result<Vec<_>>>()?;
     let tuner = Tuner {
@@ -334,25 +280,17 @@ pub fn tune_model(
     let mut out = Vec::new();
     let mut moved_all = 0u64;
     for (l, li) in tuner.layers.iter().zip(&inp.layers) {
-        let mut linears = Vec::new();
-        let (mut moved, mut codes) = (0u64, 0u64);
-        for ((proj, like), t) in li.linears.iter().zip(&l.linears) {
-            let (w, m) = t.export(like)?;
-            moved += m;
-            codes += (t.n * t.k) as u64;
-            linears.push((*proj, w));
-        }
-        moved_all += moved;
-        let w = l.weights(true, &tuner.dev, h)?;
+        let e = l.export(&li.linears, &tuner.dev)?;
+        moved_all += e.moved;
         out.push(TunedLayer {
-            linears,
-            norms: (w.ln_in.to_vec1()?, w.ln_post.to_vec1()?),
+            linears: e.linears,
+            norms: e.norms,
             report: super::block_tune::LayerTuneReport {
                 layer: 0,
                 error_before: 0.0,
                 error_after: 0.0,
-                codes_moved: moved,
-                codes,
+                codes_moved: e.moved,
+                codes: e.codes,
                 tuned,
                 seconds: 0.0,
                 step_seconds: 0.0,
