@@ -16,9 +16,6 @@
 //! math of [`crate::model::block`] and is tested against it. The product's forward stays ours.
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{LayerType, Proj, SparkConfig};
@@ -26,6 +23,8 @@ use crate::kernels::transpose;
 use crate::kernels::w4::round_bf16;
 use crate::model::block::Ctx;
 use crate::quant::{Grid, QuantizedWeight};
+
+use super::tune_loop::{self, Objective, Schedule};
 
 /// Windows per forward when the state is scored on all of them.
 pub(super) const SCORE_CHUNK: usize = 8;
@@ -399,9 +398,6 @@ pub(super) fn bf16_values(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_vec1::<f32>()?.into_iter().map(round_bf16).collect())
 }
 
-/// A snapshot of the tuned variables.
-type State = Vec<Tensor>;
-
 /// One layer's differentiable block with what tuning may move (block and model tuning).
 pub(super) struct TunedBlock {
     pub(super) block: Block,
@@ -489,6 +485,15 @@ impl TunedBlock {
         v
     }
 
+    /// Code offsets within ±½ (one step either way once rounded), scale factors within [½, 1½].
+    pub(super) fn clamp(&self) -> Result<()> {
+        for l in &self.linears {
+            l.v.set(&l.v.as_tensor().clamp(-0.5f32, 0.5f32)?)?;
+            l.a.set(&l.a.as_tensor().clamp(0.5f32, 1.5f32)?)?;
+        }
+        Ok(())
+    }
+
     /// The stored state; `like`: the linears tuning started from, in order.
     pub(super) fn export(
         &self,
@@ -551,20 +556,27 @@ impl Tuner<'_> {
         }
         Ok(se / norm.max(f64::MIN_POSITIVE))
     }
+}
 
-    fn snapshot(&self) -> Result<State> {
-        self.blk
-            .vars()
-            .iter()
-            .map(|v| v.as_tensor().copy())
-            .collect()
+impl Objective for Tuner<'_> {
+    fn loss(&self, idx: &[usize]) -> Result<Tensor> {
+        let out = self
+            .blk
+            .block
+            .forward(&self.windows(self.inp.x, idx)?, &self.weights(false)?)?;
+        (out - self.windows(self.inp.y, idx)?)?.sqr()?.mean_all()
     }
 
-    fn restore(&self, s: &State) -> Result<()> {
-        for (v, t) in self.blk.vars().into_iter().zip(s) {
-            v.set(t)?;
-        }
-        Ok(())
+    fn score(&self) -> Result<f64> {
+        self.error()
+    }
+
+    fn vars(&self) -> Vec<&Var> {
+        self.blk.vars()
+    }
+
+    fn clamp(&self) -> Result<()> {
+        self.blk.clamp()
     }
 }
 
@@ -592,93 +604,41 @@ pub fn tune_layer(
         dev,
         inp,
     };
-    let initial = tuner.snapshot()?;
-    let before = tuner.error()?;
-    let adam = |vars: Vec<Var>, lr: f64| {
-        AdamW::new(
-            vars,
-            ParamsAdamW {
-                lr,
-                weight_decay: 0.0,
-                ..ParamsAdamW::default()
-            },
-        )
-    };
     let mut groups = vec![
         (
-            adam(
-                tuner.blk.linears.iter().map(|l| l.v.clone()).collect(),
-                opts.lr,
-            )?,
+            tuner.blk.linears.iter().map(|l| l.v.clone()).collect(),
             opts.lr,
         ),
         (
-            adam(
-                tuner.blk.linears.iter().map(|l| l.a.clone()).collect(),
-                opts.scale_lr,
-            )?,
+            tuner.blk.linears.iter().map(|l| l.a.clone()).collect(),
             opts.scale_lr,
         ),
     ];
     if opts.norm_lr > 0.0 {
         let g = vec![tuner.blk.gains.0.clone(), tuner.blk.gains.1.clone()];
-        groups.push((adam(g, opts.norm_lr)?, opts.norm_lr));
+        groups.push((g, opts.norm_lr));
     }
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed ^ ((inp.layer as u64) << 32));
-    let mut order: Vec<usize> = (0..inp.samples).collect();
-    let mut best = (before, initial.clone());
-    let mut stepping = std::time::Duration::ZERO;
-    for it in 0..opts.steps {
-        if opts.check > 0 && it > 0 && it % opts.check == 0 {
-            let e = tuner.error()?;
-            if e < best.0 {
-                best = (e, tuner.snapshot()?);
-            }
-        }
-        let step_clock = std::time::Instant::now();
-        order.shuffle(&mut rng);
-        let idx = &order[..opts.batch.min(inp.samples)];
-        let out = tuner
-            .blk
-            .block
-            .forward(&tuner.windows(inp.x, idx)?, &tuner.weights(false)?)?;
-        let loss = (out - tuner.windows(inp.y, idx)?)?.sqr()?.mean_all()?;
-        let grads = loss.backward()?;
-        let decay = 1.0 - it as f64 / opts.steps as f64;
-        for (opt, lr) in groups.iter_mut() {
-            opt.set_learning_rate(*lr * decay);
-            opt.step(&grads)?;
-        }
-        for l in &tuner.blk.linears {
-            l.v.set(&l.v.as_tensor().clamp(-0.5f32, 0.5f32)?)?;
-            l.a.set(&l.a.as_tensor().clamp(0.5f32, 1.5f32)?)?;
-        }
-        stepping += step_clock.elapsed();
-        progress(it + 1);
-    }
-    let mut after = tuner.error()?;
-    if best.0 < after {
-        tuner.restore(&best.1)?;
-        after = best.0;
-    }
-    let tuned = after < before;
-    if !tuned {
-        tuner.restore(&initial)?;
-        after = before;
-    }
+    let schedule = Schedule {
+        steps: opts.steps,
+        batch: opts.batch,
+        check: opts.check,
+        samples: inp.samples,
+        seed: opts.seed ^ ((inp.layer as u64) << 32),
+    };
+    let fit = tune_loop::fit(&tuner, groups, schedule, &mut progress)?;
     let e = tuner.blk.export(&inp.linears, &tuner.dev)?;
     Ok(TunedLayer {
         linears: e.linears,
         norms: e.norms,
         report: LayerTuneReport {
             layer: inp.layer,
-            error_before: before,
-            error_after: after,
+            error_before: fit.before,
+            error_after: fit.after,
             codes_moved: e.moved,
             codes: e.codes,
-            tuned,
+            tuned: fit.tuned,
             seconds: clock.elapsed().as_secs_f64(),
-            step_seconds: stepping.as_secs_f64() / opts.steps.max(1) as f64,
+            step_seconds: fit.step_seconds,
         },
     })
 }
@@ -744,7 +704,7 @@ pub(super) mod testing {
     use crate::checkpoint::Checkpoint;
     use crate::model::kv_cache::LayerKvCache;
     use crate::model::{DecoderLayer, SparkModel};
-    use rand::Rng;
+    use rand::{Rng, SeedableRng};
 
     pub const SEQ: usize = 96; // past the fixture's 64-token sliding window
 
@@ -794,7 +754,7 @@ mod tests {
     use super::testing::*;
     use super::*;
     use crate::model::{DenseLinear, SparkModel};
-    use rand::Rng;
+    use rand::{Rng, SeedableRng};
 
     fn rel_error(a: &[f32], b: &[f32]) -> f64 {
         let se: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();

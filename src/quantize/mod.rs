@@ -16,6 +16,7 @@ pub mod model_tune;
 pub mod output;
 pub mod phases;
 pub mod plan;
+mod tune_loop;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -14,12 +14,10 @@
 //! already carries through the layers, so each step costs one student forward and backward.
 
 use candle_core::{Device, Tensor, Var, D};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use super::block_tune::{Block, HeapReuse, TunedBlock, TunedLayer, Weights, SCORE_CHUNK};
+use super::tune_loop::{self, Objective, Schedule};
 use super::Norms;
 use crate::checkpoint::{Proj, SparkConfig};
 use crate::model::block::Ctx;
@@ -156,20 +154,24 @@ impl Tuner<'_> {
         }
         Ok(sum / n.max(1) as f64)
     }
+}
+
+impl Objective for Tuner<'_> {
+    fn loss(&self, idx: &[usize]) -> Result<Tensor> {
+        let (kl, n) = self.kl(idx, &self.weights(false)?)?;
+        kl / n as f64
+    }
+
+    fn score(&self) -> Result<f64> {
+        Tuner::score(self)
+    }
 
     fn vars(&self) -> Vec<&Var> {
         self.layers.iter().flat_map(|l| l.vars()).collect()
     }
 
-    fn snapshot(&self) -> Result<Vec<Tensor>> {
-        self.vars().iter().map(|v| v.as_tensor().copy()).collect()
-    }
-
-    fn restore(&self, s: &[Tensor]) -> Result<()> {
-        for (v, t) in self.vars().into_iter().zip(s) {
-            v.set(t)?;
-        }
-        Ok(())
+    fn clamp(&self) -> Result<()> {
+        self.layers.iter().try_for_each(|l| l.clamp())
     }
 }
 
@@ -208,28 +210,10 @@ pub fn tune_model(
         layers,
         inp,
     };
-    let initial = tuner.snapshot()?;
-    let before = tuner.score()?;
-    let adam = |vars: Vec<Var>, lr: f64| {
-        AdamW::new(
-            vars,
-            ParamsAdamW {
-                lr,
-                weight_decay: 0.0,
-                ..ParamsAdamW::default()
-            },
-        )
-    };
     let all_lin = || tuner.layers.iter().flat_map(|l| l.linears.iter());
-    let mut groups = vec![(
-        adam(all_lin().map(|l| l.a.clone()).collect(), opts.scale_lr)?,
-        opts.scale_lr,
-    )];
+    let mut groups = vec![(all_lin().map(|l| l.a.clone()).collect(), opts.scale_lr)];
     if opts.codes_lr > 0.0 {
-        groups.push((
-            adam(all_lin().map(|l| l.v.clone()).collect(), opts.codes_lr)?,
-            opts.codes_lr,
-        ));
+        groups.push((all_lin().map(|l| l.v.clone()).collect(), opts.codes_lr));
     }
     if opts.norm_lr > 0.0 {
         let g = tuner
@@ -237,46 +221,16 @@ pub fn tune_model(
             .iter()
             .flat_map(|l| [l.gains.0.clone(), l.gains.1.clone()])
             .collect();
-        groups.push((adam(g, opts.norm_lr)?, opts.norm_lr));
+        groups.push((g, opts.norm_lr));
     }
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed);
-    let mut order: Vec<usize> = (0..inp.samples).collect();
-    let mut best = (before, initial.clone());
-    let mut stepping = std::time::Duration::ZERO;
-    for it in 0..opts.steps {
-        if opts.check > 0 && it > 0 && it % opts.check == 0 {
-            let e = tuner.score()?;
-            if e < best.0 {
-                best = (e, tuner.snapshot()?);
-            }
-        }
-        let step_clock = std::time::Instant::now();
-        order.shuffle(&mut rng);
-        let idx = &order[..opts.batch.min(inp.samples)];
-        let (kl, n) = tuner.kl(idx, &tuner.weights(false)?)?;
-        let grads = (kl / n as f64)?.backward()?;
-        let decay = 1.0 - it as f64 / opts.steps as f64;
-        for (opt, lr) in groups.iter_mut() {
-            opt.set_learning_rate(*lr * decay);
-            opt.step(&grads)?;
-        }
-        for l in all_lin() {
-            l.v.set(&l.v.as_tensor().clamp(-0.5f32, 0.5f32)?)?;
-            l.a.set(&l.a.as_tensor().clamp(0.5f32, 1.5f32)?)?;
-        }
-        stepping += step_clock.elapsed();
-        progress(it + 1);
-    }
-    let mut after = tuner.score()?;
-    if best.0 < after {
-        tuner.restore(&best.1)?;
-        after = best.0;
-    }
-    let tuned = after < before;
-    if !tuned {
-        tuner.restore(&initial)?;
-        after = before;
-    }
+    let schedule = Schedule {
+        steps: opts.steps,
+        batch: opts.batch,
+        check: opts.check,
+        samples: inp.samples,
+        seed: opts.seed,
+    };
+    let fit = tune_loop::fit(&tuner, groups, schedule, &mut progress)?;
     let mut out = Vec::new();
     let mut moved_all = 0u64;
     for (l, li) in tuner.layers.iter().zip(&inp.layers) {
@@ -291,7 +245,7 @@ pub fn tune_model(
                 error_after: 0.0,
                 codes_moved: e.moved,
                 codes: e.codes,
-                tuned,
+                tuned: fit.tuned,
                 seconds: 0.0,
                 step_seconds: 0.0,
             },
@@ -300,12 +254,12 @@ pub fn tune_model(
     Ok((
         out,
         ModelTuneReport {
-            kl_before: before,
-            kl_after: after,
-            tuned,
+            kl_before: fit.before,
+            kl_after: fit.after,
+            tuned: fit.tuned,
             codes_moved: moved_all,
             seconds: clock.elapsed().as_secs_f64(),
-            step_seconds: stepping.as_secs_f64() / opts.steps.max(1) as f64,
+            step_seconds: fit.step_seconds,
         },
     ))
 }
