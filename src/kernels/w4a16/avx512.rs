@@ -97,7 +97,11 @@ pub(super) unsafe fn w4a16_gemv(
     assert!(p.simd_ok && cols.end <= p.n && rows.end * p.k <= x.len() && rows.len() <= 4);
     assert!(xb.is_none_or(|b| b.len() == x.len()));
     let xr = unsafe { x.as_ptr().add(rows.start * p.k) };
-    let xbr = xb.map(|b| unsafe { b.as_ptr().add(rows.start * p.k) });
+    let xb = xb.map(|b| &b[rows.start * p.k..rows.end * p.k]);
+    let words = xb
+        .filter(|_| decodes_words(p))
+        .map(|b| to_word_order(b, p.k));
+    let xbr = words.as_deref().or(xb).map(<[u16]>::as_ptr);
     macro_rules! go {
         ($r:expr, $s:literal, $cs:expr) => {{
             let cs: [usize; $s] = $cs;
@@ -200,62 +204,97 @@ unsafe fn w4a16_dot<const R: usize, const S: usize>(
     res
 }
 
-/// [`w4a16_dot_bf16`] for groups of whole 64-input chunks (G = 64, 128, …:
-/// the GPTQ sizes) and an even number of chunks: two chunks per step into
-/// four accumulators, the step's tables built without checks (per chunk for
-/// G = 64, per step otherwise). With two accumulators `vdpbf16ps` latency
-/// bounds the loop; the table cache's per-chunk branches cost as much again.
+/// Whether [`w4a16_dot_bf16`] decodes whole 64-byte words (two chunks at a time): groups of
+/// whole 64-input chunks (G = 64, 128, …: the GPTQ sizes) and an even number of chunks. Its
+/// activations must then be in [`word_order`].
+pub(super) fn decodes_words(p: &PackedW4A16) -> bool {
+    p.half_shift >= 1 && p.chunks.is_multiple_of(2)
+}
+
+/// Which input of a chunk pair's 128 the word decoder puts at position `o` (0…127): position
+/// 32·s + j is nibble s of 16-bit word j of the pair's 64 bytes. Word j < 16 is bytes 2j, 2j+1
+/// of the first chunk, q[2j] | q[32 + 2j] << 4 | q[2j + 1] << 8 | q[33 + 2j] << 12 (the
+/// chunk layout of the parent module); words 16…31 the same of the second chunk.
+pub(super) fn word_order(o: usize) -> usize {
+    let (s, j) = (o / 32, o % 32);
+    64 * (j / 16) + 2 * (j % 16) + [0, 32, 1, 33][s]
+}
+
+/// `rows` rows of `k` bf16 activations put in [`word_order`] pair by pair.
+fn to_word_order(xb: &[u16], k: usize) -> Vec<u16> {
+    let mut out = vec![0u16; xb.len()];
+    for (dst, src) in out.chunks_exact_mut(128).zip(xb.chunks_exact(128)) {
+        for (o, d) in dst.iter_mut().enumerate() {
+            *d = src[word_order(o)];
+        }
+    }
+    debug_assert!(k.is_multiple_of(128));
+    out
+}
+
+/// [`w4a16_dot_bf16`] when [`decodes_words`]: each chunk pair's 64 bytes are loaded as 32
+/// 16-bit words whose four nibbles index the table by `vpermw` after a shift, with no
+/// widening step (per 128 weights 4 cross-lane shuffles where widening bytes takes 6; the
+/// shuffles bound this kernel on Zen 4). `xb` is in [`word_order`]. For G = 64 the two chunks
+/// have their own tables, put side by side: lanes 16…31 index the upper one (bit 4 set), so
+/// the index is masked to its nibble first; for larger groups one table stored twice makes
+/// bit 4 harmless. Four accumulators, one per nibble.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
-unsafe fn w4a16_dot_bf16_pairs<const R: usize, const S: usize>(
+unsafe fn w4a16_dot_bf16_words<const R: usize, const S: usize>(
     p: &PackedW4A16,
     xb: *const u16,
     cols: [usize; S],
 ) -> [[f32; R]; S] {
-    debug_assert!(p.half_shift >= 1 && p.chunks.is_multiple_of(2));
+    debug_assert!(decodes_words(p));
     let (k, nib) = (p.k, p.nib.as_ptr());
     let cz = uniform_codes(p);
     // Chunk ch is in group ch >> chunk_shift.
     let chunk_shift = p.half_shift - 1;
+    let (nibble, upper) = (
+        _mm512_set1_epi16(0xf),
+        _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(0x10)),
+    );
     // SAFETY: __m512i and __m512bh are both 32 × 16 bits.
     let bh = |v: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(v) };
     let mut acc = [[[_mm512_setzero_ps(); 4]; R]; S];
     for pair in 0..p.chunks / 2 {
-        let mut w = [[[_mm512_setzero_si512(); 2]; 2]; S];
+        let mut w = [[_mm512_setzero_si512(); 4]; S];
         for s in 0..S {
             let at = (cols[s] * p.chunks + 2 * pair) * 32;
             prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
             let first = lut_bf16_ne(p, cz, cols[s], (2 * pair) >> chunk_shift);
-            let luts = if chunk_shift == 0 {
-                [first, lut_bf16_ne(p, cz, cols[s], 2 * pair + 1)]
+            // SAFETY: column < n, 2·pair + 1 < chunks: 64 bytes of this column.
+            let v = unsafe { _mm512_loadu_si512(nib.add(at) as *const __m512i) };
+            let idx = [
+                v,
+                _mm512_srli_epi16::<4>(v),
+                _mm512_srli_epi16::<8>(v),
+                _mm512_srli_epi16::<12>(v),
+            ];
+            w[s] = if chunk_shift == 0 {
+                let second = lut_bf16_ne(p, cz, cols[s], 2 * pair + 1);
+                let lut = _mm512_inserti64x4::<1>(first, _mm512_castsi512_si256(second));
+                // (index & 0xf) | upper
+                idx.map(|i| {
+                    _mm512_permutexvar_epi16(
+                        _mm512_ternarylogic_epi32::<0xea>(i, nibble, upper),
+                        lut,
+                    )
+                })
             } else {
-                [first, first]
+                idx.map(|i| _mm512_permutexvar_epi16(i, first))
             };
-            for u in 0..2 {
-                // SAFETY: column < n, 2·pair + u < chunks. Byte layout as in
-                // `w4a16_dot_bf16`.
-                let v = unsafe {
-                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(nib.add(at + 32 * u) as *const __m256i))
-                };
-                w[s][u] = [
-                    _mm512_permutexvar_epi16(v, luts[u]),
-                    _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(v), luts[u]),
-                ];
-            }
         }
         for r in 0..R {
-            for u in 0..2 {
-                for h in 0..2 {
-                    // SAFETY: rows of xb hold k = 64·chunks values (simd_ok).
-                    let xv = unsafe {
-                        _mm512_loadu_si512(
-                            xb.add(r * k + 128 * pair + 64 * u + 32 * h) as *const __m512i
-                        )
-                    };
-                    for s in 0..S {
-                        let a = &mut acc[s][r][2 * u + h];
-                        *a = _mm512_dpbf16_ps(*a, bh(w[s][u][h]), bh(xv));
-                    }
+            for q in 0..4 {
+                // SAFETY: rows of xb hold k = 64·chunks values (simd_ok).
+                let xv = unsafe {
+                    _mm512_loadu_si512(xb.add(r * k + 128 * pair + 32 * q) as *const __m512i)
+                };
+                for s in 0..S {
+                    let a = &mut acc[s][r][q];
+                    *a = _mm512_dpbf16_ps(*a, bh(w[s][q]), bh(xv));
                 }
             }
         }
@@ -271,8 +310,8 @@ unsafe fn w4a16_dot_bf16_pairs<const R: usize, const S: usize>(
     res
 }
 
-/// [`w4a16_dot`] with bf16 activations `xb`: 32 weights per `vpermw`,
-/// 32 products per `vdpbf16ps`.
+/// [`w4a16_dot`] with bf16 activations `xb` (in [`word_order`] when [`decodes_words`]):
+/// 32 weights per `vpermw`, 32 products per `vdpbf16ps`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
 unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
@@ -280,9 +319,9 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
     xb: *const u16,
     cols: [usize; S],
 ) -> [[f32; R]; S] {
-    if p.half_shift >= 1 && p.chunks.is_multiple_of(2) {
+    if decodes_words(p) {
         // SAFETY: as this function's contract.
-        return unsafe { w4a16_dot_bf16_pairs::<R, S>(p, xb, cols) };
+        return unsafe { w4a16_dot_bf16_words::<R, S>(p, xb, cols) };
     }
     let k = p.k;
     let nib = p.nib.as_ptr();
