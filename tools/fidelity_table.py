@@ -80,6 +80,9 @@ RECIPES = {
     "gptq-search act-static float-output block-tune model-tune int8": [
         "--method", "gptq-search", "--order", "act-static", "--objective", "float-output", "--block-tune",
         "--model-tune", "--model-tune-int8"],
+    "gptq-search act-static float-output block-tune model-tune codes": [
+        "--method", "gptq-search", "--order", "act-static", "--objective", "float-output", "--block-tune",
+        "--model-tune", "--model-tune-codes-lr", "1e-2"],
     # The calibration forward in f32 (the default before 2026-12-03; bf16 since, for GPTQ checkpoints).
     "gptq-search act-static float-output f32-forward": ["--method", "gptq-search", "--order", "act-static",
                                                         "--objective", "float-output",

@@ -16,6 +16,9 @@ pub enum Isa {
     Avx512Vnni,
     /// The above plus AVX512-BF16 (`vdpbf16ps`): Cooper/Sapphire Rapids, Zen 4.
     Avx512Bf16,
+    /// The above plus AMX int8 tiles (`tdpbusd`), granted to this process by the OS:
+    /// Sapphire Rapids and later. Only the many-row W4A8 kernel uses them.
+    Amx,
 }
 
 impl Isa {
@@ -29,7 +32,11 @@ impl Isa {
                 && is_x86_feature_detected!("avx512vnni")
             {
                 if is_x86_feature_detected!("avx512bf16") {
-                    return Isa::Avx512Bf16;
+                    return if amx_int8() {
+                        Isa::Amx
+                    } else {
+                        Isa::Avx512Bf16
+                    };
                 }
                 return Isa::Avx512Vnni;
             }
@@ -39,7 +46,7 @@ impl Isa {
 
     /// Every tier this CPU can run (what the tests compare against each other).
     pub fn available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx512Vnni, Isa::Avx512Bf16]
+        [Isa::Portable, Isa::Avx512Vnni, Isa::Avx512Bf16, Isa::Amx]
             .into_iter()
             .filter(|t| *t <= Isa::best())
             .collect()
@@ -52,10 +59,13 @@ impl Isa {
     #[cfg(test)]
     pub fn tested() -> Vec<Isa> {
         let required = match std::env::var("SPARK_REQUIRE_ISA").as_deref() {
+            Ok("amx") => Isa::Amx,
             Ok("avx512bf16") => Isa::Avx512Bf16,
             Ok("avx512vnni") => Isa::Avx512Vnni,
             Ok("") | Ok("portable") | Err(_) => Isa::Portable,
-            Ok(other) => panic!("SPARK_REQUIRE_ISA={other}: expected avx512vnni or avx512bf16"),
+            Ok(other) => {
+                panic!("SPARK_REQUIRE_ISA={other}: expected avx512vnni, avx512bf16 or amx")
+            }
         };
         assert!(
             Isa::best() >= required,
@@ -72,15 +82,28 @@ impl Isa {
 }
 
 /// The tier in use: [`Isa::best`], or at most `SPARK_KERNELS` = `portable`
-/// (also `reference`), `avx512vnni` or `avx512bf16`.
+/// (also `reference`), `avx512vnni`, `avx512bf16` or `amx`.
 pub fn isa() -> Isa {
     static CHOSEN: OnceLock<Isa> = OnceLock::new();
     *CHOSEN.get_or_init(|| {
         let cap = match std::env::var("SPARK_KERNELS").as_deref() {
             Ok("portable") | Ok("reference") => Isa::Portable,
             Ok("avx512vnni") => Isa::Avx512Vnni,
-            _ => Isa::Avx512Bf16,
+            Ok("avx512bf16") => Isa::Avx512Bf16,
+            _ => Isa::Amx,
         };
         Isa::best().min(cap)
+    })
+}
+
+/// AMX tiles with int8 products, and the OS's grant of tile state to this process (Linux
+/// asks each process to request it before its first tile instruction; without it that
+/// instruction raises SIGILL). Asked once.
+#[cfg(target_arch = "x86_64")]
+fn amx_int8() -> bool {
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        let f = crate::device::detect();
+        f.amx_tile && f.amx_int8 && f.amx_permitted
     })
 }

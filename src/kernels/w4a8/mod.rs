@@ -19,6 +19,8 @@ use std::ops::Range;
 
 // The AVX-512 kernels index several register arrays ([stream][row]) by one counter.
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)]
 mod avx512;
 
@@ -230,8 +232,20 @@ impl PackedW4A8 {
         if m == 0 || self.n == 0 {
             return;
         }
-        let acts = self.quantize_acts(x, m);
+        let acts = self.quantize_acts(isa, x, m);
         let out = ColumnsOut::new(y, m, self.n);
+        #[cfg(target_arch = "x86_64")]
+        if isa >= Isa::Amx && m >= amx::ROWS && amx::takes(self) {
+            let au = amx::UnsignedRows::new(&acts, self.k);
+            // Jobs of whole tile pairs: the kernel steps over two column tiles at a time.
+            for_ranges(self.tiles.div_ceil(2), self.n * self.k, |pairs| {
+                let tiles = 2 * pairs.start..(2 * pairs.end).min(self.tiles);
+                // SAFETY: the tier (AMX granted, AVX-512) was detected on this CPU; jobs own
+                // disjoint tiles.
+                unsafe { amx::w4a8_tiles(self, &acts, &au, tiles, &out) }
+            });
+            return;
+        }
         for_ranges(self.tiles, self.n * self.k, |tiles| match isa {
             #[cfg(target_arch = "x86_64")]
             isa if isa.avx512() && self.simd_ok => {
@@ -244,14 +258,31 @@ impl PackedW4A8 {
 
     /// Per-token dynamic symmetric int8 (steps 1–2 of the recipe) and the
     /// activation sums the zero-point correction needs.
-    fn quantize_acts(&self, x: &[f32], m: usize) -> Acts {
+    fn quantize_acts(&self, isa: Isa, x: &[f32], m: usize) -> Acts {
         let k = self.k;
         let stride = self.octets * 8;
         let nsegs = self.segs.len();
         let mut a = vec![0i8; m * stride];
         let mut sa = vec![0f32; m];
         let mut sums = vec![0i32; m * nsegs];
+        // Segments of whole 16-value vectors: the AVX-512 row quantizer applies.
+        #[cfg(target_arch = "x86_64")]
+        let simd = isa.avx512()
+            && self
+                .segs
+                .iter()
+                .all(|s| s.k0.is_multiple_of(16) && s.k1.is_multiple_of(16));
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = isa;
         let quantize = |row: &mut Vec<i32>, (r, ((ar, sar), sr)): ActRow| {
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                let segs = self.segs.iter().map(|s| s.k0..s.k1);
+                // SAFETY: the tier was detected on this CPU; segments are whole vectors.
+                *sar =
+                    unsafe { avx512::quantize_row(&x[r * k..(r + 1) * k], &mut ar[..k], segs, sr) };
+                return;
+            }
             row.resize(k, 0);
             *sar = super::w4::quantize_activation_row(&x[r * k..(r + 1) * k], row);
             for (d, v) in ar[..k].iter_mut().zip(row.iter()) {
@@ -382,7 +413,15 @@ mod tests {
                 let packed = PackedW4A8::pack(case.nibbles());
                 // The GPTQ group sizes must reach the SIMD kernels.
                 assert_eq!(packed.simd_ok, g <= 128 || g % 128 == 0, "({n}, {k}, g{g})");
-                for m in [1, 2, 3, 4, 5, 16, 19] {
+                // ... and, from 32 rows on, the AMX one (blocks of whole 64-input tile steps).
+                #[cfg(target_arch = "x86_64")]
+                assert_eq!(
+                    amx::takes(&packed),
+                    packed.simd_ok && g % 64 == 0,
+                    "({n}, {k}, g{g})"
+                );
+                // 32 and more rows: the AMX kernel's two row tiles, full and partial.
+                for m in [1, 2, 3, 4, 5, 16, 19, 32, 45, 70] {
                     let x = activations(&mut rng, m, k);
                     let mut want = vec![0f32; m * n];
                     w4a8_matmul(
@@ -412,6 +451,37 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_simd_row_quantizer_gives_the_recipes_codes_scale_and_sums() {
+        use rand::Rng;
+        if !Isa::tested().iter().any(|t| t.avx512()) {
+            return;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        for trial in 0..64 {
+            let k = 64 * (1 + trial % 5);
+            let mut x: Vec<f32> = (0..k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            if trial % 2 == 0 {
+                // amax 127: every x·(127/amax) is x itself, and halves are exact ties.
+                x.iter_mut().for_each(|v| *v = (*v * 40.0).round() + 0.5);
+                x[k / 3] = -127.0;
+            }
+            let mut want = vec![0i32; k];
+            let want_sa = crate::kernels::w4::quantize_activation_row(&x, &mut want);
+            let segs = (0..k).step_by(64).map(|s| s..s + 64);
+            let mut got = vec![0i8; k];
+            let mut sums = vec![0i32; k / 64];
+            // SAFETY: tested tier; segments of whole vectors.
+            let sa = unsafe { avx512::quantize_row(&x, &mut got, segs, &mut sums) };
+            assert_eq!(sa.to_bits(), want_sa.to_bits(), "trial {trial}");
+            let want8: Vec<i8> = want.iter().map(|v| *v as i8).collect();
+            assert_eq!(got, want8, "trial {trial}");
+            let want_sums: Vec<i32> = want.chunks(64).map(|c| c.iter().sum()).collect();
+            assert_eq!(sums, want_sums, "trial {trial}");
         }
     }
 
