@@ -222,13 +222,14 @@ pub(super) fn word_order(o: usize) -> usize {
 
 /// `rows` rows of `k` bf16 activations put in [`word_order`] pair by pair.
 fn to_word_order(xb: &[u16], k: usize) -> Vec<u16> {
+    // Rows are whole pairs, so the 128-value pieces never straddle two rows.
+    assert!(k.is_multiple_of(128) && xb.len().is_multiple_of(k));
     let mut out = vec![0u16; xb.len()];
     for (dst, src) in out.chunks_exact_mut(128).zip(xb.chunks_exact(128)) {
         for (o, d) in dst.iter_mut().enumerate() {
             *d = src[word_order(o)];
         }
     }
-    debug_assert!(k.is_multiple_of(128));
     out
 }
 

@@ -20,6 +20,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::avx512::{block_scales, block_step, column_mask};
 use super::{Acts, PackedW4A8, TILE};
 use crate::kernels::avx512_util::round_bf16_ps;
 use crate::kernels::par::ColumnsOut;
@@ -204,12 +205,8 @@ pub(super) unsafe fn w4a8_tiles(
                         let (half, j) = (ci / 2, ci % 2);
                         let Some(col_tile) = pair[j] else { continue };
                         let slot = (col_tile * p.groups + b * p.bk / p.g) * TILE;
-                        // SAFETY: 16 bf16 scales per slot.
-                        let scale = unsafe {
-                            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                                _mm256_loadu_si256(p.scales.as_ptr().add(slot) as *const __m256i),
-                            )))
-                        };
+                        // SAFETY: slot is a tile's group: 16 scales.
+                        let scale = unsafe { block_scales(p, slot) };
                         let corr = corr[j * blocks + b];
                         let r = r0 + 16 * half;
                         if r >= c1 {
@@ -220,21 +217,14 @@ pub(super) unsafe fn w4a8_tiles(
                         {
                             // SAFETY: 16 i32 per row.
                             let acc = unsafe { _mm512_loadu_si512(row.as_ptr() as *const __m512i) };
-                            let acc_i = _mm512_sub_epi32(acc, corr);
-                            let tv = _mm512_mul_ps(_mm512_cvtepi32_ps(acc_i), _mm512_set1_ps(sa));
-                            o[j] = _mm512_fmadd_ps(tv, scale, o[j]);
+                            o[j] = block_step(_mm512_sub_epi32(acc, corr), sa, scale, o[j]);
                         }
                     }
                 }
             }
             for (j, tile) in pair.iter().enumerate() {
                 let Some(tile) = *tile else { continue };
-                let valid = (p.n - tile * TILE).min(TILE);
-                let mask: __mmask16 = if valid == TILE {
-                    !0
-                } else {
-                    (1u16 << valid) - 1
-                };
+                let mask = column_mask(p, tile);
                 for (r, o) in o.iter().enumerate() {
                     // SAFETY: this job owns the tile's columns; the mask keeps to n.
                     unsafe {

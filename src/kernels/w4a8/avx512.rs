@@ -106,11 +106,8 @@ unsafe fn w4a8_tile<const R: usize, const S: usize>(
         }
         for s in 0..S {
             let slot = (ts[s] * p.groups + b * p.bk / p.g) * TILE;
-            let scale = unsafe {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256(p.scales.as_ptr().add(slot) as *const __m256i),
-                )))
-            };
+            // SAFETY: slot is a tile's group: 16 scales.
+            let scale = unsafe { block_scales(p, slot) };
             for r in 0..R {
                 let sum = acts.sums[(r0 + r) * acts.nsegs + b];
                 // Zero-point correction z·Σa: exact in i32 (|z·Σa| ≤ 16·127·128).
@@ -128,19 +125,13 @@ unsafe fn w4a8_tile<const R: usize, const S: usize>(
                 let [a0, a1, a2, a3] = acc[s][r];
                 let total = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
                 let acc_i = _mm512_sub_epi32(total, corr);
-                let tv = _mm512_mul_ps(_mm512_cvtepi32_ps(acc_i), _mm512_set1_ps(acts.sa[r0 + r]));
-                o[s][r] = _mm512_fmadd_ps(tv, scale, o[s][r]);
+                o[s][r] = block_step(acc_i, acts.sa[r0 + r], scale, o[s][r]);
             }
         }
     }
     for s in 0..S {
         let t = ts[s];
-        let valid = (p.n - t * TILE).min(TILE);
-        let mask: __mmask16 = if valid == TILE {
-            !0
-        } else {
-            (1u16 << valid) - 1
-        };
+        let mask = column_mask(p, t);
         for (r, o) in o[s].iter().enumerate() {
             // SAFETY: tile t's columns belong to this job; the mask keeps to n.
             unsafe { _mm512_mask_storeu_ps(out.ptr_at(r0 + r, t * TILE), mask, round_bf16_ps(*o)) };
@@ -189,4 +180,36 @@ pub(super) unsafe fn quantize_row(
         *sum = _mm512_reduce_add_epi32(acc);
     }
     sa
+}
+
+/// The f32 scales of the 16 columns at `slot` (`[tiles][groups][16]`), widened from bf16.
+///
+/// # Safety
+/// AVX-512 F on this CPU; `slot + 16` ≤ `p.scales.len()`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn block_scales(p: &PackedW4A8, slot: usize) -> __m512 {
+    assert!(slot + TILE <= p.scales.len());
+    // SAFETY: 16 u16 in bounds by the assert.
+    let bits = unsafe { _mm256_loadu_si256(p.scales.as_ptr().add(slot) as *const __m256i) };
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+}
+
+/// The recipe's f32 steps for one block, per column lane: `fma(f32(acc)·sa, s, out)` (every
+/// tier's kernel calls this, which is what keeps their bits equal).
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) fn block_step(acc: __m512i, sa: f32, scale: __m512, out: __m512) -> __m512 {
+    let t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(sa));
+    _mm512_fmadd_ps(t, scale, out)
+}
+
+/// The lanes of column tile `t` that are columns of the weight (the last tile may be partial).
+pub(super) fn column_mask(p: &PackedW4A8, t: usize) -> __mmask16 {
+    let valid = (p.n - t * TILE).min(TILE);
+    if valid == TILE {
+        !0
+    } else {
+        (1u16 << valid) - 1
+    }
 }
