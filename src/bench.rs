@@ -229,6 +229,11 @@ pub struct KernelRow {
     pub us_per_call: Spread,
     /// Weight bytes ÷ median time.
     pub gb_s: f64,
+    /// m·n·k multiply-adds ÷ median time, in G per second.
+    pub gmacs: f64,
+    /// The multiply-add instruction the kernel runs on this CPU at these rows (its measured
+    /// peak, [`kernels::peak`], is the ceiling when the weights are in cache).
+    pub instruction: Option<&'static str>,
 }
 
 /// The kernels `bench --kernels` compares: today's paths and the ones they replaced.
@@ -262,6 +267,24 @@ impl KernelKind {
             KernelKind::W4A8 => "w4a8 g128",
             KernelKind::W4A8Scalar => "w4a8 g128 scalar",
         }
+    }
+
+    /// The multiply-add instruction the dispatch picks for this kind with `m` activation rows
+    /// of depth `k` under `isa` (as in `bf16::matmul_nt`, `PackedW4A16::matmul` and
+    /// `PackedW4A8::matmul`; `None` for the scalar kernel).
+    pub fn instruction(self, isa: kernels::isa::Isa, m: usize, k: usize) -> Option<&'static str> {
+        use kernels::isa::Isa;
+        let tiles = isa >= Isa::Amx && m >= 32;
+        Some(match self {
+            _ if !isa.avx512() => return None,
+            KernelKind::F32Gemm | KernelKind::Bf16F32Act => "vfmadd231ps",
+            KernelKind::Bf16 | KernelKind::W4A16 if tiles && k.is_multiple_of(32) => "tdpbf16ps",
+            KernelKind::Bf16 | KernelKind::W4A16 if isa >= Isa::Avx512Bf16 => "vdpbf16ps",
+            KernelKind::Bf16 | KernelKind::W4A16 => "vfmadd231ps",
+            KernelKind::W4A8 if tiles => "tdpbusd",
+            KernelKind::W4A8 => "vpdpbusd",
+            KernelKind::W4A8Scalar => return None,
+        })
     }
 }
 
@@ -409,6 +432,8 @@ pub fn bench_kernel(
         m,
         weight_bytes: bytes,
         gb_s: bytes as f64 / (us_per_call.median * 1e3),
+        gmacs: (m * n * k) as f64 / (us_per_call.median * 1e3),
+        instruction: kind.instruction(kernels::isa::isa(), m, k),
         us_per_call,
     }
 }

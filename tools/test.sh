@@ -27,7 +27,7 @@ stage "cargo test --release"
 # As root (CI), the mount-point test of tests/artifacts.rs must run, not skip.
 if [ "$(id -u)" = 0 ]; then export SPARK_REQUIRE_MOUNT=1; fi
 # The SIMD kernel tests must run on every tier this CPU has, not skip it.
-if grep -qw amx_int8 /proc/cpuinfo && grep -qw avx512_bf16 /proc/cpuinfo; then export SPARK_REQUIRE_ISA=amx
+if grep -qw amx_int8 /proc/cpuinfo && grep -qw amx_bf16 /proc/cpuinfo && grep -qw avx512_bf16 /proc/cpuinfo; then export SPARK_REQUIRE_ISA=amx
 elif grep -qw avx512_bf16 /proc/cpuinfo; then export SPARK_REQUIRE_ISA=avx512bf16
 elif grep -qw avx512_vnni /proc/cpuinfo; then export SPARK_REQUIRE_ISA=avx512vnni; fi
 # The GGUF checks against llama.cpp's own Python reader (pinned in tools/requirements.txt) must run.

@@ -68,6 +68,30 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
         ("lm_head", c.vocab_size, h),
     ];
     let bw = stream_read_gb_s(a.repeat);
+    let peaks = spark_tool::kernels::peak::measure(spark_tool::kernels::isa::isa(), a.repeat);
+    if !a.json {
+        for p in &peaks {
+            println!(
+                "peak {:<12} {:<19} {:>8.1} G MAC/s 1 thread, {:>8.1} G MAC/s {} threads",
+                p.instruction, p.operands, p.one_thread_gmacs, p.all_threads_gmacs, p.threads
+            );
+        }
+    }
+    let share_of = |r: &spark_tool::bench::KernelRow, name: &str| -> Option<f64> {
+        let p = spark_tool::kernels::peak::of(&peaks, name)?;
+        let threads = rayon::current_num_threads();
+        let peak = if threads == 1 {
+            p.one_thread_gmacs
+        } else {
+            p.all_threads_gmacs
+        };
+        Some(100.0 * r.gmacs / peak)
+    };
+    let share = |r: &spark_tool::bench::KernelRow| share_of(r, r.instruction?);
+    // Tile kernels: also the share of the 2 × 2 step with loads (their practical bound).
+    let step_share = |r: &spark_tool::bench::KernelRow| {
+        share_of(r, spark_tool::kernels::peak::step_of(r.instruction?)?)
+    };
     let mut rows = vec![];
     for (name, n, k) in shapes {
         for kind in KernelKind::all() {
@@ -87,8 +111,17 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
             let ws = a.working_set_mb.map(|mb| (mb * 1e6) as usize);
             let r = bench_kernel(kind, n, k, a.rows, a.repeat, ws);
             if !a.json {
+                let mut peak = match (r.instruction, share(&r)) {
+                    (Some(i), Some(pct)) => {
+                        format!("  {:>7.1} G MAC/s {pct:>4.0}% of {i}", r.gmacs)
+                    }
+                    _ => String::new(),
+                };
+                if let Some(pct) = step_share(&r) {
+                    peak += &format!(", {pct:.0}% of its 2x2 step");
+                }
                 println!(
-                    "{name:<18} {:>7} x {:<6} {:<17} {:>8.1} MB  median {:>9.1} us (min {:>9.1})  {:>6.1} GB/s  {:>4.0}% of stream",
+                    "{name:<18} {:>7} x {:<6} {:<17} {:>8.1} MB  median {:>9.1} us (min {:>9.1})  {:>6.1} GB/s  {:>4.0}% of stream{peak}",
                     n,
                     k,
                     r.kernel,
@@ -107,10 +140,13 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
             "threads": rayon::current_num_threads(),
             "rows": a.rows,
             "stream_read_gb_s": bw,
+            "peaks": peaks,
             "decode_walk": spark_tool::kernels::decode_walk(),
             "kernels": rows.iter().map(|(name, r)| {
                 let mut v = serde_json::to_value(r).expect("plain struct");
                 v["linear"] = (*name).into();
+                v["percent_of_peak"] = share(r).into();
+                v["percent_of_tile_step"] = step_share(r).into();
                 v
             }).collect::<Vec<_>>(),
         });

@@ -16,8 +16,9 @@ pub enum Isa {
     Avx512Vnni,
     /// The above plus AVX512-BF16 (`vdpbf16ps`): Cooper/Sapphire Rapids, Zen 4.
     Avx512Bf16,
-    /// The above plus AMX int8 tiles (`tdpbusd`), granted to this process by the OS:
-    /// Sapphire Rapids and later. Only the many-row W4A8 kernel uses them.
+    /// The above plus AMX tiles with int8 and bf16 products (`tdpbusd`, `tdpbf16ps`), granted
+    /// to this process by the OS: Sapphire Rapids and later. The many-row kernels use them
+    /// (W4A8, and bf16-activation GEMMs: W4A16 and dense bf16 prefill, Gram matrices).
     Amx,
 }
 
@@ -32,11 +33,7 @@ impl Isa {
                 && is_x86_feature_detected!("avx512vnni")
             {
                 if is_x86_feature_detected!("avx512bf16") {
-                    return if amx_int8() {
-                        Isa::Amx
-                    } else {
-                        Isa::Avx512Bf16
-                    };
+                    return if amx() { Isa::Amx } else { Isa::Avx512Bf16 };
                 }
                 return Isa::Avx512Vnni;
             }
@@ -96,14 +93,11 @@ pub fn isa() -> Isa {
     })
 }
 
-/// AMX tiles with int8 products, and the OS's grant of tile state to this process (Linux
+/// AMX tiles with int8 and bf16 products, and the OS's grant of tile state to this process (Linux
 /// asks each process to request it before its first tile instruction; without it that
 /// instruction raises SIGILL). Asked once.
 #[cfg(target_arch = "x86_64")]
-fn amx_int8() -> bool {
+fn amx() -> bool {
     static GRANTED: OnceLock<bool> = OnceLock::new();
-    *GRANTED.get_or_init(|| {
-        let f = crate::device::detect();
-        f.amx_tile && f.amx_int8 && f.amx_permitted
-    })
+    *GRANTED.get_or_init(|| crate::device::detect().has_amx())
 }

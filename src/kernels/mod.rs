@@ -1,6 +1,8 @@
 //! Numeric kernels, kept apart from the model. Every kernel has a plain
 //! scalar reference; fast paths are tested against it.
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
 pub mod attention;
 // Shared by each format's AVX-512 child module (`bf16::avx512`, …).
 // (AVX-512 intrinsics are why the crate needs Rust 1.89.)
@@ -11,6 +13,7 @@ pub mod convert;
 pub mod gelu;
 pub mod isa;
 pub mod par;
+pub mod peak;
 #[cfg(test)]
 pub(crate) mod test_util;
 pub mod w4;

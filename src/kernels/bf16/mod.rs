@@ -14,6 +14,8 @@
 
 // The AVX-512 kernels index several register arrays ([stream][row]) by one counter.
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)]
 mod avx512;
 
@@ -132,21 +134,96 @@ pub(super) fn bf16_act_panel_matmul(
     };
     assert_eq!((x.len(), y.len()), (m * k, m * n));
     let out = ColumnsOut::new(y, m, n);
+    let tiled = tiled_rows(isa, &xb, m, k);
+    // The tile kernel reuses each activation tile over a group of slices.
+    let group = if tiled.is_some() {
+        amx::slices_per_group(k)
+    } else {
+        1
+    };
     super::par::for_ranges(n.div_ceil(GEMM_SLICE), m * n * k, |slices| {
         let mut wb = vec![0u16; GEMM_SLICE * k];
-        let mut packed = vec![0u16; GEMM_SLICE * k];
-        for si in slices {
-            let cols = si * GEMM_SLICE..((si + 1) * GEMM_SLICE).min(n);
-            let c = cols.len();
-            expand_bits(cols.clone(), &mut wb[..c * k]);
-            // SAFETY (both): the tier was checked above; this job owns columns `cols`.
+        let mut packed = super::amx::Aligned::new(group * GEMM_SLICE * k);
+        let mut scratch = super::amx::Aligned::new(0);
+        for g0 in slices.clone().step_by(group) {
+            let g1 = (g0 + group).min(slices.end);
+            for si in g0..g1 {
+                let cols = si * GEMM_SLICE..((si + 1) * GEMM_SLICE).min(n);
+                let c = cols.len();
+                expand_bits(cols, &mut wb[..c * k]);
+                let dst = &mut packed[(si - g0) * GEMM_SLICE * k..][..GEMM_SLICE * k];
+                // SAFETY: the tier was checked above.
+                unsafe { avx512::pack_bf16_slice(&wb[..c * k], c, k, dst) };
+            }
+            let cols = g0 * GEMM_SLICE..(g1 * GEMM_SLICE).min(n);
+            let slices = &packed[..(g1 - g0) * GEMM_SLICE * k];
+            let t = tiled.as_ref();
+            // SAFETY: the tier was checked above; this job owns columns `cols`.
             unsafe {
-                avx512::pack_bf16_slice(&wb[..c * k], c, k, &mut packed);
-                avx512::bf16_gemm_slice(&xb, k, &packed, 0..m, cols.start, c, &out)
+                gemm_slices(
+                    t,
+                    &xb,
+                    k,
+                    slices,
+                    0..m,
+                    cols.start,
+                    cols.len(),
+                    &out,
+                    &mut scratch,
+                )
             };
         }
     });
     true
+}
+
+/// The GEMM of consecutive packed slices (`slices`, the first for columns `c0…`, `cols`
+/// columns in all) on the best tier: AMX tiles for the whole 32-row blocks that `tiled` holds
+/// (built by [`tiled_rows`] where the CPU has tiles), then `vdpbf16ps` rows for the rest.
+///
+/// # Safety
+/// `isa` ≥ [`Isa::Avx512Bf16`] was detected on this CPU; the job owns columns `c0..c0 + cols`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_slices(
+    tiled: Option<&amx::TiledRows>,
+    xb: &[u16],
+    k: usize,
+    slices: &[u16],
+    rows: std::ops::Range<usize>,
+    c0: usize,
+    cols: usize,
+    out: &ColumnsOut,
+    scratch: &mut super::amx::Aligned<f32>,
+) {
+    let mut rest = rows.start;
+    if let Some(a) = tiled {
+        if rows.start.is_multiple_of(amx::ROWS) {
+            rest = (rows.end.min(a.rows()) / amx::ROWS * amx::ROWS).max(rows.start);
+            // SAFETY: `tiled` exists only under the AMX tier; the caller owns the columns.
+            unsafe { amx::bf16_gemm_slices(a, slices, rows.start..rest, c0, cols, out, scratch) };
+        }
+    }
+    if rest < rows.end {
+        let per_slice = avx512::GEMM_SLICE * k;
+        for (i, slice) in slices.chunks_exact(per_slice).enumerate() {
+            let first = i * avx512::GEMM_SLICE;
+            let c = cols.saturating_sub(first).min(avx512::GEMM_SLICE);
+            if c > 0 {
+                // SAFETY: as above, AVX512-BF16 checked by the caller.
+                unsafe {
+                    avx512::bf16_gemm_slice(xb, k, slice, rest..rows.end, c0 + first, c, out)
+                };
+            }
+        }
+    }
+}
+
+/// `xb` (`[m, k]` bits) packed for the AMX kernel, where `isa` has tiles and the shape gives
+/// them whole steps and at least one 32-row block.
+#[cfg(target_arch = "x86_64")]
+fn tiled_rows(isa: Isa, xb: &[u16], m: usize, k: usize) -> Option<amx::TiledRows> {
+    (isa >= Isa::Amx && amx::takes(k) && m >= amx::ROWS).then(|| amx::TiledRows::new(xb, m, k))
 }
 
 /// `out[i, j] = Σ_t a[t, i]·b[t, j]` over the `t` rows of `a` and `b` (`[t, k]`, row-major) with
@@ -177,9 +254,9 @@ pub fn gram_bf16_with(
         if isa < Isa::Avx512Bf16 || t == 0 || k == 0 {
             return false;
         }
-        // Both operands transposed to [k, t2] bits, t2 = t rounded up to even with a zero token
-        // (it adds nothing): the slice kernel reduces over pairs of its rows' elements.
-        let t2 = t + t % 2;
+        // Both operands transposed to [k, t2] bits, t2 = t rounded up to whole tile steps with
+        // zero tokens (they add nothing): the slice kernels reduce over pairs, the tiles over 32.
+        let t2 = t.next_multiple_of(32);
         let transposed = |x: &[f32]| -> Option<Vec<u16>> {
             let mut bits = bf16_bits(x)?;
             bits.resize(t2 * k, 0);
@@ -196,19 +273,24 @@ pub fn gram_bf16_with(
             None => None,
         };
         let cols_of = bt.as_deref().unwrap_or(&at);
+        let tiled = tiled_rows(isa, &at, k, t2);
         let dst = ColumnsOut::new(out, k, k);
         let slices = k.div_ceil(avx512::GEMM_SLICE);
         // Largest jobs first: the upper triangle's slices grow with their column.
         (0..slices).into_par_iter().rev().for_each_init(
-            || vec![0u16; avx512::GEMM_SLICE * t2],
-            |packed, si| {
+            || {
+                let packed = super::amx::Aligned::new(avx512::GEMM_SLICE * t2);
+                (packed, super::amx::Aligned::new(0))
+            },
+            |(packed, scratch), si| {
                 let c0 = si * avx512::GEMM_SLICE;
                 let c = (k - c0).min(avx512::GEMM_SLICE);
                 let rows = if b.is_none() { 0..c0 + c } else { 0..k };
                 // SAFETY: the tier was checked above; this job alone writes columns c0..c0 + c.
                 unsafe {
                     avx512::pack_bf16_slice(&cols_of[c0 * t2..(c0 + c) * t2], c, t2, packed);
-                    avx512::bf16_gemm_slice(&at, t2, packed, rows, c0, c, &dst)
+                    let t = tiled.as_ref();
+                    gemm_slices(t, &at, t2, packed, rows, c0, c, &dst, scratch)
                 };
             },
         );
@@ -303,6 +385,11 @@ mod tests {
             (19, 2080, 7),
             (40, 96, 70),
             (23, 2, 33),
+            // Whole and partial 32-row tile blocks, k in whole and partial tile steps.
+            (33, 32, 16),
+            (64, 2048, 40),
+            (96, 320, 65),
+            (70, 6656, 17),
         ] {
             // bf16 activations: the vdpbf16ps GEMV (decode rows) and GEMM paths.
             for act_bf16 in [false, true] {
@@ -330,20 +417,18 @@ mod tests {
                     matmul_nt_with(isa, &x, m, k, &w, n, &mut got);
                     assert_close_sum_order(&got, &want, &abs, k);
                 }
+                // The vdpbf16ps panel GEMM, and the AMX tiles where the CPU has them.
                 #[cfg(target_arch = "x86_64")]
-                if act_bf16 && m >= GEMM_MIN_ROWS && Isa::tested().contains(&Isa::Avx512Bf16) {
+                for isa in Isa::tested().into_iter().filter(|t| *t >= Isa::Avx512Bf16) {
+                    if !act_bf16 || m < GEMM_MIN_ROWS {
+                        break;
+                    }
                     let mut got = vec![f32::NAN; m * n];
                     let expand = |cols: std::ops::Range<usize>, out: &mut [u16]| {
                         out.copy_from_slice(&w[cols.start * k..cols.end * k])
                     };
                     assert!(super::bf16_act_panel_matmul(
-                        Isa::Avx512Bf16,
-                        &x,
-                        m,
-                        k,
-                        n,
-                        &mut got,
-                        expand
+                        isa, &x, m, k, n, &mut got, expand
                     ));
                     assert_close_sum_order(&got, &want, &abs, k);
                 }
@@ -355,7 +440,7 @@ mod tests {
     fn the_bf16_gram_is_the_sum_of_outer_products() {
         use crate::kernels::test_util::activations;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        for &(t, k) in &[(1, 1), (7, 33), (64, 32), (131, 70), (300, 97)] {
+        for &(t, k) in &[(1, 1), (7, 33), (64, 32), (131, 70), (300, 97), (40, 130)] {
             let a = activations(&mut rng, t, k);
             let b = activations(&mut rng, t, k);
             let f32_only = vec![0.1f32 + f32::EPSILON; t * k];

@@ -13,8 +13,7 @@
 //! per call; each job expands a column tile pair's weights to bytes once per row chunk and
 //! reuses them for every 32-row block of it.
 //!
-//! Tile instructions are inline `asm!` (their intrinsics are unstable in Rust 1.95); the
-//! compiler never uses tile registers, so their state lives across asm blocks.
+//! Tile instructions are inline `asm!`; configuration and release in [`crate::kernels::amx`].
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -22,6 +21,7 @@ use std::ops::Range;
 
 use super::avx512::{block_scales, block_step, column_mask};
 use super::{Acts, PackedW4A8, TILE};
+use crate::kernels::amx::{self, Aligned};
 use crate::kernels::avx512_util::round_bf16_ps;
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4::Zeros;
@@ -40,7 +40,7 @@ pub(super) fn takes(p: &PackedW4A8) -> bool {
 /// and 64 inputs one contiguous 1 KiB tile (16 rows of 64 bytes), so a tile load reads
 /// consecutive lines. Rows are padded to a multiple of [`ROWS`] (computed, never stored).
 pub(super) struct UnsignedRows {
-    tiles: Vec<u8>,
+    tiles: Aligned<u8>,
     steps: usize,
 }
 
@@ -49,7 +49,8 @@ impl UnsignedRows {
         use rayon::prelude::*;
         let steps = k / DEPTH;
         let blocks = acts.m.div_ceil(16);
-        let mut tiles = vec![128u8; blocks.next_multiple_of(ROWS / 16) * steps * 16 * DEPTH];
+        let mut tiles = Aligned::new(blocks.next_multiple_of(ROWS / 16) * steps * 16 * DEPTH);
+        tiles.fill(128);
         let fill = |(rb, t): (usize, &mut [u8])| {
             for i in 0..16.min(acts.m.saturating_sub(16 * rb)) {
                 let row = &acts.a[(16 * rb + i) * acts.stride..][..k];
@@ -80,22 +81,6 @@ const CHUNK_BYTES: usize = if cfg!(test) { 1 << 16 } else { 1 << 20 };
 /// At most this many rows per chunk: their f32 outputs for a tile pair (128 B a row) stay in L1.
 const MAX_CHUNK_ROWS: usize = 128;
 
-/// Palette 1; tiles 0–7 all 16 rows of 64 bytes.
-#[repr(C, align(64))]
-struct TileConfig([u8; 64]);
-
-impl TileConfig {
-    fn new() -> Self {
-        let mut c = [0u8; 64];
-        c[0] = 1;
-        for t in 0..8 {
-            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
-            c[48 + t] = 16;
-        }
-        TileConfig(c)
-    }
-}
-
 /// Tiles `tiles` of `y` for all activation rows; `au` from [`UnsignedRows::new`].
 ///
 /// Loops: row chunks of about [`CHUNK_BYTES`] (outer), column tile pairs (their weights
@@ -121,13 +106,12 @@ pub(super) unsafe fn w4a8_tiles(
     let chunk_rows = (CHUNK_BYTES / p.k / ROWS).clamp(1, MAX_CHUNK_ROWS / ROWS) * ROWS;
     // Two column tiles' weights as bytes, [tile][step][16 rows][64], and 128·Σ(q − z) per
     // tile, block and column.
-    let mut wb = vec![0i8; 2 * steps * 16 * DEPTH];
+    let mut wb = Aligned::<i8>::new(2 * steps * 16 * DEPTH);
     let mut corr = vec![_mm512_setzero_si512(); 2 * blocks];
-    let mut cbuf = [[0i32; TILE]; 4 * 16];
+    let mut cbuf = Aligned::<i32>::new(4 * 16 * TILE);
     let mut o: Vec<[__m512; 2]> = Vec::with_capacity(chunk_rows);
-    let cfg = TileConfig::new();
-    // SAFETY: the config is a valid palette-1 layout; the caller checked AMX and the grant.
-    unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
+    // SAFETY: the caller checked AMX and the grant.
+    unsafe { amx::configure() };
     for c0 in (0..acts.m).step_by(chunk_rows) {
         let c1 = (c0 + chunk_rows).min(acts.m);
         for t in tiles.clone().step_by(2) {
@@ -186,7 +170,7 @@ pub(super) unsafe fn w4a8_tiles(
                     }
                     // SAFETY: `cbuf` holds four 16 × 16 i32 tiles, rows 64 bytes apart.
                     unsafe {
-                        let c = cbuf.as_mut_ptr() as *mut i32;
+                        let c = cbuf.as_mut_ptr();
                         asm!(
                             "tilestored [{c0} + {s} * 1], tmm0",
                             "tilestored [{c1} + {s} * 1], tmm1",
@@ -201,7 +185,7 @@ pub(super) unsafe fn w4a8_tiles(
                         );
                     }
                     // The AVX-512 kernel's epilogue, per row and column tile.
-                    for (ci, tile) in cbuf.chunks_exact(16).enumerate() {
+                    for (ci, tile) in cbuf.chunks_exact(16 * TILE).enumerate() {
                         let (half, j) = (ci / 2, ci % 2);
                         let Some(col_tile) = pair[j] else { continue };
                         let slot = (col_tile * p.groups + b * p.bk / p.g) * TILE;
@@ -212,8 +196,9 @@ pub(super) unsafe fn w4a8_tiles(
                         if r >= c1 {
                             continue;
                         }
-                        for (row, (o, &sa)) in
-                            tile.iter().zip(o[r - c0..].iter_mut().zip(&acts.sa[r..c1]))
+                        for (row, (o, &sa)) in tile
+                            .chunks_exact(TILE)
+                            .zip(o[r - c0..].iter_mut().zip(&acts.sa[r..c1]))
                         {
                             // SAFETY: 16 i32 per row.
                             let acc = unsafe { _mm512_loadu_si512(row.as_ptr() as *const __m512i) };
@@ -239,7 +224,7 @@ pub(super) unsafe fn w4a8_tiles(
         }
     }
     // SAFETY: releases the tile state this function configured.
-    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    unsafe { amx::release() };
 }
 
 /// Column tile `tile`'s weights as signed bytes `q − z` in `tdpbusd`'s B layout (per tile

@@ -1,0 +1,76 @@
+//! What the AMX kernels share: the tile configuration (palette 1, eight tiles of 16 rows × 64
+//! bytes) and loading / releasing it. Tile instructions are inline `asm!` (their intrinsics are
+//! unstable in Rust 1.95); the compiler never uses tile registers, so the state lives across
+//! asm blocks from [`configure`] to [`release`].
+
+use std::arch::asm;
+
+/// Palette 1; tiles 0–7 all 16 rows of 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+impl TileConfig {
+    fn full() -> Self {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        for t in 0..8 {
+            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
+            c[48 + t] = 16;
+        }
+        TileConfig(c)
+    }
+}
+
+/// Configures tiles 0–7 as 16 rows of 64 bytes.
+///
+/// # Safety
+/// The CPU has AMX and the OS granted this process tile state
+/// ([`Isa::Amx`](super::isa::Isa::Amx)).
+pub(super) unsafe fn configure() {
+    let cfg = TileConfig::full();
+    // SAFETY: the config is a valid palette-1 layout; the caller checked AMX and the grant.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
+}
+
+/// Releases the tile state (back to the init state, so context switches stay cheap).
+///
+/// # Safety
+/// As [`configure`].
+pub(super) unsafe fn release() {
+    // SAFETY: the caller checked AMX; releasing an unconfigured state is allowed.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// A zeroed buffer whose first value lies on a 64-byte boundary, for tile operands: a tile row
+/// that straddles two cache lines loads far slower (the 2 × 2 step of [`super::peak`] ran at
+/// 32 % of `tdpbf16ps`'s rate from a buffer 16 bytes off, 100 % aligned, on the Xeon of
+/// docs/BENCHMARKS.md), and a large `Vec` starts 16 bytes past a page.
+pub(super) struct Aligned<T> {
+    buf: Vec<T>,
+    off: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> Aligned<T> {
+    pub(super) fn new(len: usize) -> Self {
+        assert!(size_of::<T>().is_power_of_two() && size_of::<T>() <= 64);
+        let extra = 64 / size_of::<T>();
+        let buf = vec![T::default(); len + extra];
+        let off = buf.as_ptr().align_offset(64);
+        assert!(off <= extra, "a Vec is aligned to its element");
+        Aligned { buf, off, len }
+    }
+}
+
+impl<T> std::ops::Deref for Aligned<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.off..self.off + self.len]
+    }
+}
+
+impl<T> std::ops::DerefMut for Aligned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
+}

@@ -1,0 +1,215 @@
+//! AMX-BF16 version of the slice GEMM behind [`bf16_act_panel_matmul`](super::bf16_act_panel_matmul)
+//! and [`gram_bf16`](super::gram_bf16), for blocks of 32 activation rows.
+//!
+//! `tdpbf16ps` computes `C[m][n] += A[m][2p]·B[p][2n] + A[m][2p+1]·B[p][2n+1]` over 16 pairs p
+//! per tile: A holds 16 activation rows of 32 bf16 ([`TiledRows`]), B
+//! row p holds input pair p of 16 columns — exactly one 64-byte row of the packed slice
+//! ([`pack_bf16_slice`](super::avx512::pack_bf16_slice)), so a B tile is 1 KiB of the slice
+//! as it lies. Products of two bf16 are exact in f32 and the sums are f32, as in the
+//! `vdpbf16ps` kernel; the order of the sums differs, and the tile unit treats subnormal
+//! inputs as zero and flushes subnormal sums (values below 1.2e-38, far under anything a
+//! linear or a Gram matrix of activations produces).
+//!
+//! One step: 2 × 16 rows by the slice's 2 × 16 columns (tiles 0–3 accumulate, 4–5 hold
+//! activations, 6–7 weights), 32 inputs deep; the loops are at [`bf16_gemm_slices`].
+
+use std::arch::asm;
+use std::ops::Range;
+
+use super::avx512::GEMM_SLICE;
+use crate::kernels::amx::{self, Aligned};
+use crate::kernels::par::ColumnsOut;
+
+/// Inputs per tile step (16 pairs).
+const DEPTH: usize = 32;
+/// Activation rows per step: two tiles of 16.
+pub(super) const ROWS: usize = 32;
+/// Tile steps per k-chunk: the chunk's B tiles (2 KiB a step) stay in L1 while every row
+/// block passes over them; the accumulators are reloaded once per chunk. (Small in tests,
+/// so that they cross chunks.)
+const CHUNK_STEPS: usize = if cfg!(test) { 3 } else { 100000 };
+
+/// Whether the tile kernel takes a reduction of `k` inputs: whole tile steps only.
+pub(super) fn takes(k: usize) -> bool {
+    k.is_multiple_of(DEPTH)
+}
+
+/// The whole 32-row blocks of `[m, k]` bf16 rows packed tile by tile: per 16 rows and 32
+/// inputs one contiguous 1 KiB tile, so a tile load reads consecutive lines (rows `2k` bytes
+/// apart would fall in one L1 set at k = 2048 and evict each other).
+pub(super) struct TiledRows {
+    tiles: Aligned<u16>,
+    steps: usize,
+    /// Rows covered: m rounded down to whole blocks.
+    rows: usize,
+}
+
+impl TiledRows {
+    pub(super) fn new(xb: &[u16], m: usize, k: usize) -> Self {
+        use rayon::prelude::*;
+        assert!(takes(k) && xb.len() >= m * k);
+        let (steps, rows) = (k / DEPTH, m / ROWS * ROWS);
+        let mut tiles = Aligned::new(rows * k);
+        tiles
+            .par_chunks_mut(16 * k)
+            .enumerate()
+            .for_each(|(rb, t)| {
+                for i in 0..16 {
+                    let row = &xb[(16 * rb + i) * k..][..k];
+                    for (st, src) in row.chunks_exact(DEPTH).enumerate() {
+                        t[(st * 16 + i) * DEPTH..][..DEPTH].copy_from_slice(src);
+                    }
+                }
+            });
+        TiledRows { tiles, steps, rows }
+    }
+
+    /// Rows covered (the caller's row kernel takes the rest).
+    pub(super) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Tile (rows 16·rb…, inputs 32·st…).
+    fn tile(&self, rb: usize, st: usize) -> *const u16 {
+        self.tiles[(rb * self.steps + st) * 16 * DEPTH..].as_ptr()
+    }
+}
+
+/// Slices per call of [`bf16_gemm_slices`] for a reduction of `k`: as many as keep their packed
+/// weights (64·k bytes each) within 1 MiB of L2, at most 8.
+pub(super) fn slices_per_group(k: usize) -> usize {
+    ((1 << 20) / (64 * k.max(1))).clamp(1, 8)
+}
+
+/// `y[r, c0..c0 + cols] = x[r] · slices` for rows `rows` (whole 32-row blocks of `a`, starting
+/// at a block): `slices` holds consecutive packed slices
+/// ([`pack_bf16_slice`](super::avx512::pack_bf16_slice)), the first for columns `c0…`; `acc`
+/// is the job's scratch for the f32 accumulators between k-chunks.
+///
+/// Loops: 32-row blocks (outer), k-chunks of [`CHUNK_STEPS`] steps, then the slices, whose
+/// accumulators are reloaded from `acc` (4 KiB a slice, in L1): the row block's chunk of
+/// activations (16 KiB) stays in L1 while every slice of the group passes over it, and the
+/// group's weights stay in L2 from one row block to the next.
+///
+/// # Safety
+/// The CPU has AMX-BF16 and the OS granted this process tile state
+/// ([`Isa::Amx`](crate::kernels::isa::Isa::Amx)); the job owns columns `c0..c0 + cols`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn bf16_gemm_slices(
+    a: &TiledRows,
+    slices: &[u16],
+    rows: Range<usize>,
+    c0: usize,
+    cols: usize,
+    out: &ColumnsOut,
+    acc: &mut Aligned<f32>,
+) {
+    let (steps, k) = (a.steps, a.steps * DEPTH);
+    let per_slice = GEMM_SLICE * k;
+    assert!(slices.len().is_multiple_of(per_slice));
+    let group = slices.len() / per_slice;
+    assert!(cols <= group * GEMM_SLICE);
+    assert!(rows.start.is_multiple_of(ROWS) && rows.len().is_multiple_of(ROWS));
+    assert!(rows.end <= a.rows);
+    if rows.is_empty() || group == 0 {
+        return;
+    }
+    let half = k / 2;
+    // Per slice four 16 × 16 f32 tiles, rows 64 bytes apart.
+    if acc.len() < group * 1024 {
+        *acc = Aligned::new(group * 1024);
+    }
+    // SAFETY: the caller checked AMX and the grant.
+    unsafe { amx::configure() };
+    for r0 in rows.clone().step_by(ROWS) {
+        let rb = r0 / 16;
+        for s0 in (0..steps).step_by(CHUNK_STEPS) {
+            for (si, slice) in slices.chunks_exact(per_slice).enumerate() {
+                let c = acc[si * 1024..].as_mut_ptr();
+                // SAFETY: `c` holds this slice's four tiles; tiles 0–3 are configured.
+                unsafe {
+                    if s0 == 0 {
+                        asm!(
+                            "tilezero tmm0",
+                            "tilezero tmm1",
+                            "tilezero tmm2",
+                            "tilezero tmm3",
+                            options(nostack, nomem)
+                        );
+                    } else {
+                        asm!(
+                            "tileloadd tmm0, [{c0} + {s} * 1]",
+                            "tileloadd tmm1, [{c1} + {s} * 1]",
+                            "tileloadd tmm2, [{c2} + {s} * 1]",
+                            "tileloadd tmm3, [{c3} + {s} * 1]",
+                            c0 = in(reg) c,
+                            c1 = in(reg) c.add(256),
+                            c2 = in(reg) c.add(512),
+                            c3 = in(reg) c.add(768),
+                            s = in(reg) 64usize,
+                            options(nostack, readonly)
+                        );
+                    }
+                }
+                for st in s0..(s0 + CHUNK_STEPS).min(steps) {
+                    // SAFETY: row blocks rb, rb + 1 < a.rows / 16, step st < steps: tiles of
+                    // `a`; B tiles are slice rows (pairs) 16·st… of each 16-column half, 64
+                    // bytes apart, inside the slice.
+                    unsafe {
+                        let b0 = slice.as_ptr().add(16 * st * 32);
+                        asm!(
+                            "tileloadd tmm4, [{a0} + {s} * 1]",
+                            "tileloadd tmm6, [{b0} + {s} * 1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tileloadd tmm7, [{b1} + {s} * 1]",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tileloadd tmm5, [{a1} + {s} * 1]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            a0 = in(reg) a.tile(rb, st),
+                            a1 = in(reg) a.tile(rb + 1, st),
+                            b0 = in(reg) b0,
+                            b1 = in(reg) b0.add(half * 32),
+                            s = in(reg) 64usize,
+                            options(nostack, readonly)
+                        );
+                    }
+                }
+                // SAFETY: as the load above.
+                unsafe {
+                    asm!(
+                        "tilestored [{c0} + {s} * 1], tmm0",
+                        "tilestored [{c1} + {s} * 1], tmm1",
+                        "tilestored [{c2} + {s} * 1], tmm2",
+                        "tilestored [{c3} + {s} * 1], tmm3",
+                        c0 = in(reg) c,
+                        c1 = in(reg) c.add(256),
+                        c2 = in(reg) c.add(512),
+                        c3 = in(reg) c.add(768),
+                        s = in(reg) 64usize,
+                        options(nostack)
+                    );
+                }
+            }
+        }
+        // Tile 2·h + j of a slice holds rows r0 + 16·h…, its columns 16·j….
+        for (si, tiles) in acc[..group * 1024].chunks_exact(1024).enumerate() {
+            for (t, tile) in tiles.chunks_exact(256).enumerate() {
+                let (h, j) = (t / 2, t % 2);
+                let first = si * GEMM_SLICE + 16 * j;
+                let valid = cols.saturating_sub(first).min(16);
+                if valid == 0 {
+                    continue;
+                }
+                for (i, row) in tile.chunks_exact(16).enumerate() {
+                    // SAFETY: this job owns columns c0 + first… (valid of them) of every row.
+                    unsafe { out.row_mut(r0 + 16 * h + i, c0 + first..c0 + first + valid) }
+                        .copy_from_slice(&row[..valid]);
+                }
+            }
+        }
+    }
+    // SAFETY: releases the tile state this function configured.
+    unsafe { amx::release() };
+}
