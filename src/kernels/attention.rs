@@ -96,6 +96,118 @@ fn attend_body<'a>(
     }
 }
 
+/// Query rows per block of [`attend_rows`]: the block's keys and values are gathered once and
+/// its scores are one GEMM.
+pub const BLOCK_ROWS: usize = 32;
+
+/// Scratch of [`attend_rows`], reused across blocks.
+#[derive(Default)]
+pub struct RowsScratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    s: Vec<f32>,
+}
+
+/// [`attend`] for `rows` consecutive query rows at once, as two GEMMs: row r sits at position
+/// `p0 + r` and sees positions `lo(r)..=p0 + r` (`lo` nondecreasing, as causal and sliding
+/// windows are). The block's keys and values (positions `lo(0)..=p0 + rows − 1`) are gathered
+/// once, S = Q·Kᵀ over all of them, each row's scores outside its window are dropped before
+/// its softmax, and O = P·V. `q` and `out` are `[rows][heads][hd]` for the query heads of one
+/// KV head. The same math as [`attend`] row by row; the sums run in the GEMM's order (f32
+/// throughout), so results differ in the last bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_rows<'a>(
+    q: &[f32],
+    rows: usize,
+    key: impl Fn(usize) -> &'a [f32],
+    value: impl Fn(usize) -> &'a [f32],
+    lo: impl Fn(usize) -> usize,
+    p0: usize,
+    hd: usize,
+    scale: f32,
+    scratch: &mut RowsScratch,
+    out: &mut [f32],
+) {
+    assert!(rows > 0 && q.len() == out.len() && q.len().is_multiple_of(rows * hd));
+    let heads = q.len() / (rows * hd);
+    let (first, last) = (lo(0), p0 + rows - 1);
+    assert!(first <= p0);
+    let n = last + 1 - first;
+    let m = rows * heads;
+    let RowsScratch { k, v, s } = scratch;
+    k.clear();
+    v.clear();
+    for pos in first..=last {
+        k.extend_from_slice(key(pos));
+        v.extend_from_slice(value(pos));
+    }
+    s.clear();
+    s.resize(m * n, 0.0);
+    // S[m, n] = Q[m, hd] · Kᵀ: key j's element d at k[j·hd + d].
+    // SAFETY: q is m × hd, k is n × hd, s is m × n, all row-major.
+    unsafe { gemm_strided(m, n, hd, s.as_mut_ptr(), n, q, hd, k, 1, hd) };
+    for r in 0..rows {
+        let (a, b) = (lo(r) - first, p0 + r - first);
+        for row in s[r * heads * n..(r + 1) * heads * n].chunks_exact_mut(n) {
+            let visible = &mut row[a..=b];
+            visible.iter_mut().for_each(|x| *x *= scale);
+            super::softmax(visible);
+            row[..a].fill(0.0);
+            row[b + 1..].fill(0.0);
+        }
+    }
+    // O[m, hd] = P[m, n] · V[n, hd].
+    // SAFETY: s is m × n, v is n × hd, out is m × hd, all row-major.
+    unsafe { gemm_strided(m, hd, n, out.as_mut_ptr(), hd, s, n, v, hd, 1) };
+}
+
+/// `dst[m, n] = lhs[m, k] · rhs`, with rhs element (kk, j) at `rhs[kk·rhs_rs + j·rhs_cs]`; one
+/// thread (the callers are parallel jobs).
+///
+/// # Safety
+/// `dst` is valid for m rows of n values `dst_rs` apart; `lhs` and `rhs` hold what the strides
+/// address.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: &[f32],
+    lhs_rs: usize,
+    rhs: &[f32],
+    rhs_rs: usize,
+    rhs_cs: usize,
+) {
+    assert!(lhs.len() >= (m - 1) * lhs_rs + k);
+    assert!(rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
+    // SAFETY: bounds asserted above; dst is the caller's promise.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            false,
+            lhs.as_ptr(),
+            1,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
 /// Hint the cache lines of `row` into L1 (never faults).
 #[inline(always)]
 fn prefetch(row: &[f32]) {
@@ -166,6 +278,69 @@ mod tests {
                     (out[h * hd + d] as f64 - want).abs() < 1e-5,
                     "head {h} dim {d}"
                 );
+            }
+        }
+    }
+
+    /// A block of rows as GEMMs equals row-by-row attention, causal and sliding, over keys that
+    /// start before the block (a cache) and a block not starting at position 0.
+    #[test]
+    fn rows_as_gemms_match_row_by_row() {
+        let mut s = 3u32;
+        let mut rnd = || {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        let (hd, heads) = (16, 3);
+        let total = 90;
+        let k: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
+        let v: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
+        fn row(m: &[f32], hd: usize, p: usize) -> &[f32] {
+            &m[p * hd..(p + 1) * hd]
+        }
+        let mut scratch = RowsScratch::default();
+        // (rows, first position, sliding window or none)
+        for &(rows, p0, window) in &[
+            (1, 0, None),
+            (32, 0, None),
+            (17, 40, None),
+            (32, 50, Some(8)),
+        ] {
+            let q: Vec<f32> = (0..rows * heads * hd).map(|_| 4.0 * rnd()).collect();
+            let lo = |r: usize| window.map_or(0, |w: usize| (p0 + r + 1).saturating_sub(w));
+            let mut got = vec![f32::NAN; q.len()];
+            attend_rows(
+                &q,
+                rows,
+                |p| row(&k, hd, p),
+                |p| row(&v, hd, p),
+                lo,
+                p0,
+                hd,
+                0.25,
+                &mut scratch,
+                &mut got,
+            );
+            for r in 0..rows {
+                let mut want = vec![0f32; heads * hd];
+                let qr = &q[r * heads * hd..(r + 1) * heads * hd];
+                attend(
+                    qr,
+                    |p| row(&k, hd, p),
+                    |p| row(&v, hd, p),
+                    lo(r),
+                    p0 + r,
+                    hd,
+                    0.25,
+                    &mut vec![],
+                    &mut want,
+                );
+                for (g, w) in got[r * heads * hd..(r + 1) * heads * hd].iter().zip(&want) {
+                    assert!(
+                        (g - w).abs() <= 1e-5,
+                        "rows {rows} at {p0}, row {r}: {g} vs {w}"
+                    );
+                }
             }
         }
     }

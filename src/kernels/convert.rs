@@ -45,9 +45,62 @@ pub fn f32_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
     convert::<4>(bytes, out, f32::from_le_bytes);
 }
 
+/// `half::bf16::from_f32(v).to_f32()` for every value, in place: round to nearest even on the
+/// bit pattern, NaN made quiet. Branch-free so that it vectorises (half's conversion does not;
+/// over a prefill's activations it was 12 % of the time), and spread over threads for long
+/// slices.
+pub fn round_bf16_in_place(x: &mut [f32]) {
+    let run = |x: &mut [f32]| {
+        for v in x.iter_mut() {
+            let bits = v.to_bits();
+            let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000;
+            let quiet = (bits | 0x0040_0000) & 0xFFFF_0000;
+            let nan = bits & 0x7FFF_FFFF > 0x7F80_0000;
+            *v = f32::from_bits(if nan { quiet } else { rounded });
+        }
+    };
+    if x.len() <= CHUNK {
+        run(x);
+    } else {
+        x.par_chunks_mut(CHUNK).for_each(run);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_rounding_in_place_is_halfs() {
+        // A stride through every bit pattern, plus ties (both parities), the overflow edge,
+        // infinities, NaNs with and without payload in the kept half, subnormals.
+        let mut bits: Vec<u32> = (0..=u32::MAX).step_by(65_521).collect();
+        bits.extend([
+            0x3F80_8000,
+            0x3F81_8000,
+            0xBF80_8000,
+            0x7F7F_FFFF,
+            0x7F7F_8000,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7F80_0001,
+            0x7FC0_0000,
+            0xFFFF_FFFF,
+            0x0000_8000,
+            0x0001_8000,
+            0x8000_0001,
+            0,
+        ]);
+        let mut x: Vec<f32> = bits.iter().map(|b| f32::from_bits(*b)).collect();
+        let want: Vec<u32> = x
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_f32().to_bits())
+            .collect();
+        round_bf16_in_place(&mut x);
+        for ((b, w), g) in bits.iter().zip(&want).zip(&x) {
+            assert_eq!(g.to_bits(), *w, "bits {b:#010x}");
+        }
+    }
 
     #[test]
     fn widening_is_exact() {

@@ -10,6 +10,8 @@ use super::profile::{Stage, StageTimers};
 use super::rope::Rope;
 use super::Linear;
 use crate::checkpoint::{CheckpointError, LayerType, Proj, SparkConfig};
+use crate::kernels::attention::{RowsScratch, BLOCK_ROWS};
+use crate::kernels::par::ColumnsOut;
 use crate::kernels::{self, gelu::gelu_mul, rms_norm, sigmoid};
 
 /// What a block needs besides its weights: the shapes, its layer type and rotary table, and the
@@ -200,6 +202,10 @@ pub struct Segment<'c> {
     pub cache: &'c mut LayerKvCache,
 }
 
+/// From this many query rows on, attention runs block by block as GEMMs
+/// ([`kernels::attention::attend_rows`]).
+const BLOCKED_MIN_ROWS: usize = 16;
+
 /// Causal attention for `m` new queries at positions `start..start+m`. Keys before `start` come
 /// from the cache, the rest from this call's `k`/`v`; sliding layers see the last
 /// `sliding_window` positions including the query's own.
@@ -231,19 +237,57 @@ fn attention(
             cache.value(pos)
         }
     };
-    // One job per (query row, KV head): the `group` query heads sharing a KV head stream its
-    // keys and values once, and decode (one row) still spreads over the KV heads. Per query
-    // head the arithmetic and its order are those of a plain per-head loop.
     let kv_heads = kv_dim / hd;
+    let lo_of = |i: usize| match kind {
+        LayerType::Sliding => (start + i + 1).saturating_sub(window),
+        LayerType::Full => 0,
+    };
+    let m = q.len() / q_dim;
+    if m >= BLOCKED_MIN_ROWS {
+        // Prefill: one job per (block of query rows, KV head), scores and outputs as GEMMs.
+        // Largest blocks (latest rows, most keys) first.
+        let blocks = m.div_ceil(BLOCK_ROWS);
+        let dst = ColumnsOut::new(out, m, q_dim);
+        (0..blocks * kv_heads).into_par_iter().rev().for_each_init(
+            || (RowsScratch::default(), Vec::new(), Vec::new()),
+            |(scratch, qb, ob), job| {
+                let (b, kvh) = (job / kv_heads, job % kv_heads);
+                let (r0, cols) = (b * BLOCK_ROWS, kvh * group * hd..(kvh + 1) * group * hd);
+                let rows = (m - r0).min(BLOCK_ROWS);
+                qb.clear();
+                for i in r0..r0 + rows {
+                    qb.extend_from_slice(&q[i * q_dim + cols.start..i * q_dim + cols.end]);
+                }
+                ob.resize(qb.len(), 0.0);
+                let kvo = kvh * hd;
+                kernels::attention::attend_rows(
+                    qb,
+                    rows,
+                    |pos| &key(pos)[kvo..kvo + hd],
+                    |pos| &value(pos)[kvo..kvo + hd],
+                    |r| lo_of(r0 + r),
+                    start + r0,
+                    hd,
+                    scale,
+                    scratch,
+                    ob,
+                );
+                for (r, o) in ob.chunks_exact(group * hd).enumerate() {
+                    // SAFETY: this job alone writes rows r0.. of KV head kvh's query columns.
+                    unsafe { dst.row_mut(r0 + r, cols.clone()) }.copy_from_slice(o);
+                }
+            },
+        );
+        return;
+    }
+    // Decode and short calls: one job per (query row, KV head): the `group` query heads sharing
+    // a KV head stream its keys and values once, and decode (one row) still spreads over the KV
+    // heads. Per query head the arithmetic and its order are those of a plain per-head loop.
     out.par_chunks_mut(group * hd)
         .enumerate()
         .for_each(|(c, out_g)| {
             let (i, kvh) = (c / kv_heads, c % kv_heads);
-            let p = start + i;
-            let lo = match kind {
-                LayerType::Sliding => (p + 1).saturating_sub(window),
-                LayerType::Full => 0,
-            };
+            let (p, lo) = (start + i, lo_of(i));
             let kvo = kvh * hd;
             let q0 = i * q_dim + kvh * group * hd;
             kernels::attention::attend(

@@ -119,9 +119,10 @@ impl Linear for Bf16Act {
         self.0.out_features()
     }
     fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        let xr: Vec<f32> = x.iter().map(|v| kernels::w4::round_bf16(*v)).collect();
+        let mut xr = x.to_vec();
+        kernels::convert::round_bf16_in_place(&mut xr);
         self.0.forward(&xr, m, y);
-        y.iter_mut().for_each(|v| *v = kernels::w4::round_bf16(*v));
+        kernels::convert::round_bf16_in_place(y);
     }
     fn kind(&self) -> String {
         format!("{} (bf16 activations)", self.0.kind())

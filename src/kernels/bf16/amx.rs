@@ -34,13 +34,14 @@ pub(super) fn takes(k: usize) -> bool {
     k.is_multiple_of(DEPTH)
 }
 
-/// The whole 32-row blocks of `[m, k]` bf16 rows packed tile by tile: per 16 rows and 32
-/// inputs one contiguous 1 KiB tile, so a tile load reads consecutive lines (rows `2k` bytes
-/// apart would fall in one L1 set at k = 2048 and evict each other).
+/// `[m, k]` bf16 rows packed tile by tile: per 16 rows and 32 inputs one contiguous 1 KiB tile,
+/// so a tile load reads consecutive lines (rows `2k` bytes apart would fall in one L1 set at
+/// k = 2048 and evict each other). Zero rows pad m to whole 32-row blocks: every row goes
+/// through the tiles, so a row's result does not depend on how many rows share the call.
 pub(super) struct TiledRows {
     tiles: Aligned<u16>,
     steps: usize,
-    /// Rows covered: m rounded down to whole blocks.
+    /// The real rows (without the padding).
     rows: usize,
 }
 
@@ -48,23 +49,27 @@ impl TiledRows {
     pub(super) fn new(xb: &[u16], m: usize, k: usize) -> Self {
         use rayon::prelude::*;
         assert!(takes(k) && xb.len() >= m * k);
-        let (steps, rows) = (k / DEPTH, m / ROWS * ROWS);
-        let mut tiles = Aligned::new(rows * k);
+        let steps = k / DEPTH;
+        let mut tiles = Aligned::new(m.next_multiple_of(ROWS) * k);
         tiles
             .par_chunks_mut(16 * k)
             .enumerate()
             .for_each(|(rb, t)| {
-                for i in 0..16 {
+                for i in 0..16.min(m.saturating_sub(16 * rb)) {
                     let row = &xb[(16 * rb + i) * k..][..k];
                     for (st, src) in row.chunks_exact(DEPTH).enumerate() {
                         t[(st * 16 + i) * DEPTH..][..DEPTH].copy_from_slice(src);
                     }
                 }
             });
-        TiledRows { tiles, steps, rows }
+        TiledRows {
+            tiles,
+            steps,
+            rows: m,
+        }
     }
 
-    /// Rows covered (the caller's row kernel takes the rest).
+    /// The real rows.
     pub(super) fn rows(&self) -> usize {
         self.rows
     }
@@ -81,8 +86,8 @@ pub(super) fn slices_per_group(k: usize) -> usize {
     ((1 << 20) / (64 * k.max(1))).clamp(1, 8)
 }
 
-/// `y[r, c0..c0 + cols] = x[r] · slices` for rows `rows` (whole 32-row blocks of `a`, starting
-/// at a block): `slices` holds consecutive packed slices
+/// `y[r, c0..c0 + cols] = x[r] · slices` for rows `rows` of `a` (starting at a 32-row block):
+/// `slices` holds consecutive packed slices
 /// ([`pack_bf16_slice`](super::avx512::pack_bf16_slice)), the first for columns `c0…`; `acc`
 /// is the job's scratch for the f32 accumulators between k-chunks.
 ///
@@ -110,8 +115,7 @@ pub(super) unsafe fn bf16_gemm_slices(
     assert!(slices.len().is_multiple_of(per_slice));
     let group = slices.len() / per_slice;
     assert!(cols <= group * GEMM_SLICE);
-    assert!(rows.start.is_multiple_of(ROWS) && rows.len().is_multiple_of(ROWS));
-    assert!(rows.end <= a.rows);
+    assert!(rows.start.is_multiple_of(ROWS) && rows.end <= a.rows);
     if rows.is_empty() || group == 0 {
         return;
     }
@@ -124,6 +128,8 @@ pub(super) unsafe fn bf16_gemm_slices(
     unsafe { amx::configure() };
     for r0 in rows.clone().step_by(ROWS) {
         let rb = r0 / 16;
+        // Rows r0..r0 + 32 are computed (padding included); these are kept.
+        let kept = (rows.end - r0).min(ROWS);
         for s0 in (0..steps).step_by(CHUNK_STEPS) {
             for (si, slice) in slices.chunks_exact(per_slice).enumerate() {
                 let c = acc[si * 1024..].as_mut_ptr();
@@ -153,8 +159,7 @@ pub(super) unsafe fn bf16_gemm_slices(
                     }
                 }
                 for st in s0..(s0 + CHUNK_STEPS).min(steps) {
-                    // SAFETY: row blocks rb, rb + 1 < a.rows / 16, step st < steps: tiles of
-                    // `a`; B tiles are slice rows (pairs) 16·st… of each 16-column half, 64
+                    // SAFETY: row blocks rb, rb + 1 (padded) and step st < steps: tiles of `a`; B tiles are slice rows (pairs) 16·st… of each 16-column half, 64
                     // bytes apart, inside the slice.
                     unsafe {
                         let b0 = slice.as_ptr().add(16 * st * 32);
@@ -202,7 +207,11 @@ pub(super) unsafe fn bf16_gemm_slices(
                 if valid == 0 {
                     continue;
                 }
-                for (i, row) in tile.chunks_exact(16).enumerate() {
+                for (i, row) in tile
+                    .chunks_exact(16)
+                    .enumerate()
+                    .take(kept.saturating_sub(16 * h))
+                {
                     // SAFETY: this job owns columns c0 + first… (valid of them) of every row.
                     unsafe { out.row_mut(r0 + 16 * h + i, c0 + first..c0 + first + valid) }
                         .copy_from_slice(&row[..valid]);

@@ -178,8 +178,8 @@ pub(super) fn bf16_act_panel_matmul(
 }
 
 /// The GEMM of consecutive packed slices (`slices`, the first for columns `c0…`, `cols`
-/// columns in all) on the best tier: AMX tiles for the whole 32-row blocks that `tiled` holds
-/// (built by [`tiled_rows`] where the CPU has tiles), then `vdpbf16ps` rows for the rest.
+/// columns in all) on the best tier: AMX tiles for every row when `tiled` holds them (built by
+/// [`tiled_rows`] where the CPU has tiles), `vdpbf16ps` rows otherwise.
 ///
 /// # Safety
 /// `isa` ≥ [`Isa::Avx512Bf16`] was detected on this CPU; the job owns columns `c0..c0 + cols`.
@@ -198,10 +198,10 @@ unsafe fn gemm_slices(
 ) {
     let mut rest = rows.start;
     if let Some(a) = tiled {
-        if rows.start.is_multiple_of(amx::ROWS) {
-            rest = (rows.end.min(a.rows()) / amx::ROWS * amx::ROWS).max(rows.start);
+        if rows.start.is_multiple_of(amx::ROWS) && rows.end <= a.rows() {
+            rest = rows.end;
             // SAFETY: `tiled` exists only under the AMX tier; the caller owns the columns.
-            unsafe { amx::bf16_gemm_slices(a, slices, rows.start..rest, c0, cols, out, scratch) };
+            unsafe { amx::bf16_gemm_slices(a, slices, rows.clone(), c0, cols, out, scratch) };
         }
     }
     if rest < rows.end {
@@ -220,10 +220,10 @@ unsafe fn gemm_slices(
 }
 
 /// `xb` (`[m, k]` bits) packed for the AMX kernel, where `isa` has tiles and the shape gives
-/// them whole steps and at least one 32-row block.
+/// them whole steps.
 #[cfg(target_arch = "x86_64")]
 fn tiled_rows(isa: Isa, xb: &[u16], m: usize, k: usize) -> Option<amx::TiledRows> {
-    (isa >= Isa::Amx && amx::takes(k) && m >= amx::ROWS).then(|| amx::TiledRows::new(xb, m, k))
+    (isa >= Isa::Amx && amx::takes(k)).then(|| amx::TiledRows::new(xb, m, k))
 }
 
 /// `out[i, j] = Σ_t a[t, i]·b[t, j]` over the `t` rows of `a` and `b` (`[t, k]`, row-major) with
