@@ -113,8 +113,9 @@ pub fn matmul_nt_with(isa: Isa, x: &[f32], m: usize, k: usize, w: &[u16], n: usi
 
 /// [`panel_matmul`](super::panel_matmul) when every activation is a bf16 value and the CPU has
 /// AVX512-BF16: weight panels (bf16 values after `expand`) are packed in
-/// 32-column slices and multiplied with `vdpbf16ps` — exact products, f32
-/// sums, twice the f32 FMA rate. Returns false (nothing done) otherwise.
+/// 32-column slices and multiplied with `vdpbf16ps` (exact products, f32 sums; twice the f32 FMA
+/// rate on Zen 4, half of it on the Xeon of docs/BENCHMARKS.md) or, where the CPU has them, AMX
+/// tiles (16× `vdpbf16ps` there). Returns false (nothing done) otherwise.
 #[cfg(target_arch = "x86_64")]
 pub(super) fn bf16_act_panel_matmul(
     isa: Isa,
@@ -227,9 +228,10 @@ fn tiled_rows(isa: Isa, xb: &[u16], m: usize, k: usize) -> Option<amx::TiledRows
 }
 
 /// `out[i, j] = Σ_t a[t, i]·b[t, j]` over the `t` rows of `a` and `b` (`[t, k]`, row-major) with
-/// `vdpbf16ps` when every value is a bf16 value and the CPU has AVX512-BF16: exact products, f32
-/// sums (the numerics of an f32 GEMM on bf16 inputs, up to summation order) at about twice the
-/// f32 GEMM's rate. The Gram matrices of calibration inputs (Hessians, cross moments) are these.
+/// `vdpbf16ps` (or AMX tiles) when every value is a bf16 value and the CPU has AVX512-BF16: exact
+/// products, f32 sums (the numerics of an f32 GEMM on bf16 inputs, up to summation order; the
+/// tiles also flush subnormals). The Gram matrices of calibration inputs (Hessians, cross
+/// moments) are these.
 /// `b = None` computes aᵀa on and above the diagonal only, by 32-column slices (an entry
 /// (i, j) with i > j may or may not be written). Returns false with `out` untouched where the
 /// CPU lacks AVX512-BF16 or a value is not a bf16 value: the caller runs its f32 GEMM then.
