@@ -18,6 +18,50 @@ pub enum ResourceError {
     },
 }
 
+/// While alive, large freed blocks stay in the heap for reuse. glibc serves blocks above its mmap
+/// threshold (at most 32 MB) with fresh pages, zeroed by the kernel on first touch and unmapped
+/// again when freed: where every step allocates its outputs anew (tuning's tensor ops, a
+/// prefill's per-layer activations) page faults, zeroing and TLB shootdowns took a fifth of
+/// block tuning at the 1.7B shape and 13 % of a 512-token prefill (docs/BENCHMARKS.md). The
+/// last guard to drop brings the defaults back and trims the heap. Process-wide, counted: guards
+/// may nest and live on several threads.
+pub struct HeapReuse(());
+
+static HEAP_REUSE: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
+
+impl HeapReuse {
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Self {
+        let mut n = HEAP_REUSE.lock().unwrap_or_else(|e| e.into_inner());
+        if *n == 0 {
+            #[cfg(all(target_os = "linux", target_env = "gnu"))]
+            // SAFETY: mallopt only changes allocator parameters; these values are valid.
+            unsafe {
+                libc::mallopt(libc::M_MMAP_MAX, 0);
+                libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+            }
+        }
+        *n += 1;
+        HeapReuse(())
+    }
+}
+
+impl Drop for HeapReuse {
+    fn drop(&mut self) {
+        let mut n = HEAP_REUSE.lock().unwrap_or_else(|e| e.into_inner());
+        *n -= 1;
+        if *n == 0 {
+            #[cfg(all(target_os = "linux", target_env = "gnu"))]
+            // SAFETY: glibc's defaults (65536 mappings, 128 KiB), then return free memory.
+            unsafe {
+                libc::mallopt(libc::M_MMAP_MAX, 65536);
+                libc::mallopt(libc::M_TRIM_THRESHOLD, 128 * 1024);
+                libc::malloc_trim(0);
+            }
+        }
+    }
+}
+
 /// Bytes as a short figure ("512 GB", "3.2 MB").
 pub fn human(b: u128) -> String {
     let b = b as f64;

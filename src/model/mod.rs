@@ -375,6 +375,8 @@ impl SparkModel {
             return Err(ModelError::Empty);
         }
         cache.reserve(m)?;
+        // A prefill allocates every layer's activations anew: reuse the freed blocks.
+        let _heap = (m > 1).then(crate::resources::HeapReuse::new);
         let start = cache.pos();
         let tm = &self.timers;
         // x = E[tokens]

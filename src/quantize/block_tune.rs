@@ -588,7 +588,7 @@ pub fn tune_layer(
     mut progress: impl FnMut(usize),
 ) -> Result<TunedLayer> {
     let clock = std::time::Instant::now();
-    let _heap = HeapReuse::new();
+    let _heap = crate::resources::HeapReuse::new();
     let dev = Device::Cpu;
     let tuner = Tuner {
         blk: TunedBlock::new(
@@ -641,37 +641,6 @@ pub fn tune_layer(
             step_seconds: fit.step_seconds,
         },
     })
-}
-
-/// Every tensor op allocates its output anew, and glibc serves blocks above its mmap threshold
-/// (at most 32 MB) with fresh pages, zeroed by the kernel on first touch and unmapped again when
-/// freed: at the 1.7B shape, where a batch's activations are 100 MB tensors, a fifth of the time
-/// went to page faults, zeroing and TLB shootdowns. While tuning, large blocks come from the heap
-/// and stay there for reuse; on drop the defaults come back and the heap is trimmed.
-pub(super) struct HeapReuse;
-
-impl HeapReuse {
-    pub(super) fn new() -> Self {
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: mallopt only changes allocator parameters; these values are valid.
-        unsafe {
-            libc::mallopt(libc::M_MMAP_MAX, 0);
-            libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        }
-        HeapReuse
-    }
-}
-
-impl Drop for HeapReuse {
-    fn drop(&mut self) {
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: as above; glibc's defaults (65536 mappings, 128 KiB), then return free memory.
-        unsafe {
-            libc::mallopt(libc::M_MMAP_MAX, 65536);
-            libc::mallopt(libc::M_TRIM_THRESHOLD, 128 * 1024);
-            libc::malloc_trim(0);
-        }
-    }
 }
 
 /// Private bytes a layer's tuning holds at its peak beyond the quantizer's own (a copy of the

@@ -16,7 +16,7 @@
 use candle_core::{Device, Tensor, Var, D};
 use serde::{Deserialize, Serialize};
 
-use super::block_tune::{Block, HeapReuse, TunedBlock, TunedLayer, Weights, SCORE_CHUNK};
+use super::block_tune::{Block, TunedBlock, TunedLayer, Weights, SCORE_CHUNK};
 use super::tune_loop::{self, Objective, Schedule};
 use super::Norms;
 use crate::checkpoint::{Proj, SparkConfig};
@@ -183,7 +183,7 @@ pub fn tune_model(
     mut progress: impl FnMut(usize),
 ) -> Result<(Vec<TunedLayer>, ModelTuneReport)> {
     let clock = std::time::Instant::now();
-    let _heap = HeapReuse::new();
+    let _heap = crate::resources::HeapReuse::new();
     let dev = Device::Cpu;
     let h = cfg.hidden_size;
     let layers = inp
