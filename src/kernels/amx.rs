@@ -74,3 +74,62 @@ impl<T> std::ops::DerefMut for Aligned<T> {
         &mut self.buf[self.off..self.off + self.len]
     }
 }
+
+/// Zeroes the accumulator tiles 0–3.
+///
+/// # Safety
+/// Tiles configured by [`configure`].
+#[inline(always)]
+pub(super) unsafe fn zero_accumulators() {
+    // SAFETY: tiles 0–3 are configured; zeroing them needs nothing else.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        )
+    };
+}
+
+/// Loads the accumulator tiles 0–3 from four consecutive 1 KiB tiles at `c` (16 rows of 64
+/// bytes each).
+///
+/// # Safety
+/// Tiles configured by [`configure`]; `c` is valid for 4 KiB of reads.
+#[inline(always)]
+pub(super) unsafe fn load_accumulators(c: *const u8) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        asm!(
+            "tileloadd tmm0, [{c} + {s} * 1]",
+            "tileloadd tmm1, [{c} + {s} * 1 + 1024]",
+            "tileloadd tmm2, [{c} + {s} * 1 + 2048]",
+            "tileloadd tmm3, [{c} + {s} * 1 + 3072]",
+            c = in(reg) c,
+            s = in(reg) 64usize,
+            options(nostack, readonly)
+        )
+    };
+}
+
+/// Stores the accumulator tiles 0–3 as four consecutive 1 KiB tiles at `c`.
+///
+/// # Safety
+/// Tiles configured by [`configure`]; `c` is valid for 4 KiB of writes.
+#[inline(always)]
+pub(super) unsafe fn store_accumulators(c: *mut u8) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        asm!(
+            "tilestored [{c} + {s} * 1 + 0], tmm0",
+            "tilestored [{c} + {s} * 1 + 1024], tmm1",
+            "tilestored [{c} + {s} * 1 + 2048], tmm2",
+            "tilestored [{c} + {s} * 1 + 3072], tmm3",
+            c = in(reg) c,
+            s = in(reg) 64usize,
+            options(nostack)
+        )
+    };
+}

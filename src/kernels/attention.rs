@@ -100,6 +100,8 @@ fn attend_body<'a>(
 /// its scores are one GEMM.
 pub const BLOCK_ROWS: usize = 32;
 
+const SERIAL: gemm::Parallelism = gemm::Parallelism::None;
+
 /// Scratch of [`attend_rows`], reused across blocks.
 #[derive(Default)]
 pub struct RowsScratch {
@@ -143,9 +145,9 @@ pub fn attend_rows<'a>(
     }
     s.clear();
     s.resize(m * n, 0.0);
-    // S[m, n] = Q[m, hd] · Kᵀ: key j's element d at k[j·hd + d].
-    // SAFETY: q is m × hd, k is n × hd, s is m × n, all row-major.
-    unsafe { gemm_strided(m, n, hd, s.as_mut_ptr(), n, q, hd, k, 1, hd) };
+    // S[m, n] = Q[m, hd] · Kᵀ: key j's element d at k[j·hd + d]. One thread: jobs are parallel.
+    // SAFETY: s is m × n, row-major.
+    unsafe { super::gemm_strided(m, n, hd, s.as_mut_ptr(), n, q, hd, k, 1, hd, SERIAL) };
     for r in 0..rows {
         let (a, b) = (lo(r) - first, p0 + r - first);
         for row in s[r * heads * n..(r + 1) * heads * n].chunks_exact_mut(n) {
@@ -157,55 +159,8 @@ pub fn attend_rows<'a>(
         }
     }
     // O[m, hd] = P[m, n] · V[n, hd].
-    // SAFETY: s is m × n, v is n × hd, out is m × hd, all row-major.
-    unsafe { gemm_strided(m, hd, n, out.as_mut_ptr(), hd, s, n, v, hd, 1) };
-}
-
-/// `dst[m, n] = lhs[m, k] · rhs`, with rhs element (kk, j) at `rhs[kk·rhs_rs + j·rhs_cs]`; one
-/// thread (the callers are parallel jobs).
-///
-/// # Safety
-/// `dst` is valid for m rows of n values `dst_rs` apart; `lhs` and `rhs` hold what the strides
-/// address.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_strided(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    lhs: &[f32],
-    lhs_rs: usize,
-    rhs: &[f32],
-    rhs_rs: usize,
-    rhs_cs: usize,
-) {
-    assert!(lhs.len() >= (m - 1) * lhs_rs + k);
-    assert!(rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
-    // SAFETY: bounds asserted above; dst is the caller's promise.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs as isize,
-            false,
-            lhs.as_ptr(),
-            1,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
+    // SAFETY: out is m × hd, row-major.
+    unsafe { super::gemm_strided(m, hd, n, out.as_mut_ptr(), hd, s, n, v, hd, 1, SERIAL) };
 }
 
 /// Hint the cache lines of `row` into L1 (never faults).

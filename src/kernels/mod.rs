@@ -143,8 +143,8 @@ pub fn panel_matmul(
 /// `[n, k]` row-major, dst has row stride `dst_rs`.
 ///
 /// # Safety
-/// `x` must hold m·k and `w` n·k values, and `dst` must be valid for writes
-/// of m rows of n values at stride `dst_rs` that nothing else accesses.
+/// `dst` must be valid for writes of m rows of n values at stride `dst_rs` that nothing else
+/// accesses.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_nt(
     m: usize,
@@ -156,9 +156,44 @@ unsafe fn gemm_nt(
     dst_rs: usize,
     par: gemm::Parallelism,
 ) {
-    debug_assert!(x.len() >= m * k && w.len() >= n * k);
-    // lhs x: rs k, cs 1; rhs wᵀ: element (kk, j) at w[j*k + kk], rs 1, cs k; dst: rs dst_rs, cs 1.
+    // rhs = wᵀ: element (kk, j) at w[j·k + kk].
     // SAFETY: forwarded from the caller.
+    unsafe { gemm_strided(m, n, k, dst, dst_rs, x, k, w, 1, k, par) }
+}
+
+/// `dst[m, n] = lhs[m, k] · rhs` with `gemm`: lhs rows `lhs_rs` apart, rhs element (kk, j) at
+/// `rhs[kk·rhs_rs + j·rhs_cs]`, dst rows `dst_rs` apart; the one home of every f32 `gemm` call.
+///
+/// # Safety
+/// `dst` must be valid for writes of m rows of n values at stride `dst_rs` that nothing else
+/// accesses. (The operands' bounds are asserted.)
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: &[f32],
+    lhs_rs: usize,
+    rhs: &[f32],
+    rhs_rs: usize,
+    rhs_cs: usize,
+    par: gemm::Parallelism,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        for i in 0..m {
+            // SAFETY: row i of dst, n values, is the caller's promise.
+            unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_rs), n) }.fill(0.0);
+        }
+        return;
+    }
+    assert!(lhs.len() >= (m - 1) * lhs_rs + k);
+    assert!(rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
+    // SAFETY: operand bounds asserted above; dst is the caller's promise.
     unsafe {
         gemm::gemm(
             m,
@@ -168,19 +203,19 @@ unsafe fn gemm_nt(
             1,
             dst_rs as isize,
             false,
-            x.as_ptr(),
+            lhs.as_ptr(),
             1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
             0.0,
             1.0,
             false,
             false,
             false,
             par,
-        );
+        )
     }
 }
 

@@ -280,6 +280,7 @@ mod tests {
     use super::*;
 
     #[test]
+    /// What is measured per tier (timings themselves are not asserted: tests run beside others).
     fn every_tier_instruction_is_measured_and_positive() {
         for isa in Isa::tested() {
             let peaks = measure(isa, 1);
@@ -304,16 +305,6 @@ mod tests {
                     p.one_thread_gmacs.is_finite() && p.one_thread_gmacs > 0.0,
                     "{p:?}"
                 );
-                assert!(p.all_threads_gmacs >= p.one_thread_gmacs * 0.5, "{p:?}");
-            }
-            // Loading operands can only slow the products down (10 % for timing noise).
-            for (op, step) in [("tdpbusd", TILE_STEP_I8), ("tdpbf16ps", TILE_STEP_BF16)] {
-                if let (Some(o), Some(s)) = (of(&peaks, op), of(&peaks, step)) {
-                    assert!(
-                        s.one_thread_gmacs <= o.one_thread_gmacs * 1.1,
-                        "{s:?} vs {o:?}"
-                    );
-                }
             }
         }
     }

@@ -858,30 +858,23 @@ pub(crate) fn rows_times_block(
 ) {
     assert!(d.len() >= n * k && h.len() >= k * k && out.len() >= n * cols);
     assert!(r0 + rows <= k && c0 + cols <= k);
-    // SAFETY: dst out is [n, cols] (rs cols); lhs = columns r0.. of d ([n, rows], rs k); rhs =
-    // H[r0.., c0..] ([rows, cols], rs k); the asserts keep every index inside the buffers.
+    // out is [n, cols] (rs cols); lhs = columns r0.. of d ([n, rows], rs k); rhs =
+    // H[r0.., c0..] ([rows, cols], rs k).
+    // SAFETY: out holds n rows of cols values (asserted).
     unsafe {
-        gemm::gemm(
+        crate::kernels::gemm_strided(
             n,
             cols,
             rows,
             out.as_mut_ptr(),
+            cols,
+            &d[r0..],
+            k,
+            &h[r0 * k + c0..],
+            k,
             1,
-            cols as isize,
-            false,
-            d.as_ptr().add(r0),
-            1,
-            k as isize,
-            h.as_ptr().add(r0 * k + c0),
-            1,
-            k as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
             gemm::Parallelism::None,
-        );
+        )
     }
 }
 

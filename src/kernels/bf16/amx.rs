@@ -136,30 +136,14 @@ pub(super) unsafe fn bf16_gemm_slices(
                 // SAFETY: `c` holds this slice's four tiles; tiles 0–3 are configured.
                 unsafe {
                     if s0 == 0 {
-                        asm!(
-                            "tilezero tmm0",
-                            "tilezero tmm1",
-                            "tilezero tmm2",
-                            "tilezero tmm3",
-                            options(nostack, nomem)
-                        );
+                        amx::zero_accumulators();
                     } else {
-                        asm!(
-                            "tileloadd tmm0, [{c0} + {s} * 1]",
-                            "tileloadd tmm1, [{c1} + {s} * 1]",
-                            "tileloadd tmm2, [{c2} + {s} * 1]",
-                            "tileloadd tmm3, [{c3} + {s} * 1]",
-                            c0 = in(reg) c,
-                            c1 = in(reg) c.add(256),
-                            c2 = in(reg) c.add(512),
-                            c3 = in(reg) c.add(768),
-                            s = in(reg) 64usize,
-                            options(nostack, readonly)
-                        );
+                        amx::load_accumulators(c as *const u8);
                     }
                 }
                 for st in s0..(s0 + CHUNK_STEPS).min(steps) {
-                    // SAFETY: row blocks rb, rb + 1 (padded) and step st < steps: tiles of `a`; B tiles are slice rows (pairs) 16·st… of each 16-column half, 64
+                    // SAFETY: row blocks rb, rb + 1 (padded) and step st < steps: tiles of
+                    // `a`; B tiles are slice rows (pairs) 16·st… of each 16-column half, 64
                     // bytes apart, inside the slice.
                     unsafe {
                         let b0 = slice.as_ptr().add(16 * st * 32);
@@ -182,20 +166,7 @@ pub(super) unsafe fn bf16_gemm_slices(
                     }
                 }
                 // SAFETY: as the load above.
-                unsafe {
-                    asm!(
-                        "tilestored [{c0} + {s} * 1], tmm0",
-                        "tilestored [{c1} + {s} * 1], tmm1",
-                        "tilestored [{c2} + {s} * 1], tmm2",
-                        "tilestored [{c3} + {s} * 1], tmm3",
-                        c0 = in(reg) c,
-                        c1 = in(reg) c.add(256),
-                        c2 = in(reg) c.add(512),
-                        c3 = in(reg) c.add(768),
-                        s = in(reg) 64usize,
-                        options(nostack)
-                    );
-                }
+                unsafe { amx::store_accumulators(c as *mut u8) };
             }
         }
         // Tile 2·h + j of a slice holds rows r0 + 16·h…, its columns 16·j….

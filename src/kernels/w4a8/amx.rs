@@ -135,16 +135,8 @@ pub(super) unsafe fn w4a8_tiles(
             // row block of the chunk passes.
             for b in 0..blocks {
                 for r0 in (c0..c1).step_by(ROWS) {
-                    // SAFETY: tiles 0–3 are configured; zeroing them needs nothing else.
-                    unsafe {
-                        asm!(
-                            "tilezero tmm0",
-                            "tilezero tmm1",
-                            "tilezero tmm2",
-                            "tilezero tmm3",
-                            options(nostack, nomem)
-                        )
-                    };
+                    // SAFETY: tiles 0–3 are configured.
+                    unsafe { amx::zero_accumulators() };
                     for st in b * per_block..(b + 1) * per_block {
                         // SAFETY: row blocks r0/16 and r0/16 + 1 exist (padded to ROWS);
                         // every tile is 16 rows of 64 bytes.
@@ -169,21 +161,7 @@ pub(super) unsafe fn w4a8_tiles(
                         }
                     }
                     // SAFETY: `cbuf` holds four 16 × 16 i32 tiles, rows 64 bytes apart.
-                    unsafe {
-                        let c = cbuf.as_mut_ptr();
-                        asm!(
-                            "tilestored [{c0} + {s} * 1], tmm0",
-                            "tilestored [{c1} + {s} * 1], tmm1",
-                            "tilestored [{c2} + {s} * 1], tmm2",
-                            "tilestored [{c3} + {s} * 1], tmm3",
-                            c0 = in(reg) c,
-                            c1 = in(reg) c.add(256),
-                            c2 = in(reg) c.add(512),
-                            c3 = in(reg) c.add(768),
-                            s = in(reg) 64usize,
-                            options(nostack)
-                        );
-                    }
+                    unsafe { amx::store_accumulators(cbuf.as_mut_ptr() as *mut u8) };
                     // The AVX-512 kernel's epilogue, per row and column tile.
                     for (ci, tile) in cbuf.chunks_exact(16 * TILE).enumerate() {
                         let (half, j) = (ci / 2, ci % 2);
