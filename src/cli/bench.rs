@@ -33,7 +33,8 @@ pub struct BenchArgs {
     #[arg(long)]
     stages: bool,
     /// Instead of the model: time each linear kernel on the artifact's weight
-    /// shapes (random weights, decode rows) and the streaming-read bandwidth.
+    /// shapes (random weights, decode rows), the streaming-read bandwidth and this CPU's
+    /// multiply-add peaks (each kernel reported as a share of its instruction's peak).
     #[arg(long)]
     kernels: bool,
     /// With --kernels: activation rows per call.
