@@ -274,14 +274,15 @@ impl KernelKind {
     /// `PackedW4A8::matmul`; `None` for the scalar kernel).
     pub fn instruction(self, isa: kernels::isa::Isa, m: usize, k: usize) -> Option<&'static str> {
         use kernels::isa::Isa;
-        let tiles = isa >= Isa::Amx && m >= 32;
+        let amx = isa >= Isa::Amx;
+        let bf16_tiles = amx && m >= bf16::GEMM_MIN_ROWS && k.is_multiple_of(32);
         Some(match self {
             _ if !isa.avx512() => return None,
             KernelKind::F32Gemm | KernelKind::Bf16F32Act => "vfmadd231ps",
-            KernelKind::Bf16 | KernelKind::W4A16 if tiles && k.is_multiple_of(32) => "tdpbf16ps",
+            KernelKind::Bf16 | KernelKind::W4A16 if bf16_tiles => "tdpbf16ps",
             KernelKind::Bf16 | KernelKind::W4A16 if isa >= Isa::Avx512Bf16 => "vdpbf16ps",
             KernelKind::Bf16 | KernelKind::W4A16 => "vfmadd231ps",
-            KernelKind::W4A8 if tiles => "tdpbusd",
+            KernelKind::W4A8 if amx && m >= 32 => "tdpbusd",
             KernelKind::W4A8 => "vpdpbusd",
             KernelKind::W4A8Scalar => return None,
         })

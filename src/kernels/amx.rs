@@ -93,27 +93,6 @@ pub(super) unsafe fn zero_accumulators() {
     };
 }
 
-/// Loads the accumulator tiles 0–3 from four consecutive 1 KiB tiles at `c` (16 rows of 64
-/// bytes each).
-///
-/// # Safety
-/// Tiles configured by [`configure`]; `c` is valid for 4 KiB of reads.
-#[inline(always)]
-pub(super) unsafe fn load_accumulators(c: *const u8) {
-    // SAFETY: the caller's promise.
-    unsafe {
-        asm!(
-            "tileloadd tmm0, [{c} + {s} * 1]",
-            "tileloadd tmm1, [{c} + {s} * 1 + 1024]",
-            "tileloadd tmm2, [{c} + {s} * 1 + 2048]",
-            "tileloadd tmm3, [{c} + {s} * 1 + 3072]",
-            c = in(reg) c,
-            s = in(reg) 64usize,
-            options(nostack, readonly)
-        )
-    };
-}
-
 /// Stores the accumulator tiles 0–3 as four consecutive 1 KiB tiles at `c`.
 ///
 /// # Safety

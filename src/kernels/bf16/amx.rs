@@ -24,10 +24,6 @@ use crate::kernels::par::ColumnsOut;
 const DEPTH: usize = 32;
 /// Activation rows per step: two tiles of 16.
 pub(super) const ROWS: usize = 32;
-/// Tile steps per k-chunk: the chunk's B tiles (2 KiB a step) stay in L1 while every row
-/// block passes over them; the accumulators are reloaded once per chunk. (Small in tests,
-/// so that they cross chunks.)
-const CHUNK_STEPS: usize = if cfg!(test) { 3 } else { 100000 };
 
 /// Whether the tile kernel takes a reduction of `k` inputs: whole tile steps only.
 pub(super) fn takes(k: usize) -> bool {
@@ -89,12 +85,12 @@ pub(super) fn slices_per_group(k: usize) -> usize {
 /// `y[r, c0..c0 + cols] = x[r] · slices` for rows `rows` of `a` (starting at a 32-row block):
 /// `slices` holds consecutive packed slices
 /// ([`pack_bf16_slice`](super::avx512::pack_bf16_slice)), the first for columns `c0…`; `acc`
-/// is the job's scratch for the f32 accumulators between k-chunks.
+/// is the job's scratch the accumulator tiles are stored to.
 ///
-/// Loops: 32-row blocks (outer), k-chunks of [`CHUNK_STEPS`] steps, then the slices, whose
-/// accumulators are reloaded from `acc` (4 KiB a slice, in L1): the row block's chunk of
-/// activations (16 KiB) stays in L1 while every slice of the group passes over it, and the
-/// group's weights stay in L2 from one row block to the next.
+/// Loops: 32-row blocks (outer), then the slices, each accumulating over all of k in tiles:
+/// the row block's activations stay in L2 while every slice of the group passes over them, and
+/// the group's weights stay in L2 from one row block to the next. (Reloading the accumulators
+/// per k-chunk of 8 or 32 steps, to keep a chunk in L1, measured no faster.)
 ///
 /// # Safety
 /// The CPU has AMX-BF16 and the OS granted this process tile state
@@ -130,44 +126,35 @@ pub(super) unsafe fn bf16_gemm_slices(
         let rb = r0 / 16;
         // Rows r0..r0 + 32 are computed (padding included); these are kept.
         let kept = (rows.end - r0).min(ROWS);
-        for s0 in (0..steps).step_by(CHUNK_STEPS) {
-            for (si, slice) in slices.chunks_exact(per_slice).enumerate() {
-                let c = acc[si * 1024..].as_mut_ptr();
-                // SAFETY: `c` holds this slice's four tiles; tiles 0–3 are configured.
+        for (si, slice) in slices.chunks_exact(per_slice).enumerate() {
+            // SAFETY: tiles 0–3 are configured.
+            unsafe { amx::zero_accumulators() };
+            for st in 0..steps {
+                // SAFETY: row blocks rb, rb + 1 (padded) and step st < steps: tiles of `a`; B
+                // tiles are slice rows (pairs) 16·st… of each 16-column half, 64 bytes apart,
+                // inside the slice.
                 unsafe {
-                    if s0 == 0 {
-                        amx::zero_accumulators();
-                    } else {
-                        amx::load_accumulators(c as *const u8);
-                    }
+                    let b0 = slice.as_ptr().add(16 * st * 32);
+                    asm!(
+                        "tileloadd tmm4, [{a0} + {s} * 1]",
+                        "tileloadd tmm6, [{b0} + {s} * 1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tileloadd tmm7, [{b1} + {s} * 1]",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm5, [{a1} + {s} * 1]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        a0 = in(reg) a.tile(rb, st),
+                        a1 = in(reg) a.tile(rb + 1, st),
+                        b0 = in(reg) b0,
+                        b1 = in(reg) b0.add(half * 32),
+                        s = in(reg) 64usize,
+                        options(nostack, readonly)
+                    );
                 }
-                for st in s0..(s0 + CHUNK_STEPS).min(steps) {
-                    // SAFETY: row blocks rb, rb + 1 (padded) and step st < steps: tiles of
-                    // `a`; B tiles are slice rows (pairs) 16·st… of each 16-column half, 64
-                    // bytes apart, inside the slice.
-                    unsafe {
-                        let b0 = slice.as_ptr().add(16 * st * 32);
-                        asm!(
-                            "tileloadd tmm4, [{a0} + {s} * 1]",
-                            "tileloadd tmm6, [{b0} + {s} * 1]",
-                            "tdpbf16ps tmm0, tmm4, tmm6",
-                            "tileloadd tmm7, [{b1} + {s} * 1]",
-                            "tdpbf16ps tmm1, tmm4, tmm7",
-                            "tileloadd tmm5, [{a1} + {s} * 1]",
-                            "tdpbf16ps tmm2, tmm5, tmm6",
-                            "tdpbf16ps tmm3, tmm5, tmm7",
-                            a0 = in(reg) a.tile(rb, st),
-                            a1 = in(reg) a.tile(rb + 1, st),
-                            b0 = in(reg) b0,
-                            b1 = in(reg) b0.add(half * 32),
-                            s = in(reg) 64usize,
-                            options(nostack, readonly)
-                        );
-                    }
-                }
-                // SAFETY: as the load above.
-                unsafe { amx::store_accumulators(c as *mut u8) };
             }
+            // SAFETY: `acc` holds this slice's four tiles (4 KiB); tiles 0–3 are configured.
+            unsafe { amx::store_accumulators(acc[si * 1024..].as_mut_ptr() as *mut u8) };
         }
         // Tile 2·h + j of a slice holds rows r0 + 16·h…, its columns 16·j….
         for (si, tiles) in acc[..group * 1024].chunks_exact(1024).enumerate() {
