@@ -282,7 +282,7 @@ impl KernelKind {
             KernelKind::Bf16 | KernelKind::W4A16 if bf16_tiles => "tdpbf16ps",
             KernelKind::Bf16 | KernelKind::W4A16 if isa >= Isa::Avx512Bf16 => "vdpbf16ps",
             KernelKind::Bf16 | KernelKind::W4A16 => "vfmadd231ps",
-            KernelKind::W4A8 if amx && m >= 32 => "tdpbusd",
+            KernelKind::W4A8 if amx && m >= 32 => "tdpbssd",
             KernelKind::W4A8 => "vpdpbusd",
             KernelKind::W4A8Scalar => return None,
         })

@@ -16,7 +16,7 @@ pub enum Isa {
     Avx512Vnni,
     /// The above plus AVX512-BF16 (`vdpbf16ps`): Cooper/Sapphire Rapids, Zen 4.
     Avx512Bf16,
-    /// The above plus AMX tiles with int8 and bf16 products (`tdpbusd`, `tdpbf16ps`), granted
+    /// The above plus AMX tiles with int8 and bf16 products (`tdpbssd`, `tdpbf16ps`), granted
     /// to this process by the OS: Sapphire Rapids and later. The many-row kernels use them
     /// (W4A8, and bf16-activation GEMMs: W4A16 and dense bf16 prefill, Gram matrices).
     Amx,

@@ -13,7 +13,7 @@ use super::isa::Isa;
 /// One instruction's measured throughput.
 #[derive(Debug, Clone, Serialize)]
 pub struct Peak {
-    /// The instruction, e.g. `tdpbusd`.
+    /// The instruction, e.g. `tdpbssd`.
     pub instruction: &'static str,
     /// What it multiplies, e.g. `u8 x s8 -> i32`.
     pub operands: &'static str,
@@ -53,13 +53,13 @@ pub fn measure(isa: Isa, repeat: usize) -> Vec<Peak> {
         }
         if isa >= Isa::Amx {
             let (i8, bf16) = ("u8 x s8 -> i32", "bf16 x bf16 -> f32");
-            out.push(peak("tdpbusd", i8, 16 * 16 * 64, repeat, x86::tdpbusd));
+            out.push(peak("tdpbssd", i8, 16 * 16 * 64, repeat, x86::tdpbssd));
             out.push(peak(
                 TILE_STEP_I8,
                 i8,
                 16 * 16 * 64,
                 repeat,
-                x86::tdpbusd_step,
+                x86::tdpbssd_step,
             ));
             out.push(peak(
                 "tdpbf16ps",
@@ -89,14 +89,14 @@ pub fn measure(isa: Isa, repeat: usize) -> Vec<Peak> {
 /// loaded, 1 KiB each from 64-byte-aligned L1 lines, four products into four accumulators).
 /// Where it falls short of the instruction's own rate, the tile loads bound every tile kernel;
 /// on the Xeon of docs/BENCHMARKS.md it does not.
-pub const TILE_STEP_I8: &str = "tdpbusd 2x2 step";
+pub const TILE_STEP_I8: &str = "tdpbssd 2x2 step";
 /// As [`TILE_STEP_I8`] for `tdpbf16ps`.
 pub const TILE_STEP_BF16: &str = "tdpbf16ps 2x2 step";
 
 /// The step peak that bounds a kernel on `instruction`, if any.
 pub fn step_of(instruction: &str) -> Option<&'static str> {
     match instruction {
-        "tdpbusd" => Some(TILE_STEP_I8),
+        "tdpbssd" => Some(TILE_STEP_I8),
         "tdpbf16ps" => Some(TILE_STEP_BF16),
         _ => None,
     }
@@ -227,7 +227,7 @@ mod x86 {
         };
     }
 
-    tile_loop!(tdpbusd, "tdpbusd");
+    tile_loop!(tdpbssd, "tdpbssd");
     tile_loop!(tdpbf16ps, "tdpbf16ps");
 
     /// 4 KiB in L1 that the 2 × 2 steps load their tiles from.
@@ -271,7 +271,7 @@ mod x86 {
         };
     }
 
-    step_loop!(tdpbusd_step, "tdpbusd");
+    step_loop!(tdpbssd_step, "tdpbssd");
     step_loop!(tdpbf16ps_step, "tdpbf16ps");
 }
 
@@ -293,7 +293,7 @@ mod tests {
                     "vfmadd231ps",
                     "vpdpbusd",
                     "vdpbf16ps",
-                    "tdpbusd",
+                    "tdpbssd",
                     TILE_STEP_I8,
                     "tdpbf16ps",
                     TILE_STEP_BF16,

@@ -19,12 +19,27 @@ pub trait Linear: Send + Sync {
     fn kind(&self) -> String;
     /// The effective weight `[out, in]` in f32 (what `forward` multiplies by).
     fn dequantize(&self) -> Vec<f32>;
+    /// `forward` of `x` rounded to bf16, its output rounded to bf16 (a bf16 model's activations,
+    /// `Bf16Act`). A linear whose kernel rounds on the way in or out overrides this to skip the
+    /// copy and the passes; the bits are those of this default.
+    fn forward_bf16(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        forward_rounded(self, x, m, y);
+    }
     /// `forward` into a new `[m, out]` buffer.
     fn project(&self, x: &[f32], m: usize) -> Vec<f32> {
         let mut y = vec![0f32; m * self.out_features()];
         self.forward(x, m, &mut y);
         y
     }
+}
+
+/// `l.forward` of `x` rounded to bf16 (a copy), its output rounded in place: what
+/// [`Linear::forward_bf16`] does unless a kernel rounds on its own.
+pub fn forward_rounded<L: Linear + ?Sized>(l: &L, x: &[f32], m: usize, y: &mut [f32]) {
+    let mut xr = x.to_vec();
+    crate::kernels::convert::round_bf16_in_place(&mut xr);
+    l.forward(&xr, m, y);
+    crate::kernels::convert::round_bf16_in_place(y);
 }
 
 /// A dense row-major weight. bf16 checkpoints stay bf16 (half the bytes a

@@ -21,7 +21,6 @@ use std::collections::BTreeMap;
 
 use crate::checkpoint::layout::layer_prefix;
 use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, SparkConfig};
-use crate::kernels;
 pub use block::{Ctx, DecoderLayer, Mlp, RmsNorm, Segment, SelfAttention};
 pub use kv_cache::{CacheError, KvCache};
 pub use linear::{Bf16Data, DenseLinear, DenseWeight, Linear};
@@ -107,8 +106,8 @@ impl LoadOptions {
 }
 
 /// Rounds a linear's input and output to bf16 (a bf16 model's activations): the one place that
-/// does, for dense and GPTQ linears alike. (The W4A8 recipe's own rounding of its input and
-/// output is part of that kernel; rounding a bf16 value again changes nothing.)
+/// asks for it, for dense and GPTQ linears alike, through [`Linear::forward_bf16`]. (The W4A8
+/// recipe rounds its input and output itself, so its linear does it there without a copy.)
 struct Bf16Act(Box<dyn Linear>);
 
 impl Linear for Bf16Act {
@@ -119,10 +118,7 @@ impl Linear for Bf16Act {
         self.0.out_features()
     }
     fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        let mut xr = x.to_vec();
-        kernels::convert::round_bf16_in_place(&mut xr);
-        self.0.forward(&xr, m, y);
-        kernels::convert::round_bf16_in_place(y);
+        self.0.forward_bf16(x, m, y);
     }
     fn kind(&self) -> String {
         format!("{} (bf16 activations)", self.0.kind())
@@ -635,7 +631,7 @@ mod tests {
         for qh in 0..cfg.num_attention_heads {
             let kvh = qh / cfg.gqa_group();
             for d in 0..hd {
-                let want = v[kvh * hd + d] * kernels::sigmoid(g[qh]);
+                let want = v[kvh * hd + d] * crate::kernels::sigmoid(g[qh]);
                 let got = a[qh * hd + d];
                 assert!(
                     (got - want).abs() <= 1e-6 * want.abs().max(1.0),

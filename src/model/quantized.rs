@@ -60,12 +60,17 @@ impl Linear for GptqLinear {
             // The W4A8 recipe quantizes bf16 activations (and rounds its output to bf16). With
             // `act_bf16` the loader's wrapper has rounded `x` already: no second pass.
             GptqWeights::W4A8(p) if self.exec.act_bf16 => p.matmul(x, m, y),
-            GptqWeights::W4A8(p) => {
-                let xr: Vec<f32> = x.iter().map(|v| w4::round_bf16(*v)).collect();
-                p.matmul(&xr, m, y)
-            }
+            GptqWeights::W4A8(p) => p.matmul_rounding(x, m, y),
             GptqWeights::W4A16(p) => p.matmul(x, m, y),
             GptqWeights::W4A16ActOrder(w) => bf16::matmul_nt(x, m, self.k, w, self.n, y),
+        }
+    }
+    /// W4A8 rounds its input while quantizing it and its output as it stores it: no copy, no
+    /// extra pass (the same bits as the trait's default).
+    fn forward_bf16(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        match &self.weights {
+            GptqWeights::W4A8(p) => p.matmul_rounding(x, m, y),
+            _ => super::linear::forward_rounded(self, x, m, y),
         }
     }
     fn kind(&self) -> String {

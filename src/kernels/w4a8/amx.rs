@@ -1,17 +1,20 @@
 //! AMX version of the W4A8 kernel for many activation rows (prefill): the same integers and
 //! the same f32 steps as the AVX-512 kernel (parent module), so the same bits.
 //!
-//! `tdpbusd` multiplies unsigned bytes (tile A) by signed bytes (tile B). A holds activation
-//! rows, `a + 128` as unsigned bytes; B holds a 16-column tile's weights `q − z` as signed
-//! bytes, in the layout `tdpbusd` reads: row r of B is inputs 4r…4r + 3 of every column, which
-//! is exactly the low (even r) or high (odd r) nibbles of one 64-byte octet of the packed
-//! layout. Then Σ (a + 128)(q − z) − 128·Σ (q − z) = Σ a·(q − z), the recipe's integer per
-//! block, exact in i32; the per-block epilogue is the AVX-512 kernel's.
+//! `tdpbssd` multiplies signed bytes by signed bytes: tile A holds activation rows as they
+//! are, tile B a 16-column tile's weights `q − z`, in the layout `tdpbssd` reads: row r of B
+//! is inputs 4r…4r + 3 of every column, which is exactly the low (even r) or high (odd r)
+//! nibbles of one 64-byte octet of the packed layout. Σ a·(q − z) per block is the recipe's
+//! integer, exact in i32; the per-block epilogue is the AVX-512 kernel's.
 //!
 //! One step: 2 × 16 activation rows by 2 × 16 columns (tiles 0–3 accumulate, 4–5 hold
 //! activations, 6–7 weights), 64 inputs deep. The activations are packed tile by tile once
 //! per call; each job expands a column tile pair's weights to bytes once per row chunk and
 //! reuses them for every 32-row block of it.
+//!
+//! The f32 epilogue of one (block, 32 rows) runs on the vector units while the tile unit
+//! computes the next one: the loop issues the next tile products before the previous
+//! epilogue, from two accumulator buffers, so the out-of-order core overlaps them.
 //!
 //! Tile instructions are inline `asm!`; configuration and release in [`crate::kernels::amx`].
 
@@ -19,8 +22,8 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::avx512::{block_scales, block_step, column_mask};
-use super::{Acts, PackedW4A8, TILE};
+use super::avx512::{self, block_scales, block_step, column_mask};
+use super::{PackedW4A8, TILE};
 use crate::kernels::amx::{self, Aligned};
 use crate::kernels::avx512_util::round_bf16_ps;
 use crate::kernels::par::ColumnsOut;
@@ -30,47 +33,73 @@ use crate::kernels::w4::Zeros;
 const DEPTH: usize = 64;
 /// Activation rows per step: two tiles of 16.
 pub(super) const ROWS: usize = 32;
+/// One accumulator set: four 16 × 16 i32 tiles.
+const ACC: usize = 4 * 16 * TILE;
 
 /// Whether the AMX kernel takes `p`: blocks of whole tile steps.
 pub(super) fn takes(p: &PackedW4A8) -> bool {
     p.simd_ok && p.bk.is_multiple_of(DEPTH)
 }
 
-/// Activation rows as `tdpbusd`'s unsigned operand, a + 128, packed tile by tile: per 16 rows
-/// and 64 inputs one contiguous 1 KiB tile (16 rows of 64 bytes), so a tile load reads
-/// consecutive lines. Rows are padded to a multiple of [`ROWS`] (computed, never stored).
-pub(super) struct UnsignedRows {
-    tiles: Aligned<u8>,
+/// Activation rows quantized (steps 1–2 of the recipe) straight into `tdpbssd`'s A operand,
+/// tile by tile: per 16 rows and 64 inputs one contiguous 1 KiB tile (16 rows of 64 bytes), so
+/// a tile load reads consecutive lines. Rows are padded with zeros to a multiple of [`ROWS`]
+/// (computed, never stored).
+pub(super) struct TiledRows {
+    tiles: Aligned<i8>,
     steps: usize,
+    m: usize,
+    /// Per-row activation scale.
+    sa: Vec<f32>,
 }
 
-impl UnsignedRows {
-    pub(super) fn new(acts: &Acts, k: usize) -> Self {
+impl TiledRows {
+    /// # Safety
+    /// AVX-512 F/BW on this CPU; `k` a multiple of [`DEPTH`].
+    #[target_feature(enable = "avx512f,avx512bw")]
+    /// `round`: of `x` rounded to bf16 (as it is read).
+    pub(super) unsafe fn quantize(x: &[f32], m: usize, k: usize, round: bool) -> Self {
         use rayon::prelude::*;
+        assert!(k.is_multiple_of(DEPTH) && x.len() == m * k);
         let steps = k / DEPTH;
-        let blocks = acts.m.div_ceil(16);
+        let blocks = m.div_ceil(16);
         let mut tiles = Aligned::new(blocks.next_multiple_of(ROWS / 16) * steps * 16 * DEPTH);
-        tiles.fill(128);
-        let fill = |(rb, t): (usize, &mut [u8])| {
-            for i in 0..16.min(acts.m.saturating_sub(16 * rb)) {
-                let row = &acts.a[(16 * rb + i) * acts.stride..][..k];
-                for (st, src) in row.chunks_exact(DEPTH).enumerate() {
-                    let dst = &mut t[(st * 16 + i) * DEPTH..][..DEPTH];
-                    for (d, s) in dst.iter_mut().zip(src) {
-                        *d = (*s as u8) ^ 0x80;
+        let mut sa = vec![0f32; m];
+        let fill = |row: &mut Vec<i8>, ((rb, t), sa): ((usize, &mut [i8]), &mut [f32])| {
+            row.resize(k, 0);
+            for (i, sa) in sa.iter_mut().enumerate() {
+                let r = 16 * rb + i;
+                // SAFETY: the caller checked AVX-512; k is whole 16-value vectors. (The
+                // activation sum it also returns is for the zero-point correction, which
+                // the tiles do not need.)
+                let (x, segs) = (&x[r * k..][..k], std::iter::once(0..k));
+                *sa = unsafe {
+                    if round {
+                        avx512::quantize_row::<true>(x, row, segs, &mut [0])
+                    } else {
+                        avx512::quantize_row::<false>(x, row, segs, &mut [0])
                     }
+                };
+                for (st, src) in row.chunks_exact(DEPTH).enumerate() {
+                    t[(st * 16 + i) * DEPTH..][..DEPTH].copy_from_slice(src);
                 }
             }
         };
         tiles
             .par_chunks_mut(steps * 16 * DEPTH)
             .enumerate()
-            .for_each(fill);
-        UnsignedRows { tiles, steps }
+            .zip(sa.par_chunks_mut(16))
+            .for_each_init(Vec::new, fill);
+        TiledRows {
+            tiles,
+            steps,
+            m,
+            sa,
+        }
     }
 
     /// Tile (rows 16·rb…, inputs 64·st…).
-    fn tile(&self, rb: usize, st: usize) -> *const u8 {
+    fn tile(&self, rb: usize, st: usize) -> *const i8 {
         self.tiles[(rb * self.steps + st) * 16 * DEPTH..].as_ptr()
     }
 }
@@ -81,12 +110,13 @@ const CHUNK_BYTES: usize = if cfg!(test) { 1 << 16 } else { 1 << 20 };
 /// At most this many rows per chunk: their f32 outputs for a tile pair (128 B a row) stay in L1.
 const MAX_CHUNK_ROWS: usize = 128;
 
-/// Tiles `tiles` of `y` for all activation rows; `au` from [`UnsignedRows::new`].
+/// Tiles `tiles` of `y` for all activation rows; `ar` from [`TiledRows::new`].
 ///
 /// Loops: row chunks of about [`CHUNK_BYTES`] (outer), column tile pairs (their weights
-/// expanded once per chunk), 32-row blocks, then the recipe's blocks along k, whose
-/// f32 epilogue needs each block's integer sums: the accumulator tiles are stored and
-/// zeroed per block.
+/// expanded once per chunk), then the (block, 32-row block) units of the chunk, block-major:
+/// the recipe's f32 epilogue needs each block's integer sums, so per unit the accumulator
+/// tiles are stored, and the unit's epilogue runs after the next unit's tile products are
+/// issued.
 ///
 /// # Safety
 /// The CPU has AMX-INT8 and AVX-512 F/BW/VL/VNNI, the OS granted this process tile state
@@ -94,95 +124,104 @@ const MAX_CHUNK_ROWS: usize = 128;
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn w4a8_tiles(
     p: &PackedW4A8,
-    acts: &Acts,
-    au: &UnsignedRows,
+    ar: &TiledRows,
     tiles: Range<usize>,
     out: &ColumnsOut,
 ) {
-    assert!(takes(p) && tiles.end <= p.tiles && au.steps == p.k / DEPTH);
-    assert!(au.tiles.len() >= acts.m.next_multiple_of(ROWS) * p.k);
-    let (steps, blocks) = (p.k / DEPTH, p.k / p.bk);
+    assert!(takes(p) && tiles.end <= p.tiles && ar.steps == p.k / DEPTH);
+    assert!(ar.tiles.len() >= ar.m.next_multiple_of(ROWS) * p.k);
+    let blocks = p.k / p.bk;
     let per_block = p.bk / DEPTH;
     let chunk_rows = (CHUNK_BYTES / p.k / ROWS).clamp(1, MAX_CHUNK_ROWS / ROWS) * ROWS;
-    // Two column tiles' weights as bytes, [tile][step][16 rows][64], and 128·Σ(q − z) per
-    // tile, block and column.
-    let mut wb = Aligned::<i8>::new(2 * steps * 16 * DEPTH);
-    let mut corr = vec![_mm512_setzero_si512(); 2 * blocks];
-    let mut cbuf = Aligned::<i32>::new(4 * 16 * TILE);
+    // One block of two column tiles' weights as bytes, [block parity][tile][step][16 rows][64]:
+    // expanded just before the block's first unit, into L1, while the tiles may still read the
+    // previous block's.
+    let wlen = per_block * 16 * DEPTH;
+    let mut wb = Aligned::<i8>::new(2 * 2 * wlen);
+    // Two accumulator sets: one being filled by the tiles, one read by the epilogue.
+    let mut cbuf = Aligned::<i32>::new(2 * ACC);
     let mut o: Vec<[__m512; 2]> = Vec::with_capacity(chunk_rows);
     // SAFETY: the caller checked AMX and the grant.
     unsafe { amx::configure() };
-    for c0 in (0..acts.m).step_by(chunk_rows) {
-        let c1 = (c0 + chunk_rows).min(acts.m);
+    for c0 in (0..ar.m).step_by(chunk_rows) {
+        let c1 = (c0 + chunk_rows).min(ar.m);
+        let row_blocks = (c1 - c0).div_ceil(ROWS);
         for t in tiles.clone().step_by(2) {
             let pair = [t, t + 1].map(|u| (u < tiles.end).then_some(u));
-            for (j, tile) in pair.iter().enumerate() {
-                let w = &mut wb[j * steps * 16 * DEPTH..(j + 1) * steps * 16 * DEPTH];
-                let c = &mut corr[j * blocks..(j + 1) * blocks];
-                match tile {
-                    // SAFETY: tile < p.tiles; `w` holds steps·16·64 bytes, `c` one per block.
-                    Some(tile) => unsafe { expand(p, *tile, w, c) },
-                    None => {
-                        w.fill(0);
-                        c.fill(_mm512_setzero_si512());
-                    }
-                }
-            }
             // f32 outputs of the chunk's rows for the pair: [row][column tile].
             o.clear();
             o.resize(c1 - c0, [_mm512_setzero_ps(); 2]);
-            // Block-major: a block's weight tiles (4 KiB at G = 128) stay in L1 while every
-            // row block of the chunk passes.
-            for b in 0..blocks {
-                for r0 in (c0..c1).step_by(ROWS) {
-                    // SAFETY: tiles 0–3 are configured.
+            // Unit u = (block u / row_blocks, rows c0 + 32·(u % row_blocks)…): a block's
+            // weight tiles (4 KiB at G = 128) stay in L1 while every row block passes.
+            let units = blocks * row_blocks;
+            let unit = |u: usize| (u / row_blocks, c0 + (u % row_blocks) * ROWS);
+            for u in 0..=units {
+                if u < units {
+                    let (b, r0) = unit(u);
+                    let wp = b % 2 * 2 * wlen;
+                    if u % row_blocks == 0 {
+                        for (j, tile) in pair.iter().enumerate() {
+                            let w = &mut wb[wp + j * wlen..][..wlen];
+                            match tile {
+                                // SAFETY: tile < p.tiles, b a block; `w` holds the block's steps.
+                                Some(tile) => unsafe { expand(p, *tile, b, w) },
+                                None => w.fill(0),
+                            }
+                        }
+                    }
+                    // SAFETY: tiles 0–3 are configured; their previous unit was stored.
                     unsafe { amx::zero_accumulators() };
-                    for st in b * per_block..(b + 1) * per_block {
+                    for (i, st) in (b * per_block..(b + 1) * per_block).enumerate() {
                         // SAFETY: row blocks r0/16 and r0/16 + 1 exist (padded to ROWS);
                         // every tile is 16 rows of 64 bytes.
                         unsafe {
-                            let b0 = wb.as_ptr().add(st * 16 * DEPTH);
+                            let b0 = wb.as_ptr().add(wp + i * 16 * DEPTH);
                             asm!(
                                 "tileloadd tmm4, [{a0} + {s} * 1]",
                                 "tileloadd tmm6, [{b0} + {s} * 1]",
-                                "tdpbusd tmm0, tmm4, tmm6",
+                                "tdpbssd tmm0, tmm4, tmm6",
                                 "tileloadd tmm7, [{b1} + {s} * 1]",
-                                "tdpbusd tmm1, tmm4, tmm7",
+                                "tdpbssd tmm1, tmm4, tmm7",
                                 "tileloadd tmm5, [{a1} + {s} * 1]",
-                                "tdpbusd tmm2, tmm5, tmm6",
-                                "tdpbusd tmm3, tmm5, tmm7",
-                                a0 = in(reg) au.tile(r0 / 16, st),
-                                a1 = in(reg) au.tile(r0 / 16 + 1, st),
+                                "tdpbssd tmm2, tmm5, tmm6",
+                                "tdpbssd tmm3, tmm5, tmm7",
+                                a0 = in(reg) ar.tile(r0 / 16, st),
+                                a1 = in(reg) ar.tile(r0 / 16 + 1, st),
                                 b0 = in(reg) b0,
-                                b1 = in(reg) b0.add(steps * 16 * DEPTH),
+                                b1 = in(reg) b0.add(wlen),
                                 s = in(reg) DEPTH,
                                 options(nostack, readonly)
                             );
                         }
                     }
-                    // SAFETY: `cbuf` holds four 16 × 16 i32 tiles, rows 64 bytes apart.
-                    unsafe { amx::store_accumulators(cbuf.as_mut_ptr() as *mut u8) };
-                    // The AVX-512 kernel's epilogue, per row and column tile.
-                    for (ci, tile) in cbuf.chunks_exact(16 * TILE).enumerate() {
+                }
+                if u > 0 {
+                    // The previous unit's epilogue, while the tiles compute this one.
+                    let (b, r0) = unit(u - 1);
+                    let acc = &cbuf[(u - 1) % 2 * ACC..][..ACC];
+                    for (ci, tile) in acc.chunks_exact(16 * TILE).enumerate() {
                         let (half, j) = (ci / 2, ci % 2);
                         let Some(col_tile) = pair[j] else { continue };
-                        let slot = (col_tile * p.groups + b * p.bk / p.g) * TILE;
-                        // SAFETY: slot is a tile's group: 16 scales.
-                        let scale = unsafe { block_scales(p, slot) };
-                        let corr = corr[j * blocks + b];
                         let r = r0 + 16 * half;
                         if r >= c1 {
                             continue;
                         }
+                        let slot = (col_tile * p.groups + b * p.bk / p.g) * TILE;
+                        // SAFETY: slot is a tile's group: 16 scales.
+                        let scale = unsafe { block_scales(p, slot) };
                         for (row, (o, &sa)) in tile
                             .chunks_exact(TILE)
-                            .zip(o[r - c0..].iter_mut().zip(&acts.sa[r..c1]))
+                            .zip(o[r - c0..].iter_mut().zip(&ar.sa[r..c1]))
                         {
                             // SAFETY: 16 i32 per row.
                             let acc = unsafe { _mm512_loadu_si512(row.as_ptr() as *const __m512i) };
-                            o[j] = block_step(_mm512_sub_epi32(acc, corr), sa, scale, o[j]);
+                            o[j] = block_step(acc, sa, scale, o[j]);
                         }
                     }
+                }
+                if u < units {
+                    // SAFETY: each set holds four 16 × 16 i32 tiles, rows 64 bytes apart.
+                    unsafe { amx::store_accumulators(cbuf[u % 2 * ACC..].as_mut_ptr() as *mut u8) };
                 }
             }
             for (j, tile) in pair.iter().enumerate() {
@@ -205,42 +244,36 @@ pub(super) unsafe fn w4a8_tiles(
     unsafe { amx::release() };
 }
 
-/// Column tile `tile`'s weights as signed bytes `q − z` in `tdpbusd`'s B layout (per tile
-/// step 16 rows of 64 bytes: row r = inputs 4r…4r + 3 of the 16 columns), and
-/// 128·Σ(q − z) per block and column.
+/// Block `b` of column tile `tile`'s weights as signed bytes `q − z` in `tdpbssd`'s B layout
+/// (per tile step 16 rows of 64 bytes: row r = inputs 4r…4r + 3 of the 16 columns).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn expand(p: &PackedW4A8, tile: usize, w: &mut [i8], corr: &mut [__m512i]) {
+unsafe fn expand(p: &PackedW4A8, tile: usize, b: usize, w: &mut [i8]) {
     let low4 = _mm512_set1_epi8(0x0F);
-    let ones = _mm512_set1_epi8(1);
-    let octets_per_block = p.bk / 8;
-    for (b, corr) in corr.iter_mut().enumerate() {
-        let slot = (tile * p.groups + b * p.bk / p.g) * TILE;
-        // z of each column in every byte of its 32-bit lane.
-        let z = match &p.zeros {
-            Zeros::Uniform(z) => _mm512_set1_epi8(*z as i8),
-            Zeros::PerGroup(zs) => {
-                // SAFETY: 16 zero points per slot.
-                let z = unsafe {
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128(zs.as_ptr().add(slot) as *const __m128i))
-                };
-                _mm512_mullo_epi32(z, _mm512_set1_epi32(0x0101_0101))
-            }
-        };
-        let mut sum = _mm512_setzero_si512();
-        for oc in b * octets_per_block..(b + 1) * octets_per_block {
-            // SAFETY: oc < octets of the tile; `w` holds two rows of 64 bytes per octet.
-            unsafe {
-                let v = _mm512_loadu_si512(
-                    p.nib.as_ptr().add((tile * p.octets + oc) * 64) as *const __m512i
-                );
-                let lo = _mm512_sub_epi8(_mm512_and_si512(v, low4), z);
-                let hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16::<4>(v), low4), z);
-                _mm512_storeu_si512(w.as_mut_ptr().add(oc * 128) as *mut __m512i, lo);
-                _mm512_storeu_si512(w.as_mut_ptr().add(oc * 128 + 64) as *mut __m512i, hi);
-                sum = _mm512_dpbusd_epi32(sum, ones, lo);
-                sum = _mm512_dpbusd_epi32(sum, ones, hi);
-            }
+    let octets = p.bk / 8;
+    assert!(w.len() == octets * 128);
+    let slot = (tile * p.groups + b * p.bk / p.g) * TILE;
+    // z of each column in every byte of its 32-bit lane.
+    let z = match &p.zeros {
+        Zeros::Uniform(z) => _mm512_set1_epi8(*z as i8),
+        Zeros::PerGroup(zs) => {
+            // SAFETY: 16 zero points per slot.
+            let z = unsafe {
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(zs.as_ptr().add(slot) as *const __m128i))
+            };
+            _mm512_mullo_epi32(z, _mm512_set1_epi32(0x0101_0101))
         }
-        *corr = _mm512_slli_epi32::<7>(sum);
+    };
+    for i in 0..octets {
+        // SAFETY: octet b·octets + i of the tile exists; `w` holds two rows of 64 bytes per
+        // octet (the assert).
+        unsafe {
+            let v = _mm512_loadu_si512(
+                p.nib.as_ptr().add((tile * p.octets + b * octets + i) * 64) as *const __m512i
+            );
+            let lo = _mm512_sub_epi8(_mm512_and_si512(v, low4), z);
+            let hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16::<4>(v), low4), z);
+            _mm512_storeu_si512(w.as_mut_ptr().add(i * 128) as *mut __m512i, lo);
+            _mm512_storeu_si512(w.as_mut_ptr().add(i * 128 + 64) as *mut __m512i, hi);
+        }
     }
 }

@@ -142,13 +142,14 @@ unsafe fn w4a8_tile<const R: usize, const S: usize>(
 /// [`quantize_activation_row`](crate::kernels::w4::quantize_activation_row) into int8 codes
 /// `a`, with Σ a over each of `segs` into `sums`; returns the row's scale. The same IEEE
 /// steps (max |x|, the two divisions, x·(127 / amax) rounded to nearest even by
-/// `vcvtps2dq` under the default rounding mode), so the same codes.
+/// `vcvtps2dq` under the default rounding mode), so the same codes. With `ROUND` each value
+/// is first rounded to bf16 as it is read (the same bits as rounding `x` beforehand).
 ///
 /// # Safety
 /// AVX-512 F/BW/VL on this CPU; `x.len()` = `a.len()`, every segment inside it and a
 /// multiple of 16 at both ends.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub(super) unsafe fn quantize_row(
+pub(super) unsafe fn quantize_row<const ROUND: bool>(
     x: &[f32],
     a: &mut [i8],
     segs: impl Iterator<Item = Range<usize>>,
@@ -156,9 +157,9 @@ pub(super) unsafe fn quantize_row(
 ) -> f32 {
     assert!(x.len() == a.len() && x.len().is_multiple_of(16));
     let mut m = _mm512_setzero_ps();
-    for c in x.chunks_exact(16) {
-        // SAFETY: 16 values.
-        m = _mm512_max_ps(m, _mm512_abs_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }));
+    for i in (0..x.len()).step_by(16) {
+        // SAFETY: i + 16 ≤ x.len().
+        m = _mm512_max_ps(m, _mm512_abs_ps(unsafe { load::<ROUND>(x, i) }));
     }
     let amax = _mm512_reduce_max_ps(m).max(1e-7);
     let sa = amax / 127.0;
@@ -168,18 +169,36 @@ pub(super) unsafe fn quantize_row(
         let mut acc = _mm512_setzero_si512();
         for i in seg.step_by(16) {
             // SAFETY: i + 16 ≤ len, by the asserts.
+            let q = _mm512_cvtps_epi32(_mm512_mul_ps(unsafe { load::<ROUND>(x, i) }, inv));
+            // SAFETY: as above; `a` is as long as `x`.
             unsafe {
-                let q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x.as_ptr().add(i)), inv));
                 _mm_storeu_si128(
                     a.as_mut_ptr().add(i) as *mut __m128i,
                     _mm512_cvtepi32_epi8(q),
-                );
-                acc = _mm512_add_epi32(acc, q);
-            }
+                )
+            };
+            acc = _mm512_add_epi32(acc, q);
         }
         *sum = _mm512_reduce_add_epi32(acc);
     }
     sa
+}
+
+/// `x[i..i + 16]`, rounded to bf16 with `ROUND`.
+///
+/// # Safety
+/// AVX-512 F on this CPU; i + 16 ≤ x.len().
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load<const ROUND: bool>(x: &[f32], i: usize) -> __m512 {
+    debug_assert!(i + 16 <= x.len());
+    // SAFETY: the caller's promise.
+    let v = unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) };
+    if ROUND {
+        round_bf16_ps(v)
+    } else {
+        v
+    }
 }
 
 /// The f32 scales of the 16 columns at `slot` (`[tiles][groups][16]`), widened from bf16.

@@ -226,26 +226,40 @@ impl PackedW4A8 {
         self.matmul_with(isa(), x, m, y);
     }
 
+    /// [`matmul`](Self::matmul) of `x` rounded to bf16 first, the rounding done while the rows
+    /// are quantized (no rounded copy of `x`; the same bits as rounding `x` beforehand).
+    pub fn matmul_rounding(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        self.matmul_impl(isa(), x, m, y, true);
+    }
+
     /// [`matmul`](Self::matmul) on an explicit tier (tests run every available one).
     pub fn matmul_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) {
+        self.matmul_impl(isa, x, m, y, false);
+    }
+
+    /// `round`: round `x` to bf16 as it is quantized ([`matmul_rounding`](Self::matmul_rounding)).
+    fn matmul_impl(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32], round: bool) {
         assert_eq!((x.len(), y.len()), (m * self.k, m * self.n));
         if m == 0 || self.n == 0 {
             return;
         }
-        let acts = self.quantize_acts(isa, x, m);
-        let out = ColumnsOut::new(y, m, self.n);
         #[cfg(target_arch = "x86_64")]
         if isa >= Isa::Amx && m >= amx::ROWS && amx::takes(self) {
-            let au = amx::UnsignedRows::new(&acts, self.k);
+            // SAFETY: the tier (AMX, AVX-512) was detected on this CPU; takes() means k is
+            // whole tile steps.
+            let ar = unsafe { amx::TiledRows::quantize(x, m, self.k, round) };
+            let out = ColumnsOut::new(y, m, self.n);
             // Jobs of whole tile pairs: the kernel steps over two column tiles at a time.
             for_ranges(self.tiles.div_ceil(2), self.n * self.k, |pairs| {
                 let tiles = 2 * pairs.start..(2 * pairs.end).min(self.tiles);
                 // SAFETY: the tier (AMX granted, AVX-512) was detected on this CPU; jobs own
                 // disjoint tiles.
-                unsafe { amx::w4a8_tiles(self, &acts, &au, tiles, &out) }
+                unsafe { amx::w4a8_tiles(self, &ar, tiles, &out) }
             });
             return;
         }
+        let acts = self.quantize_acts(isa, x, m, round);
+        let out = ColumnsOut::new(y, m, self.n);
         for_ranges(self.tiles, self.n * self.k, |tiles| match isa {
             #[cfg(target_arch = "x86_64")]
             isa if isa.avx512() && self.simd_ok => {
@@ -257,8 +271,8 @@ impl PackedW4A8 {
     }
 
     /// Per-token dynamic symmetric int8 (steps 1–2 of the recipe) and the
-    /// activation sums the zero-point correction needs.
-    fn quantize_acts(&self, isa: Isa, x: &[f32], m: usize) -> Acts {
+    /// activation sums the zero-point correction needs; `round`: of `x` rounded to bf16.
+    fn quantize_acts(&self, isa: Isa, x: &[f32], m: usize, round: bool) -> Acts {
         let k = self.k;
         let stride = self.octets * 8;
         let nsegs = self.segs.len();
@@ -278,13 +292,25 @@ impl PackedW4A8 {
             #[cfg(target_arch = "x86_64")]
             if simd {
                 let segs = self.segs.iter().map(|s| s.k0..s.k1);
+                let (x, a) = (&x[r * k..(r + 1) * k], &mut ar[..k]);
                 // SAFETY: the tier was detected on this CPU; segments are whole vectors.
-                *sar =
-                    unsafe { avx512::quantize_row(&x[r * k..(r + 1) * k], &mut ar[..k], segs, sr) };
+                *sar = unsafe {
+                    if round {
+                        avx512::quantize_row::<true>(x, a, segs, sr)
+                    } else {
+                        avx512::quantize_row::<false>(x, a, segs, sr)
+                    }
+                };
                 return;
             }
             row.resize(k, 0);
-            *sar = super::w4::quantize_activation_row(&x[r * k..(r + 1) * k], row);
+            let xr = &x[r * k..(r + 1) * k];
+            *sar = if round {
+                let xr: Vec<f32> = xr.iter().map(|v| round_bf16(*v)).collect();
+                super::w4::quantize_activation_row(&xr, row)
+            } else {
+                super::w4::quantize_activation_row(xr, row)
+            };
             for (d, v) in ar[..k].iter_mut().zip(row.iter()) {
                 *d = *v as i8; // |v| ≤ 127
             }
@@ -454,6 +480,45 @@ mod tests {
         }
     }
 
+    /// `matmul_rounding` (rounding while quantizing, as `Bf16Act` layers call it) gives the
+    /// bits of rounding `x` to bf16 first, on every tier and both row paths of AMX.
+    #[test]
+    fn rounding_while_quantizing_is_rounding_first() {
+        use rand::Rng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(21);
+        for (n, k, g) in [(40, 256, 128), (33, 384, 64), (9, 136, 136)] {
+            let case = Case::random(&mut rng, n, k, g, true);
+            let packed = PackedW4A8::pack(case.nibbles());
+            for m in [1, 5, 40] {
+                // Full f32 values, a sixteenth of them exact ties between two bf16 values.
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| {
+                        let v: f32 = rng.random_range(-2.0f32..2.0);
+                        if i % 16 == 0 {
+                            f32::from_bits(v.to_bits() & 0xFFFF_0000 | 0x8000)
+                        } else {
+                            v
+                        }
+                    })
+                    .collect();
+                let xr: Vec<f32> = x.iter().map(|v| round_bf16(*v)).collect();
+                assert!(x.iter().zip(&xr).filter(|(a, b)| a != b).count() > m * k / 2);
+                for isa in Isa::tested() {
+                    let mut want = vec![f32::NAN; m * n];
+                    packed.matmul_with(isa, &xr, m, &mut want);
+                    let mut got = vec![f32::NAN; m * n];
+                    packed.matmul_impl(isa, &x, m, &mut got, true);
+                    let bad = got
+                        .iter()
+                        .zip(&want)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(bad, 0, "{isa:?} ({n}, {k}, g{g}) m {m}");
+                }
+            }
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_simd_row_quantizer_gives_the_recipes_codes_scale_and_sums() {
@@ -476,7 +541,7 @@ mod tests {
             let mut got = vec![0i8; k];
             let mut sums = vec![0i32; k / 64];
             // SAFETY: tested tier; segments of whole vectors.
-            let sa = unsafe { avx512::quantize_row(&x, &mut got, segs, &mut sums) };
+            let sa = unsafe { avx512::quantize_row::<false>(&x, &mut got, segs, &mut sums) };
             assert_eq!(sa.to_bits(), want_sa.to_bits(), "trial {trial}");
             let want8: Vec<i8> = want.iter().map(|v| *v as i8).collect();
             assert_eq!(got, want8, "trial {trial}");
