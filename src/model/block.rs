@@ -52,9 +52,16 @@ impl RmsNorm {
     }
 }
 
-/// `x += delta`.
+/// `x += delta` (a prefill's rows over the threads).
 pub fn residual_add(x: &mut [f32], delta: &[f32]) {
-    x.iter_mut().zip(delta).for_each(|(a, d)| *a += d);
+    const CHUNK: usize = 1 << 15;
+    if x.len() >= 2 * CHUNK {
+        x.par_chunks_mut(CHUNK)
+            .zip(delta.par_chunks(CHUNK))
+            .for_each(|(x, d)| x.iter_mut().zip(d).for_each(|(a, d)| *a += d));
+    } else {
+        x.iter_mut().zip(delta).for_each(|(a, d)| *a += d);
+    }
 }
 
 /// Gated attention: `a = attention(RoPE(h·Wqᵀ), RoPE(h·Wkᵀ), h·Wvᵀ) ⊙ sigmoid(h·Wgᵀ)` per head,
