@@ -52,7 +52,7 @@ pub fn measure(isa: Isa, repeat: usize) -> Vec<Peak> {
             ));
         }
         if isa >= Isa::Amx {
-            let (i8, bf16) = ("u8 x s8 -> i32", "bf16 x bf16 -> f32");
+            let (i8, bf16) = ("s8 x s8 -> i32", "bf16 x bf16 -> f32");
             out.push(peak("tdpbssd", i8, 16 * 16 * 64, repeat, x86::tdpbssd));
             out.push(peak(
                 TILE_STEP_I8,
