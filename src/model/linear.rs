@@ -8,6 +8,7 @@ use safetensors::Dtype;
 
 use crate::checkpoint::store::U16View;
 use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::kernels::w4a8::PackedW4A8;
 use crate::kernels::{self, bf16};
 
 pub trait Linear: Send + Sync {
@@ -24,6 +25,13 @@ pub trait Linear: Send + Sync {
     /// copy and the passes; the bits are those of this default.
     fn forward_bf16(&self, x: &[f32], m: usize, y: &mut [f32]) {
         forward_rounded(self, x, m, y);
+    }
+    /// The W4A8 weight when `forward` (`bf16` false) or `forward_bf16` (`bf16` true) is exactly
+    /// [`PackedW4A8::matmul_rounding`] of it: a caller may then fuse two such linears (the MLP's
+    /// GELU(gate) ⊙ up, [`PackedW4A8::gelu_mul_rounding`]).
+    fn w4a8_rounding(&self, bf16: bool) -> Option<&PackedW4A8> {
+        let _ = bf16;
+        None
     }
     /// `forward` into a new `[m, out]` buffer.
     fn project(&self, x: &[f32], m: usize) -> Vec<f32> {

@@ -120,6 +120,14 @@ impl Linear for Bf16Act {
     fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) {
         self.0.forward_bf16(x, m, y);
     }
+    fn w4a8_rounding(&self, bf16: bool) -> Option<&crate::kernels::w4a8::PackedW4A8> {
+        // This forward is the inner linear's `forward_bf16`.
+        if bf16 {
+            None
+        } else {
+            self.0.w4a8_rounding(true)
+        }
+    }
     fn kind(&self) -> String {
         format!("{} (bf16 activations)", self.0.kind())
     }

@@ -73,6 +73,13 @@ impl Linear for GptqLinear {
             _ => super::linear::forward_rounded(self, x, m, y),
         }
     }
+    fn w4a8_rounding(&self, bf16: bool) -> Option<&crate::kernels::w4a8::PackedW4A8> {
+        match &self.weights {
+            // `forward` without the loader's rounding skips it (the wrapper rounded already).
+            GptqWeights::W4A8(p) if bf16 || !self.exec.act_bf16 => Some(p),
+            _ => None,
+        }
+    }
     fn kind(&self) -> String {
         format!("gptq {:?} g{}", self.exec.numerics, self.g)
     }

@@ -26,6 +26,7 @@ use super::avx512::{self, block_scales, block_step, column_mask};
 use super::{PackedW4A8, TILE};
 use crate::kernels::amx::{self, Aligned};
 use crate::kernels::avx512_util::round_bf16_ps;
+use crate::kernels::gelu::gelu_mul;
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4::Zeros;
 
@@ -110,7 +111,42 @@ const CHUNK_BYTES: usize = if cfg!(test) { 1 << 16 } else { 1 << 20 };
 /// At most this many rows per chunk: their f32 outputs for a tile pair (128 B a row) stay in L1.
 const MAX_CHUNK_ROWS: usize = 128;
 
-/// Tiles `tiles` of `y` for all activation rows; `ar` from [`TiledRows::new`].
+/// The two column tiles each step multiplies, and how the pair's outputs are stored.
+#[derive(Clone, Copy)]
+pub(super) enum Pairs<'a> {
+    /// Pair q: tiles 2q and 2q + 1 of one weight, each stored as its 16 output columns.
+    Adjacent(&'a PackedW4A8),
+    /// Pair q: tile q of `gate_proj` and of `up_proj` (same shape and groups), stored as
+    /// GELU(gate) ⊙ up in columns 16q… (the input of `down_proj`).
+    GeluMul(&'a PackedW4A8, &'a PackedW4A8),
+}
+
+impl<'a> Pairs<'a> {
+    /// How many pairs there are.
+    pub(super) fn count(&self) -> usize {
+        match self {
+            Pairs::Adjacent(p) => p.tiles.div_ceil(2),
+            Pairs::GeluMul(g, _) => g.tiles,
+        }
+    }
+
+    /// The weight that gives the shape (both have it).
+    fn shape(&self) -> &'a PackedW4A8 {
+        match self {
+            Pairs::Adjacent(p) | Pairs::GeluMul(p, _) => p,
+        }
+    }
+
+    /// Pair `q`'s two (weight, column tile); `None` past the last tile.
+    fn get(&self, q: usize) -> [Option<(&'a PackedW4A8, usize)>; 2] {
+        match *self {
+            Pairs::Adjacent(p) => [2 * q, 2 * q + 1].map(|t| (t < p.tiles).then_some((p, t))),
+            Pairs::GeluMul(g, u) => [Some((g, q)), Some((u, q))],
+        }
+    }
+}
+
+/// Pairs `range` of `y` for all activation rows; `ar` from [`TiledRows::quantize`].
 ///
 /// Loops: row chunks of about [`CHUNK_BYTES`] (outer), column tile pairs (their weights
 /// expanded once per chunk), then the (block, 32-row block) units of the chunk, block-major:
@@ -120,15 +156,20 @@ const MAX_CHUNK_ROWS: usize = 128;
 ///
 /// # Safety
 /// The CPU has AMX-INT8 and AVX-512 F/BW/VL/VNNI, the OS granted this process tile state
-/// ([`Isa::Amx`](crate::kernels::isa::Isa::Amx)), [`takes`]`(p)`, and the job owns `tiles`.
+/// ([`Isa::Amx`](crate::kernels::isa::Isa::Amx)), [`takes`] both weights of `pairs`, and the
+/// job owns the output columns of `range`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn w4a8_tiles(
-    p: &PackedW4A8,
+    pairs: Pairs<'_>,
     ar: &TiledRows,
-    tiles: Range<usize>,
+    range: Range<usize>,
     out: &ColumnsOut,
 ) {
-    assert!(takes(p) && tiles.end <= p.tiles && ar.steps == p.k / DEPTH);
+    let p = pairs.shape();
+    if let Pairs::GeluMul(g, u) = pairs {
+        assert!((g.n, g.k, g.g, g.bk) == (u.n, u.k, u.g, u.bk) && takes(u));
+    }
+    assert!(takes(p) && range.end <= pairs.count() && ar.steps == p.k / DEPTH);
     assert!(ar.tiles.len() >= ar.m.next_multiple_of(ROWS) * p.k);
     let blocks = p.k / p.bk;
     let per_block = p.bk / DEPTH;
@@ -141,13 +182,18 @@ pub(super) unsafe fn w4a8_tiles(
     // Two accumulator sets: one being filled by the tiles, one read by the epilogue.
     let mut cbuf = Aligned::<i32>::new(2 * ACC);
     let mut o: Vec<[__m512; 2]> = Vec::with_capacity(chunk_rows);
+    // GELU ⊙ up: the chunk's gate and up outputs of a pair, [row][16].
+    let mut gu = match pairs {
+        Pairs::GeluMul(..) => (vec![0f32; chunk_rows * TILE], vec![0f32; chunk_rows * TILE]),
+        Pairs::Adjacent(_) => (Vec::new(), Vec::new()),
+    };
     // SAFETY: the caller checked AMX and the grant.
     unsafe { amx::configure() };
     for c0 in (0..ar.m).step_by(chunk_rows) {
         let c1 = (c0 + chunk_rows).min(ar.m);
         let row_blocks = (c1 - c0).div_ceil(ROWS);
-        for t in tiles.clone().step_by(2) {
-            let pair = [t, t + 1].map(|u| (u < tiles.end).then_some(u));
+        for q in range.clone() {
+            let pair = pairs.get(q);
             // f32 outputs of the chunk's rows for the pair: [row][column tile].
             o.clear();
             o.resize(c1 - c0, [_mm512_setzero_ps(); 2]);
@@ -162,9 +208,9 @@ pub(super) unsafe fn w4a8_tiles(
                     if u % row_blocks == 0 {
                         for (j, tile) in pair.iter().enumerate() {
                             let w = &mut wb[wp + j * wlen..][..wlen];
-                            match tile {
-                                // SAFETY: tile < p.tiles, b a block; `w` holds the block's steps.
-                                Some(tile) => unsafe { expand(p, *tile, b, w) },
+                            match *tile {
+                                // SAFETY: tile < pw.tiles, b a block; `w` holds the block's steps.
+                                Some((pw, tile)) => unsafe { expand(pw, tile, b, w) },
                                 None => w.fill(0),
                             }
                         }
@@ -201,14 +247,16 @@ pub(super) unsafe fn w4a8_tiles(
                     let acc = &cbuf[(u - 1) % 2 * ACC..][..ACC];
                     for (ci, tile) in acc.chunks_exact(16 * TILE).enumerate() {
                         let (half, j) = (ci / 2, ci % 2);
-                        let Some(col_tile) = pair[j] else { continue };
+                        let Some((pw, col_tile)) = pair[j] else {
+                            continue;
+                        };
                         let r = r0 + 16 * half;
                         if r >= c1 {
                             continue;
                         }
                         let slot = (col_tile * p.groups + b * p.bk / p.g) * TILE;
                         // SAFETY: slot is a tile's group: 16 scales.
-                        let scale = unsafe { block_scales(p, slot) };
+                        let scale = unsafe { block_scales(pw, slot) };
                         for (row, (o, &sa)) in tile
                             .chunks_exact(TILE)
                             .zip(o[r - c0..].iter_mut().zip(&ar.sa[r..c1]))
@@ -224,18 +272,50 @@ pub(super) unsafe fn w4a8_tiles(
                     unsafe { amx::store_accumulators(cbuf[u % 2 * ACC..].as_mut_ptr() as *mut u8) };
                 }
             }
-            for (j, tile) in pair.iter().enumerate() {
-                let Some(tile) = *tile else { continue };
-                let mask = column_mask(p, tile);
-                for (r, o) in o.iter().enumerate() {
-                    // SAFETY: this job owns the tile's columns; the mask keeps to n.
-                    unsafe {
-                        _mm512_mask_storeu_ps(
-                            out.ptr_at(c0 + r, tile * TILE),
-                            mask,
-                            round_bf16_ps(o[j]),
-                        )
-                    };
+            match pairs {
+                Pairs::Adjacent(_) => {
+                    for (j, tile) in pair.iter().enumerate() {
+                        let Some((pw, tile)) = *tile else { continue };
+                        let mask = column_mask(pw, tile);
+                        for (r, o) in o.iter().enumerate() {
+                            // SAFETY: this job owns the tile's columns; the mask keeps to n.
+                            unsafe {
+                                _mm512_mask_storeu_ps(
+                                    out.ptr_at(c0 + r, tile * TILE),
+                                    mask,
+                                    round_bf16_ps(o[j]),
+                                )
+                            };
+                        }
+                    }
+                }
+                Pairs::GeluMul(g, _) => {
+                    // Both outputs rounded to bf16 as the kernel stores them, then the same
+                    // `gelu_mul` a separate pass would run.
+                    let (gs, us) = (&mut gu.0[..o.len() * TILE], &mut gu.1[..o.len() * TILE]);
+                    for ((o, gr), ur) in o
+                        .iter()
+                        .zip(gs.chunks_exact_mut(TILE))
+                        .zip(us.chunks_exact_mut(TILE))
+                    {
+                        // SAFETY: 16 values each.
+                        unsafe {
+                            _mm512_storeu_ps(gr.as_mut_ptr(), round_bf16_ps(o[0]));
+                            _mm512_storeu_ps(ur.as_mut_ptr(), round_bf16_ps(o[1]));
+                        }
+                    }
+                    gelu_mul(gs, us);
+                    let mask = column_mask(g, q);
+                    for (r, gr) in gs.chunks_exact(TILE).enumerate() {
+                        // SAFETY: this job owns the tile's columns; the mask keeps to n.
+                        unsafe {
+                            _mm512_mask_storeu_ps(
+                                out.ptr_at(c0 + r, q * TILE),
+                                mask,
+                                _mm512_loadu_ps(gr.as_ptr()),
+                            )
+                        };
+                    }
                 }
             }
         }

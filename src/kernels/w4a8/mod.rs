@@ -232,6 +232,42 @@ impl PackedW4A8 {
         self.matmul_impl(isa(), x, m, y, true);
     }
 
+    /// `y = GELU(gate(x)) ⊙ up(x)` for `x` rounded to bf16 (the input of `down_proj`): the bits
+    /// of [`matmul_rounding`](Self::matmul_rounding) by each weight, then
+    /// [`gelu_mul`](crate::kernels::gelu::gelu_mul). On AMX, from 32 rows, in one pass: the rows
+    /// are quantized once, each step pairs a column tile of `gate` with the same tile of `up`,
+    /// and only the product is stored (no separate outputs, no second pass over them).
+    pub fn gelu_mul_rounding(gate: &Self, up: &Self, x: &[f32], m: usize, y: &mut [f32]) {
+        Self::gelu_mul_with(isa(), gate, up, x, m, y);
+    }
+
+    /// [`gelu_mul_rounding`](Self::gelu_mul_rounding) on an explicit tier.
+    pub fn gelu_mul_with(isa: Isa, gate: &Self, up: &Self, x: &[f32], m: usize, y: &mut [f32]) {
+        assert_eq!((gate.n, gate.k), (up.n, up.k), "gate and up have one shape");
+        assert_eq!((x.len(), y.len()), (m * gate.k, m * gate.n));
+        #[cfg(target_arch = "x86_64")]
+        if isa >= Isa::Amx
+            && m >= amx::ROWS
+            && amx::takes(gate)
+            && amx::takes(up)
+            && (gate.g, gate.bk) == (up.g, up.bk)
+        {
+            // SAFETY: as in `matmul_impl`.
+            let ar = unsafe { amx::TiledRows::quantize(x, m, gate.k, true) };
+            let out = ColumnsOut::new(y, m, gate.n);
+            let pairs = amx::Pairs::GeluMul(gate, up);
+            for_ranges(pairs.count(), 2 * gate.n * gate.k, |range| {
+                // SAFETY: the tier was detected on this CPU; jobs own disjoint tiles.
+                unsafe { amx::w4a8_tiles(pairs, &ar, range, &out) }
+            });
+            return;
+        }
+        let mut u = vec![0f32; y.len()];
+        gate.matmul_impl(isa, x, m, y, true);
+        up.matmul_impl(isa, x, m, &mut u, true);
+        crate::kernels::gelu::gelu_mul(y, &u);
+    }
+
     /// [`matmul`](Self::matmul) on an explicit tier (tests run every available one).
     pub fn matmul_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) {
         self.matmul_impl(isa, x, m, y, false);
@@ -250,11 +286,11 @@ impl PackedW4A8 {
             let ar = unsafe { amx::TiledRows::quantize(x, m, self.k, round) };
             let out = ColumnsOut::new(y, m, self.n);
             // Jobs of whole tile pairs: the kernel steps over two column tiles at a time.
-            for_ranges(self.tiles.div_ceil(2), self.n * self.k, |pairs| {
-                let tiles = 2 * pairs.start..(2 * pairs.end).min(self.tiles);
+            let pairs = amx::Pairs::Adjacent(self);
+            for_ranges(pairs.count(), self.n * self.k, |range| {
                 // SAFETY: the tier (AMX granted, AVX-512) was detected on this CPU; jobs own
                 // disjoint tiles.
-                unsafe { amx::w4a8_tiles(self, &ar, tiles, &out) }
+                unsafe { amx::w4a8_tiles(pairs, &ar, range, &out) }
             });
             return;
         }
@@ -508,6 +544,35 @@ mod tests {
                     packed.matmul_with(isa, &xr, m, &mut want);
                     let mut got = vec![f32::NAN; m * n];
                     packed.matmul_impl(isa, &x, m, &mut got, true);
+                    let bad = got
+                        .iter()
+                        .zip(&want)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(bad, 0, "{isa:?} ({n}, {k}, g{g}) m {m}");
+                }
+            }
+        }
+    }
+
+    /// The fused GELU ⊙ up gives the bits of the two rounding matmuls and `gelu_mul`, on every
+    /// tier, with partial column tiles, partial row blocks and both row chunks.
+    #[test]
+    fn gelu_mul_in_one_pass_is_the_two_matmuls_and_gelu_mul() {
+        use rand::Rng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+        for (n, k, g) in [(40, 256, 128), (33, 384, 64), (70, 2048, 128)] {
+            let [gate, up] =
+                [0, 1].map(|_| PackedW4A8::pack(Case::random(&mut rng, n, k, g, true).nibbles()));
+            for m in [5, 32, 45, 70] {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+                for isa in Isa::tested() {
+                    let (mut want, mut u) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+                    gate.matmul_impl(isa, &x, m, &mut want, true);
+                    up.matmul_impl(isa, &x, m, &mut u, true);
+                    crate::kernels::gelu::gelu_mul(&mut want, &u);
+                    let mut got = vec![f32::NAN; m * n];
+                    PackedW4A8::gelu_mul_with(isa, &gate, &up, &x, m, &mut got);
                     let bad = got
                         .iter()
                         .zip(&want)
