@@ -501,11 +501,7 @@ mod tests {
                     for isa in Isa::tested() {
                         let mut got = vec![f32::NAN; m * n];
                         packed.matmul_with(isa, &x, m, &mut got);
-                        let bad = got
-                            .iter()
-                            .zip(&want)
-                            .filter(|(a, b)| a.to_bits() != b.to_bits())
-                            .count();
+                        let bad = differing_bits(&got, &want);
                         assert_eq!(
                             bad, 0,
                             "{isa:?} shape {si} ({n}, {k}, g{g}) sym {sym} m {m}"
@@ -514,6 +510,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// How many values of `got` differ from `want` in any bit.
+    fn differing_bits(got: &[f32], want: &[f32]) -> usize {
+        got.iter()
+            .zip(want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count()
     }
 
     /// `matmul_rounding` (rounding while quantizing, as `Bf16Act` layers call it) gives the
@@ -544,11 +548,7 @@ mod tests {
                     packed.matmul_with(isa, &xr, m, &mut want);
                     let mut got = vec![f32::NAN; m * n];
                     packed.matmul_impl(isa, &x, m, &mut got, true);
-                    let bad = got
-                        .iter()
-                        .zip(&want)
-                        .filter(|(a, b)| a.to_bits() != b.to_bits())
-                        .count();
+                    let bad = differing_bits(&got, &want);
                     assert_eq!(bad, 0, "{isa:?} ({n}, {k}, g{g}) m {m}");
                 }
             }
@@ -573,11 +573,7 @@ mod tests {
                     crate::kernels::gelu::gelu_mul(&mut want, &u);
                     let mut got = vec![f32::NAN; m * n];
                     PackedW4A8::gelu_mul_with(isa, &gate, &up, &x, m, &mut got);
-                    let bad = got
-                        .iter()
-                        .zip(&want)
-                        .filter(|(a, b)| a.to_bits() != b.to_bits())
-                        .count();
+                    let bad = differing_bits(&got, &want);
                     assert_eq!(bad, 0, "{isa:?} ({n}, {k}, g{g}) m {m}");
                 }
             }
