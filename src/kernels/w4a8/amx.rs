@@ -8,13 +8,15 @@
 //! integer, exact in i32; the per-block epilogue is the AVX-512 kernel's.
 //!
 //! One step: 2 × 16 activation rows by 2 × 16 columns (tiles 0–3 accumulate, 4–5 hold
-//! activations, 6–7 weights), 64 inputs deep. The activations are packed tile by tile once
-//! per call; each job expands a column tile pair's weights to bytes once per row chunk and
-//! reuses them for every 32-row block of it.
+//! activations, 6–7 weights), 64 inputs deep. The two column tiles are adjacent tiles of one
+//! weight, or the same tile of `gate_proj` and `up_proj` (then only GELU(gate) ⊙ up is
+//! stored). The activations are quantized into tiles once per call; per row chunk each job
+//! expands a block of its pair's weights to bytes in an L1 buffer just before the block's
+//! first 32-row block, and reuses it for the chunk's other row blocks.
 //!
-//! The f32 epilogue of one (block, 32 rows) runs on the vector units while the tile unit
-//! computes the next one: the loop issues the next tile products before the previous
-//! epilogue, from two accumulator buffers, so the out-of-order core overlaps them.
+//! The loop issues the next unit's tile products before the previous unit's f32 epilogue,
+//! from two accumulator buffers, so that an out-of-order core may overlap them (measured on
+//! the Xeon of docs/BENCHMARKS.md: they still do not; the order costs nothing).
 //!
 //! Tile instructions are inline `asm!`; configuration and release in [`crate::kernels::amx`].
 
@@ -148,8 +150,8 @@ impl<'a> Pairs<'a> {
 
 /// Pairs `range` of `y` for all activation rows; `ar` from [`TiledRows::quantize`].
 ///
-/// Loops: row chunks of about [`CHUNK_BYTES`] (outer), column tile pairs (their weights
-/// expanded once per chunk), then the (block, 32-row block) units of the chunk, block-major:
+/// Loops: row chunks of about [`CHUNK_BYTES`] (outer), column tile pairs, then the (block,
+/// 32-row block) units of the chunk, block-major (a block's weights expanded at its first unit):
 /// the recipe's f32 epilogue needs each block's integer sums, so per unit the accumulator
 /// tiles are stored, and the unit's epilogue runs after the next unit's tile products are
 /// issued.
