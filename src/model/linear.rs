@@ -45,9 +45,9 @@ pub trait Linear: Send + Sync {
 /// [`Linear::forward_bf16`] does unless a kernel rounds on its own.
 pub fn forward_rounded<L: Linear + ?Sized>(l: &L, x: &[f32], m: usize, y: &mut [f32]) {
     let mut xr = x.to_vec();
-    crate::kernels::convert::round_bf16_in_place(&mut xr);
+    kernels::convert::round_bf16_in_place(&mut xr);
     l.forward(&xr, m, y);
-    crate::kernels::convert::round_bf16_in_place(y);
+    kernels::convert::round_bf16_in_place(y);
 }
 
 /// A dense row-major weight. bf16 checkpoints stay bf16 (half the bytes a

@@ -57,10 +57,11 @@ pub(super) struct TiledRows {
 }
 
 impl TiledRows {
-    /// # Safety
-    /// AVX-512 F/BW on this CPU; `k` a multiple of [`DEPTH`].
-    #[target_feature(enable = "avx512f,avx512bw")]
     /// `round`: of `x` rounded to bf16 (as it is read).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL on this CPU; `k` a multiple of [`DEPTH`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn quantize(x: &[f32], m: usize, k: usize, round: bool) -> Self {
         use rayon::prelude::*;
         assert!(k.is_multiple_of(DEPTH) && x.len() == m * k);
@@ -75,13 +76,9 @@ impl TiledRows {
                 // SAFETY: the caller checked AVX-512; k is whole 16-value vectors. (The
                 // activation sum it also returns is for the zero-point correction, which
                 // the tiles do not need.)
-                let (x, segs) = (&x[r * k..][..k], std::iter::once(0..k));
+                let segs = std::iter::once(0..k);
                 *sa = unsafe {
-                    if round {
-                        avx512::quantize_row::<true>(x, row, segs, &mut [0])
-                    } else {
-                        avx512::quantize_row::<false>(x, row, segs, &mut [0])
-                    }
+                    avx512::quantize_row_rounding(round, &x[r * k..][..k], row, segs, &mut [0])
                 };
                 for (st, src) in row.chunks_exact(DEPTH).enumerate() {
                     t[(st * 16 + i) * DEPTH..][..DEPTH].copy_from_slice(src);

@@ -184,6 +184,28 @@ pub(super) unsafe fn quantize_row<const ROUND: bool>(
     sa
 }
 
+/// [`quantize_row`], rounding `x` to bf16 as it is read when `round` (one dispatch per row).
+///
+/// # Safety
+/// As [`quantize_row`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn quantize_row_rounding(
+    round: bool,
+    x: &[f32],
+    a: &mut [i8],
+    segs: impl Iterator<Item = Range<usize>>,
+    sums: &mut [i32],
+) -> f32 {
+    // SAFETY: the caller's promise.
+    unsafe {
+        if round {
+            quantize_row::<true>(x, a, segs, sums)
+        } else {
+            quantize_row::<false>(x, a, segs, sums)
+        }
+    }
+}
+
 /// `x[i..i + 16]`, rounded to bf16 with `ROUND`.
 ///
 /// # Safety

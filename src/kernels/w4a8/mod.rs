@@ -328,15 +328,9 @@ impl PackedW4A8 {
             #[cfg(target_arch = "x86_64")]
             if simd {
                 let segs = self.segs.iter().map(|s| s.k0..s.k1);
-                let (x, a) = (&x[r * k..(r + 1) * k], &mut ar[..k]);
+                let x = &x[r * k..(r + 1) * k];
                 // SAFETY: the tier was detected on this CPU; segments are whole vectors.
-                *sar = unsafe {
-                    if round {
-                        avx512::quantize_row::<true>(x, a, segs, sr)
-                    } else {
-                        avx512::quantize_row::<false>(x, a, segs, sr)
-                    }
-                };
+                *sar = unsafe { avx512::quantize_row_rounding(round, x, &mut ar[..k], segs, sr) };
                 return;
             }
             row.resize(k, 0);
