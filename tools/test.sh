@@ -16,6 +16,28 @@ stage() {
   stage_name=$1 stage_start=$SECONDS
 }
 
+# Disk is planned up front (a CI machine once ran out of it at minute 11): the build (less what target/
+# already holds) and the scratch folder need this run's measured peaks (README "Tests") with a 25–30 %
+# margin, in MiB, summed where both live on one filesystem.
+BUILD_MIB=1200 SCRATCH_MIB=2700
+build_dir=${CARGO_TARGET_DIR:-target} scratch_dir=${TMPDIR:-/tmp}
+mkdir -p "$build_dir"
+need_build=$((BUILD_MIB - $(du -sm "$build_dir" | cut -f1)))
+need_build=$((need_build > 0 ? need_build : 0))
+free_mib() { df -Pm "$1" | awk 'NR == 2 {print $4}'; }
+check_free() { # folder, MiB needed, what for
+  if [ "$(free_mib "$1")" -lt "$2" ]; then
+    echo "error: $3 need about $2 MiB free on the filesystem of $1; it has $(free_mib "$1") MiB" >&2
+    exit 1
+  fi
+}
+if [ "$(stat -c %d "$build_dir")" = "$(stat -c %d "$scratch_dir")" ]; then
+  check_free "$build_dir" $((need_build + SCRATCH_MIB)) "the build ($build_dir) and the scratch files ($scratch_dir)"
+else
+  check_free "$build_dir" "$need_build" "the build files ($build_dir)"
+  check_free "$scratch_dir" "$SCRATCH_MIB" "the scratch files ($scratch_dir)"
+fi
+
 python3 -c "import numpy, scipy, tokenizers, onnx, onnxruntime as o; print('python packages: numpy', numpy.__version__, \
   'scipy', scipy.__version__, 'tokenizers', tokenizers.__version__, 'onnx', onnx.__version__, 'onnxruntime', o.__version__)"
 
@@ -62,6 +84,7 @@ for fmt in "w4a8 --group-size 128" "w4a16 --group-size 64 --qkv-layout split --q
   cargo run --release -q -- parity fixtures/spark-tiny "$fresh/$name" --policy tests/parity_policy.json \
     --json "$fresh/$name.parity.json"
 done
+rm -rf "${fresh:?}"/w4a8* "${fresh:?}"/w4a16*
 
 # Phone export: official onnx checker on the w8a16 fixture graph, then QNN HTP
 # readiness with Qualcomm's own backend (simulator): the fixture export, and a
@@ -79,6 +102,7 @@ fi
 # a real state"):
 # simulator vs ONNX Runtime CPU, and the HTP's own error next to the CPU's (--max-excess, default 6 dB).
 "$qnn_venv/bin/python" tools/qnn_check.py "$fresh/phone" --run --min-snr 50 --out "$fresh/qnn-tiny" --json "$fresh/qnn-tiny.json" | tail -1
+rm -rf "$fresh/phone" "$fresh/qnn-tiny"
 stage "w4a16 (LPBQ) fixture export + HTP check"
 # The phone's GPTQ solve (LPBQ lattice), its codes exported as QNN's LPBQ pattern, checked on the HTP.
 cargo run --release -q -- quantize --target phone --samples 16 --seq-len 128 --quiet --no-compare \
@@ -86,6 +110,7 @@ cargo run --release -q -- quantize --target phone --samples 16 --seq-len 128 --q
 cargo run --release -q -- export-phone "$fresh/lpbq" --precision w4a16 --out "$fresh/phone-w4" --context 2048 --quiet
 python3 -c "import onnx, sys; onnx.checker.check_model(sys.argv[1], full_check=True)" "$fresh/phone-w4/model.onnx"
 "$qnn_venv/bin/python" tools/qnn_check.py "$fresh/phone-w4" --run --min-snr 50 --out "$fresh/qnn-tiny-w4" --json "$fresh/qnn-tiny-w4.json" | tail -1
+rm -rf "$fresh/lpbq" "$fresh/phone-w4" "$fresh/qnn-tiny-w4"
 stage "1.7B-shaped 2-layer export + HTP check"
 python3 tools/make_random_checkpoint.py 1.7b "$fresh/r17" --layer-types sliding,full --tokenizer-from fixtures/spark-tiny > /dev/null
 cargo run --release -q -- export-phone "$fresh/r17" --out "$fresh/r17-phone" --context 4096 --parts 2 \
@@ -94,6 +119,7 @@ rm -rf "$fresh/r17"
 # 100 self-generated steps, 4 compared: the head part's simulation is 15 s a step.
 "$qnn_venv/bin/python" tools/qnn_check.py "$fresh/r17-phone" --run --steps 100 --compare 4 --min-snr 54 --max-excess 14 \
   --out "$fresh/qnn-r17" --json "$fresh/qnn-r17.json" | tail -1
+rm -rf "$fresh/r17-phone" "$fresh/qnn-r17"
 stage "report pages rendered in headless Chromium"
 python3 tools/render_reports.py
 # Every parser of untrusted input under libFuzzer + AddressSanitizer from the committed seeds
@@ -101,6 +127,7 @@ python3 tools/render_reports.py
 fuzz_secs=${FUZZ_SECS:-60}
 if [ -n "${CI:-}" ] && [ "$fuzz_secs" -lt 60 ]; then fuzz_secs=60; fi
 if [ "$fuzz_secs" -gt 0 ]; then
+  rm -rf "$fresh" # the fuzz build needs the room more than the QNN venv
   stage "fuzz: $fuzz_secs s per target"
   tools/fuzz.sh "$fuzz_secs"
 fi
