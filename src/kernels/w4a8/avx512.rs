@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use super::{Acts, PackedW4A8, TILE};
 use crate::kernels::avx512_util::{prefetch, round_bf16_ps, walk, walk_columns, PREFETCH_BYTES};
+use crate::kernels::gelu::gelu_mul;
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4::Zeros;
 
@@ -60,6 +61,88 @@ unsafe fn w4a8_tile<const R: usize, const S: usize>(
     r0: usize,
     out: &ColumnsOut,
 ) {
+    // SAFETY: as this function's contract.
+    let o = unsafe { w4a8_tile_sums::<R, S>(p, acts, ts, r0) };
+    for s in 0..S {
+        let t = ts[s];
+        let mask = column_mask(p, t);
+        for (r, o) in o[s].iter().enumerate() {
+            // SAFETY: tile t's columns belong to this job; the mask keeps to n.
+            unsafe { _mm512_mask_storeu_ps(out.ptr_at(r0 + r, t * TILE), mask, round_bf16_ps(*o)) };
+        }
+    }
+}
+
+/// `GELU(x·gateᵀ) ⊙ (x·upᵀ)` for tiles `tiles` of both (one shape, one block layout) and all
+/// activation rows: each output rounded to bf16 as [`w4a8_tiles`] stores it, then the same
+/// [`gelu_mul`] a separate pass would run, one 16-column strip at a time; `acts` quantized once
+/// for both. Each weight tile stays alone in L1 while it meets every row (as in
+/// [`w4a8_tiles`]); only the two strips (`m` × 16 each) wait in L2 for the product.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn w4a8_gelu_tiles(
+    gate: &PackedW4A8,
+    up: &PackedW4A8,
+    acts: &Acts,
+    tiles: Range<usize>,
+    out: &ColumnsOut,
+) {
+    assert!(gate.simd_ok && up.simd_ok && tiles.end <= gate.tiles);
+    assert_eq!((gate.n, gate.k, gate.g, gate.bk), (up.n, up.k, up.g, up.bk));
+    let m = acts.m;
+    let (mut g, mut u) = (vec![0f32; m * TILE], vec![0f32; m * TILE]);
+    for t in tiles {
+        // SAFETY (both): as this function's contract.
+        unsafe {
+            tile_strip(gate, acts, t, &mut g);
+            tile_strip(up, acts, t, &mut u);
+        }
+        gelu_mul(&mut g, &u);
+        let mask = column_mask(gate, t);
+        for (r, row) in g.chunks_exact(TILE).enumerate() {
+            // SAFETY: tile t's columns belong to this job; the mask keeps to n.
+            unsafe {
+                _mm512_mask_storeu_ps(out.ptr_at(r, t * TILE), mask, _mm512_loadu_ps(row.as_ptr()))
+            };
+        }
+    }
+}
+
+/// Tile `t` of `x·pᵀ` for all activation rows, rounded to bf16, into `strip` (`[m][16]`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn tile_strip(p: &PackedW4A8, acts: &Acts, t: usize, strip: &mut [f32]) {
+    assert_eq!(strip.len(), acts.m * TILE);
+    let mut r0 = 0;
+    while r0 < acts.m {
+        let rows = (acts.m - r0).min(4);
+        let mut put = |o: &[__m512]| {
+            for (r, o) in o.iter().enumerate() {
+                let at = (r0 + r) * TILE;
+                // SAFETY: row r0 + r < m: 16 values inside the strip.
+                unsafe { _mm512_storeu_ps(strip[at..at + TILE].as_mut_ptr(), round_bf16_ps(*o)) };
+            }
+        };
+        // SAFETY (all): as this function's contract.
+        unsafe {
+            match rows {
+                1 => put(&w4a8_tile_sums::<1, 1>(p, acts, [t], r0)[0]),
+                2 => put(&w4a8_tile_sums::<2, 1>(p, acts, [t], r0)[0]),
+                3 => put(&w4a8_tile_sums::<3, 1>(p, acts, [t], r0)[0]),
+                _ => put(&w4a8_tile_sums::<4, 1>(p, acts, [t], r0)[0]),
+            }
+        }
+        r0 += rows;
+    }
+}
+
+/// Tiles `ts` (one per stream), activation rows `r0..r0 + R`: the f32 sums before rounding.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn w4a8_tile_sums<const R: usize, const S: usize>(
+    p: &PackedW4A8,
+    acts: &Acts,
+    ts: [usize; S],
+    r0: usize,
+) -> [[__m512; R]; S] {
     let pf = walk().prefetch();
     let low4 = _mm512_set1_epi8(0x0F);
     let per_block = p.bk / 8;
@@ -129,14 +212,7 @@ unsafe fn w4a8_tile<const R: usize, const S: usize>(
             }
         }
     }
-    for s in 0..S {
-        let t = ts[s];
-        let mask = column_mask(p, t);
-        for (r, o) in o[s].iter().enumerate() {
-            // SAFETY: tile t's columns belong to this job; the mask keeps to n.
-            unsafe { _mm512_mask_storeu_ps(out.ptr_at(r0 + r, t * TILE), mask, round_bf16_ps(*o)) };
-        }
-    }
+    o
 }
 
 /// [`quantize_activation_row`](crate::kernels::w4::quantize_activation_row) into int8 codes

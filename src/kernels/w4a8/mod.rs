@@ -234,9 +234,10 @@ impl PackedW4A8 {
 
     /// `y = GELU(gate(x)) ⊙ up(x)` for `x` rounded to bf16 (the input of `down_proj`): the bits
     /// of [`matmul_rounding`](Self::matmul_rounding) by each weight, then
-    /// [`gelu_mul`](crate::kernels::gelu::gelu_mul). On AMX, from 32 rows, in one pass: the rows
-    /// are quantized once, each step pairs a column tile of `gate` with the same tile of `up`,
-    /// and only the product is stored (no separate outputs, no second pass over them).
+    /// [`gelu_mul`](crate::kernels::gelu::gelu_mul), in one pass where a SIMD kernel applies:
+    /// the rows are quantized once, each step pairs a column tile of `gate` with the same tile
+    /// of `up` (on AMX from 32 rows; on AVX-512 from 2, four rows at a time), and only the
+    /// product is stored (no separate outputs, no second pass over them).
     pub fn gelu_mul_rounding(gate: &Self, up: &Self, x: &[f32], m: usize, y: &mut [f32]) {
         Self::gelu_mul_with(isa(), gate, up, x, m, y);
     }
@@ -259,6 +260,17 @@ impl PackedW4A8 {
             for_ranges(pairs.count(), 2 * gate.n * gate.k, |range| {
                 // SAFETY: the tier was detected on this CPU; jobs own disjoint tiles.
                 unsafe { amx::w4a8_tiles(pairs, &ar, range, &out) }
+            });
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa.avx512() && gate.simd_ok && up.simd_ok && (gate.g, gate.bk) == (up.g, up.bk) && m > 1
+        {
+            let acts = gate.quantize_acts(isa, x, m, true);
+            let out = ColumnsOut::new(y, m, gate.n);
+            for_ranges(gate.tiles, 2 * gate.n * gate.k, |tiles| {
+                // SAFETY: the tier was detected on this CPU; jobs own disjoint tiles.
+                unsafe { avx512::w4a8_gelu_tiles(gate, up, &acts, tiles, &out) }
             });
             return;
         }
