@@ -35,19 +35,38 @@ pub(super) unsafe fn w4a8_tiles(
         return;
     }
     for t in tiles {
-        let mut r0 = 0;
-        while r0 < acts.m {
-            let rows = (acts.m - r0).min(4);
-            unsafe {
-                match rows {
-                    1 => w4a8_tile::<1, 1>(p, acts, [t], r0, out),
-                    2 => w4a8_tile::<2, 1>(p, acts, [t], r0, out),
-                    3 => w4a8_tile::<3, 1>(p, acts, [t], r0, out),
-                    _ => w4a8_tile::<4, 1>(p, acts, [t], r0, out),
-                }
+        let mask = column_mask(p, t);
+        let put = |r0: usize, o: &[__m512]| {
+            for (r, o) in o.iter().enumerate() {
+                // SAFETY: tile t's columns belong to this job; the mask keeps to n.
+                unsafe {
+                    _mm512_mask_storeu_ps(out.ptr_at(r0 + r, t * TILE), mask, round_bf16_ps(*o))
+                };
             }
-            r0 += rows;
+        };
+        // SAFETY: as this function's contract.
+        unsafe { tile_rows(p, acts, t, put) };
+    }
+}
+
+/// Tile `t` for all activation rows, four at a time: `put(r0, sums of rows r0…)` (f32, before
+/// rounding).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn tile_rows(p: &PackedW4A8, acts: &Acts, t: usize, mut put: impl FnMut(usize, &[__m512])) {
+    let mut r0 = 0;
+    while r0 < acts.m {
+        let rows = (acts.m - r0).min(4);
+        // SAFETY (all): as this function's contract.
+        unsafe {
+            match rows {
+                1 => put(r0, &w4a8_tile_sums::<1, 1>(p, acts, [t], r0)[0]),
+                2 => put(r0, &w4a8_tile_sums::<2, 1>(p, acts, [t], r0)[0]),
+                3 => put(r0, &w4a8_tile_sums::<3, 1>(p, acts, [t], r0)[0]),
+                _ => put(r0, &w4a8_tile_sums::<4, 1>(p, acts, [t], r0)[0]),
+            }
         }
+        r0 += rows;
     }
 }
 
@@ -111,27 +130,15 @@ pub(super) unsafe fn w4a8_gelu_tiles(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn tile_strip(p: &PackedW4A8, acts: &Acts, t: usize, strip: &mut [f32]) {
     assert_eq!(strip.len(), acts.m * TILE);
-    let mut r0 = 0;
-    while r0 < acts.m {
-        let rows = (acts.m - r0).min(4);
-        let mut put = |o: &[__m512]| {
-            for (r, o) in o.iter().enumerate() {
-                let at = (r0 + r) * TILE;
-                // SAFETY: row r0 + r < m: 16 values inside the strip.
-                unsafe { _mm512_storeu_ps(strip[at..at + TILE].as_mut_ptr(), round_bf16_ps(*o)) };
-            }
-        };
-        // SAFETY (all): as this function's contract.
-        unsafe {
-            match rows {
-                1 => put(&w4a8_tile_sums::<1, 1>(p, acts, [t], r0)[0]),
-                2 => put(&w4a8_tile_sums::<2, 1>(p, acts, [t], r0)[0]),
-                3 => put(&w4a8_tile_sums::<3, 1>(p, acts, [t], r0)[0]),
-                _ => put(&w4a8_tile_sums::<4, 1>(p, acts, [t], r0)[0]),
-            }
+    let put = |r0: usize, o: &[__m512]| {
+        for (r, o) in o.iter().enumerate() {
+            let at = (r0 + r) * TILE;
+            // SAFETY: row r0 + r < m: 16 values inside the strip.
+            unsafe { _mm512_storeu_ps(strip[at..at + TILE].as_mut_ptr(), round_bf16_ps(*o)) };
         }
-        r0 += rows;
-    }
+    };
+    // SAFETY: as this function's contract.
+    unsafe { tile_rows(p, acts, t, put) };
 }
 
 /// Tiles `ts` (one per stream), activation rows `r0..r0 + R`: the f32 sums before rounding.

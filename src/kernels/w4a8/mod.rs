@@ -235,9 +235,9 @@ impl PackedW4A8 {
     /// `y = GELU(gate(x)) ⊙ up(x)` for `x` rounded to bf16 (the input of `down_proj`): the bits
     /// of [`matmul_rounding`](Self::matmul_rounding) by each weight, then
     /// [`gelu_mul`](crate::kernels::gelu::gelu_mul), in one pass where a SIMD kernel applies:
-    /// the rows are quantized once, each step pairs a column tile of `gate` with the same tile
-    /// of `up` (on AMX from 32 rows; on AVX-512 from 2, four rows at a time), and only the
-    /// product is stored (no separate outputs, no second pass over them).
+    /// the rows are quantized once, a column tile of `gate` meets the same tile of `up` (on AMX
+    /// from 32 rows, as a pair of tiles; on AVX-512 from 2 rows, as two 16-column strips over
+    /// all rows), and only the product is stored (no separate outputs, no second pass).
     pub fn gelu_mul_rounding(gate: &Self, up: &Self, x: &[f32], m: usize, y: &mut [f32]) {
         Self::gelu_mul_with(isa(), gate, up, x, m, y);
     }
