@@ -16,27 +16,43 @@ stage() {
   stage_name=$1 stage_start=$SECONDS
 }
 
-# Disk is planned up front (a CI machine once ran out of it at minute 11): the build (less what target/
-# already holds) and the scratch folder need this run's measured peaks (README "Tests") with a 25–30 %
-# margin, in MiB, summed where both live on one filesystem.
-BUILD_MIB=1200 SCRATCH_MIB=2700
-build_dir=${CARGO_TARGET_DIR:-target} scratch_dir=${TMPDIR:-/tmp}
-mkdir -p "$build_dir"
-need_build=$((BUILD_MIB - $(du -sm "$build_dir" | cut -f1)))
-need_build=$((need_build > 0 ? need_build : 0))
-free_mib() { df -Pm "$1" | awk 'NR == 2 {print $4}'; }
-check_free() { # folder, MiB needed, what for
-  if [ "$(free_mib "$1")" -lt "$2" ]; then
-    echo "error: $3 need about $2 MiB free on the filesystem of $1; it has $(free_mib "$1") MiB" >&2
+# Every parser of untrusted input is fuzzed last (docs/RELIABILITY.md); FUZZ_SECS=0 skips it for a quick
+# local run, never in CI.
+fuzz_secs=${FUZZ_SECS:-60}
+if [ -n "${CI:-}" ] && [ "$fuzz_secs" -lt 60 ]; then fuzz_secs=60; fi
+
+# Disk is planned up front (a CI machine once ran out of it at minute 11): this run's measured peaks
+# (README "Tests") with a 25-30 % margin, in MiB, less what each build folder already holds. The build
+# stays to the end; the scratch folder is removed before the fuzz build starts, so a filesystem needs
+# the build's share plus the larger of the other two where they land on it.
+BUILD_MIB=1200 SCRATCH_MIB=2700 FUZZ_MIB=2800
+build_dir=${CARGO_TARGET_DIR:-target} scratch_dir=${TMPDIR:-/tmp} fuzz_dir=fuzz/target
+mkdir -p "$build_dir" "$fuzz_dir"
+still_needed() { # MiB, folder: the MiB less what the folder holds, at least 0
+  local n=$(($1 - $(du -sm "$2" | cut -f1)))
+  echo $((n > 0 ? n : 0))
+}
+need_build=$(still_needed $BUILD_MIB "$build_dir") need_fuzz=0
+if [ "$fuzz_secs" -gt 0 ]; then need_fuzz=$(still_needed $FUZZ_MIB "$fuzz_dir"); fi
+declare -A tests_on fuzz_on where at
+add_part() { # folder, MiB, what: during the tests, the fuzz stage, or both (build)
+  local dev
+  dev=$(stat -c %d "$1")
+  at[$dev]=$1 where[$dev]="${where[$dev]:+${where[$dev]} and }the $3 files ($1)"
+  if [ "$3" != fuzz ]; then tests_on[$dev]=$((${tests_on[$dev]:-0} + $2)); fi
+  if [ "$3" != scratch ]; then fuzz_on[$dev]=$((${fuzz_on[$dev]:-0} + $2)); fi
+}
+add_part "$build_dir" "$need_build" build
+add_part "$scratch_dir" "$SCRATCH_MIB" scratch
+add_part "$fuzz_dir" "$need_fuzz" fuzz
+for dev in "${!where[@]}"; do
+  need=$((${tests_on[$dev]:-0} > ${fuzz_on[$dev]:-0} ? ${tests_on[$dev]:-0} : ${fuzz_on[$dev]:-0}))
+  free=$(df -Pm "${at[$dev]}" | awk 'NR == 2 {print $4}')
+  if [ "$free" -lt "$need" ]; then
+    echo "error: ${where[$dev]} need about $need MiB free on their filesystem; it has $free MiB" >&2
     exit 1
   fi
-}
-if [ "$(stat -c %d "$build_dir")" = "$(stat -c %d "$scratch_dir")" ]; then
-  check_free "$build_dir" $((need_build + SCRATCH_MIB)) "the build ($build_dir) and the scratch files ($scratch_dir)"
-else
-  check_free "$build_dir" "$need_build" "the build files ($build_dir)"
-  check_free "$scratch_dir" "$SCRATCH_MIB" "the scratch files ($scratch_dir)"
-fi
+done
 
 python3 -c "import numpy, scipy, tokenizers, onnx, onnxruntime as o; print('python packages: numpy', numpy.__version__, \
   'scipy', scipy.__version__, 'tokenizers', tokenizers.__version__, 'onnx', onnx.__version__, 'onnxruntime', o.__version__)"
@@ -123,9 +139,7 @@ rm -rf "$fresh/r17-phone" "$fresh/qnn-r17"
 stage "report pages rendered in headless Chromium"
 python3 tools/render_reports.py
 # Every parser of untrusted input under libFuzzer + AddressSanitizer from the committed seeds
-# (docs/RELIABILITY.md); FUZZ_SECS=0 skips it for a quick local run, never in CI.
-fuzz_secs=${FUZZ_SECS:-60}
-if [ -n "${CI:-}" ] && [ "$fuzz_secs" -lt 60 ]; then fuzz_secs=60; fi
+# (docs/RELIABILITY.md); fuzz_secs is set at the top.
 if [ "$fuzz_secs" -gt 0 ]; then
   rm -rf "$fresh" # the fuzz build needs the room more than the QNN venv
   stage "fuzz: $fuzz_secs s per target"
