@@ -27,13 +27,12 @@ if [ -n "${CI:-}" ] && [ "$fuzz_secs" -lt 60 ]; then fuzz_secs=60; fi
 # the build's share plus the larger of the other two where they land on it.
 BUILD_MIB=1200 SCRATCH_MIB=2700 FUZZ_MIB=2800
 build_dir=${CARGO_TARGET_DIR:-target} scratch_dir=${TMPDIR:-/tmp} fuzz_dir=fuzz/target
-mkdir -p "$build_dir" "$fuzz_dir"
+mkdir -p "$build_dir"
 still_needed() { # MiB, folder: the MiB less what the folder holds, at least 0
   local n=$(($1 - $(du -sm "$2" | cut -f1)))
   echo $((n > 0 ? n : 0))
 }
-need_build=$(still_needed $BUILD_MIB "$build_dir") need_fuzz=0
-if [ "$fuzz_secs" -gt 0 ]; then need_fuzz=$(still_needed $FUZZ_MIB "$fuzz_dir"); fi
+need_build=$(still_needed $BUILD_MIB "$build_dir")
 declare -A tests_on fuzz_on where at
 add_part() { # folder, MiB, what: during the tests, the fuzz stage, or both (build)
   local dev
@@ -44,7 +43,10 @@ add_part() { # folder, MiB, what: during the tests, the fuzz stage, or both (bui
 }
 add_part "$build_dir" "$need_build" build
 add_part "$scratch_dir" "$SCRATCH_MIB" scratch
-add_part "$fuzz_dir" "$need_fuzz" fuzz
+if [ "$fuzz_secs" -gt 0 ]; then
+  mkdir -p "$fuzz_dir"
+  add_part "$fuzz_dir" "$(still_needed $FUZZ_MIB "$fuzz_dir")" fuzz
+fi
 for dev in "${!where[@]}"; do
   need=$((${tests_on[$dev]:-0} > ${fuzz_on[$dev]:-0} ? ${tests_on[$dev]:-0} : ${fuzz_on[$dev]:-0}))
   free=$(df -Pm "${at[$dev]}" | awk 'NR == 2 {print $4}')
