@@ -247,6 +247,8 @@ pub enum KernelKind {
     Bf16F32Act,
     /// Packed nibbles, dequantized on the fly, g128.
     W4A16,
+    /// The same at g64: what `probe` picks on x86 without AMX (two tables per 128 inputs).
+    W4A16G64,
     /// Packed nibbles, int8 activations, bit-exact recipe, g128.
     W4A8,
     /// The scalar W4A8 recipe over one i8 code per weight (what W4A8 ran before packing).
@@ -254,9 +256,9 @@ pub enum KernelKind {
 }
 
 impl KernelKind {
-    pub fn all() -> [KernelKind; 6] {
+    pub fn all() -> [KernelKind; 7] {
         use KernelKind::*;
-        [F32Gemm, Bf16F32Act, Bf16, W4A16, W4A8, W4A8Scalar]
+        [F32Gemm, Bf16F32Act, Bf16, W4A16, W4A16G64, W4A8, W4A8Scalar]
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -264,6 +266,7 @@ impl KernelKind {
             KernelKind::Bf16 => "bf16",
             KernelKind::Bf16F32Act => "bf16 f32-act",
             KernelKind::W4A16 => "w4a16 g128",
+            KernelKind::W4A16G64 => "w4a16 g64",
             KernelKind::W4A8 => "w4a8 g128",
             KernelKind::W4A8Scalar => "w4a8 g128 scalar",
         }
@@ -279,9 +282,15 @@ impl KernelKind {
         Some(match self {
             _ if !isa.avx512() => return None,
             KernelKind::F32Gemm | KernelKind::Bf16F32Act => "vfmadd231ps",
-            KernelKind::Bf16 | KernelKind::W4A16 if bf16_tiles => "tdpbf16ps",
-            KernelKind::Bf16 | KernelKind::W4A16 if isa >= Isa::Avx512Bf16 => "vdpbf16ps",
-            KernelKind::Bf16 | KernelKind::W4A16 => "vfmadd231ps",
+            KernelKind::Bf16 | KernelKind::W4A16 | KernelKind::W4A16G64 if bf16_tiles => {
+                "tdpbf16ps"
+            }
+            KernelKind::Bf16 | KernelKind::W4A16 | KernelKind::W4A16G64
+                if isa >= Isa::Avx512Bf16 =>
+            {
+                "vdpbf16ps"
+            }
+            KernelKind::Bf16 | KernelKind::W4A16 | KernelKind::W4A16G64 => "vfmadd231ps",
             KernelKind::W4A8 if amx && m >= 32 => "tdpbssd",
             KernelKind::W4A8 => "vpdpbusd",
             KernelKind::W4A8Scalar => return None,
@@ -310,7 +319,12 @@ enum BenchWeight {
 }
 
 fn bench_weight(kind: KernelKind, n: usize, k: usize, seed: u64) -> (BenchWeight, usize) {
-    let g = 128.min(k);
+    let g = if kind == KernelKind::W4A16G64 {
+        64
+    } else {
+        128
+    }
+    .min(k);
     let groups = k / g;
     let q = || -> Vec<u8> { noise(n * k, seed).map(|v| (v >> 40) as u8 & 15).collect() };
     let scales: Vec<f32> = noise(n * groups, seed + 1)
@@ -331,7 +345,7 @@ fn bench_weight(kind: KernelKind, n: usize, k: usize, seed: u64) -> (BenchWeight
             ),
             2 * n * k,
         ),
-        KernelKind::W4A16 | KernelKind::W4A8 => {
+        KernelKind::W4A16 | KernelKind::W4A16G64 | KernelKind::W4A8 => {
             let q = q();
             let nib = W4Nibbles {
                 q: Codes::Unpacked(&q),
@@ -341,7 +355,7 @@ fn bench_weight(kind: KernelKind, n: usize, k: usize, seed: u64) -> (BenchWeight
                 k,
                 g,
             };
-            if kind == KernelKind::W4A16 {
+            if kind != KernelKind::W4A8 {
                 let p = PackedW4A16::pack(nib);
                 let b = p.bytes();
                 (BenchWeight::W4A16(p), b)

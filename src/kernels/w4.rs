@@ -204,8 +204,8 @@ impl W4Nibbles<'_> {
         assert!(
             self.scales
                 .iter()
-                .all(|s| round_bf16(*s).to_bits() == s.to_bits()),
-            "scales must be bf16 values"
+                .all(|s| s.is_finite() && round_bf16(*s).to_bits() == s.to_bits()),
+            "scales must be finite bf16 values"
         );
     }
 

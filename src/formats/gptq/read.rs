@@ -134,6 +134,14 @@ pub fn read_linear<'a>(
             )],
         });
     }
+    if let Some(i) = scales_gn.iter().position(|s| !s.is_finite()) {
+        return Err(CheckpointError::Tensors {
+            problems: vec![format!(
+                "`{prefix}.scales` holds a non-finite value ({}) at element {i}; the checkpoint is corrupt",
+                scales_gn[i]
+            )],
+        });
+    }
     let n = cols.len();
     let mut zeros = vec![0i32; n * groups];
     let mut scales = vec![0f32; n * groups];

@@ -35,32 +35,83 @@ fn lut_codes(z: i32) -> __m512 {
     _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(z)))
 }
 
-/// [`lut_codes`] of the zero point when it is the same for every group
-/// (GPTQ's symmetric checkpoints): built once per column instead of per table.
+/// `q − z` for q = 0…15 as bf16 in the even 16-bit lanes, zeros in the odd ones: with a
+/// broadcast pair of bf16 scales, `vdpbf16ps` gives s·(q − z) exactly ([`scaled_codes`]).
 #[inline]
-#[target_feature(enable = "avx512f")]
-fn uniform_codes(p: &PackedW4A16) -> Option<__m512> {
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+fn code_pairs(z: i32) -> __m512i {
+    // Exact: |q − z| ≤ 16.
+    let h = _mm512_cvtneps_pbh(lut_codes(z));
+    // SAFETY: __m256bh and __m256i are both 256 bits.
+    _mm512_cvtepu16_epi32(unsafe { std::mem::transmute::<__m256bh, __m256i>(h) })
+}
+
+/// [`code_pairs`] of the zero point when it is the same for every group (GPTQ's symmetric
+/// checkpoints): built once per call instead of per table.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+fn uniform_pairs(p: &PackedW4A16) -> Option<__m512i> {
     match p.zeros {
-        Zeros::Uniform(z) => Some(lut_codes(z)),
+        Zeros::Uniform(z) => Some(code_pairs(z)),
         Zeros::PerGroup(_) => None,
     }
 }
 
-/// The table of [`w4a16_lut`] as 16 bf16 values stored twice (32 u16 lanes
-/// for `vpermw`), in four instructions; `cz` = [`lut_codes`] of a
-/// uniform zero point. `vcvtneps2bf16` rounds to nearest even like
-/// [`round_bf16_ps`] except that it flushes f32 denormals, and none occur
-/// here: the product of a bf16 scale and a code below 16 is exact, and a
-/// nonzero one is at least 2^-24 (the smallest fp16 scale).
+/// s·(q − z) for q = 0…15 in group `gi` of column `col`, exact in f32: one `vdpbf16ps` of the
+/// code pairs with the 32 bits at the group's scale broadcast from memory — its scale s and the
+/// next slot's, which meets the odd lanes' zeros (hence the pad slot, and finite scales:
+/// `W4Nibbles::check`). No scalar widening and no move from a general register on the way.
+/// `vdpbf16ps` reads denormal inputs as zero; none occur (see [`lut_bf16_ne`]).
+#[inline(always)]
+unsafe fn scaled_codes(p: &PackedW4A16, cz: Option<__m512i>, col: usize, gi: usize) -> __m512 {
+    let sl = col * p.groups + gi;
+    // SAFETY (caller): col < n and gi < groups, so sl + 1 < scales.len() (the pad slot).
+    let (c, pair) = unsafe {
+        (
+            cz.unwrap_or_else(|| code_pairs(p.zeros.get(sl))),
+            (p.scales.as_ptr().add(sl) as *const i32).read_unaligned(),
+        )
+    };
+    _mm512_dpbf16_ps(_mm512_setzero_ps(), bh(c), bh(_mm512_set1_epi32(pair)))
+}
+
+/// 32 × 16 bits as bf16 pairs.
+#[inline(always)]
+fn bh(v: __m512i) -> __m512bh {
+    // SAFETY: __m512i and __m512bh are both 32 × 16 bits.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}
+
+/// f32 lanes `lo` to bf16 lanes 0…15 and `hi` to lanes 16…31, rounded to nearest even.
+#[inline(always)]
+fn to_bf16_pair(hi: __m512, lo: __m512) -> __m512i {
+    // SAFETY: the callers enable avx512bf16; __m512bh and __m512i are both 512 bits.
+    unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
+}
+
+/// The table of [`w4a16_lut`] as 16 bf16 values stored twice (32 u16 lanes for `vpermw`);
+/// `cz` = [`uniform_pairs`]. `vcvtne2ps2bf16` rounds to nearest even like [`round_bf16_ps`]
+/// except that it flushes f32 denormals, and none occur here: the product of a bf16 scale and
+/// a code below 16 is exact, and a nonzero one is at least 2^-24 (the smallest fp16 scale).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-fn lut_bf16_ne(p: &PackedW4A16, cz: Option<__m512>, col: usize, gi: usize) -> __m512i {
-    let sl = col * p.groups + gi;
-    let c = cz.unwrap_or_else(|| lut_codes(p.zeros.get(sl)));
-    let v = _mm512_mul_ps(c, _mm512_set1_ps(widen(p.scales[sl])));
-    // SAFETY: __m256bh and __m256i are both 256 bits.
-    let h = unsafe { std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)) };
-    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(h), h)
+unsafe fn lut_bf16_ne(p: &PackedW4A16, cz: Option<__m512i>, col: usize, gi: usize) -> __m512i {
+    // SAFETY: as the caller's.
+    let t = unsafe { scaled_codes(p, cz, col, gi) };
+    to_bf16_pair(t, t)
+}
+
+/// The tables of groups `gi` (lanes 0…15) and `gi + 1` (lanes 16…31) in one register.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn lut2_bf16_ne(p: &PackedW4A16, cz: Option<__m512i>, col: usize, gi: usize) -> __m512i {
+    // SAFETY: as the caller's (gi + 1 < groups).
+    unsafe {
+        to_bf16_pair(
+            scaled_codes(p, cz, col, gi + 1),
+            scaled_codes(p, cz, col, gi),
+        )
+    }
 }
 
 /// The table for half-chunk `h` (inputs 32h…32h + 31), rebuilt only when
@@ -249,22 +300,19 @@ unsafe fn w4a16_dot_bf16_words<const R: usize, const S: usize>(
 ) -> [[f32; R]; S] {
     debug_assert!(decodes_words(p));
     let (k, nib) = (p.k, p.nib.as_ptr());
-    let cz = uniform_codes(p);
+    let cz = uniform_pairs(p);
     // Chunk ch is in group ch >> chunk_shift.
     let chunk_shift = p.half_shift - 1;
     let (nibble, upper) = (
         _mm512_set1_epi16(0xf),
         _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(0x10)),
     );
-    // SAFETY: __m512i and __m512bh are both 32 × 16 bits.
-    let bh = |v: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(v) };
     let mut acc = [[[_mm512_setzero_ps(); 4]; R]; S];
     for pair in 0..p.chunks / 2 {
         let mut w = [[_mm512_setzero_si512(); 4]; S];
         for s in 0..S {
             let at = (cols[s] * p.chunks + 2 * pair) * 32;
             prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
-            let first = lut_bf16_ne(p, cz, cols[s], (2 * pair) >> chunk_shift);
             // SAFETY: column < n, 2·pair + 1 < chunks: 64 bytes of this column.
             let v = unsafe { _mm512_loadu_si512(nib.add(at) as *const __m512i) };
             let idx = [
@@ -274,8 +322,8 @@ unsafe fn w4a16_dot_bf16_words<const R: usize, const S: usize>(
                 _mm512_srli_epi16::<12>(v),
             ];
             w[s] = if chunk_shift == 0 {
-                let second = lut_bf16_ne(p, cz, cols[s], 2 * pair + 1);
-                let lut = _mm512_inserti64x4::<1>(first, _mm512_castsi512_si256(second));
+                // SAFETY: column < n, 2·pair + 1 < chunks = groups.
+                let lut = unsafe { lut2_bf16_ne(p, cz, cols[s], 2 * pair) };
                 // (index & 0xf) | upper
                 idx.map(|i| {
                     _mm512_permutexvar_epi16(
@@ -284,7 +332,9 @@ unsafe fn w4a16_dot_bf16_words<const R: usize, const S: usize>(
                     )
                 })
             } else {
-                idx.map(|i| _mm512_permutexvar_epi16(i, first))
+                // SAFETY: column < n, the pair's group < groups.
+                let lut = unsafe { lut_bf16_ne(p, cz, cols[s], (2 * pair) >> chunk_shift) };
+                idx.map(|i| _mm512_permutexvar_epi16(i, lut))
             };
         }
         for r in 0..R {
@@ -331,7 +381,7 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
         group: usize::MAX,
         lut: _mm512_setzero_si512(),
     });
-    let cz = uniform_codes(p);
+    let cz = uniform_pairs(p);
     for ch in 0..p.chunks {
         let mut w = [[_mm512_setzero_si512(); 2]; S];
         for s in 0..S {
@@ -339,8 +389,11 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
             if at.is_multiple_of(64) {
                 prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
             }
-            let lo = luts[s].get(p.half_shift, 2 * ch, |gi| lut_bf16_ne(p, cz, cols[s], gi));
-            let hi = luts[s].get(p.half_shift, 2 * ch + 1, |gi| {
+            // SAFETY: column < n, the chunk's groups < groups.
+            let lo = luts[s].get(p.half_shift, 2 * ch, |gi| unsafe {
+                lut_bf16_ne(p, cz, cols[s], gi)
+            });
+            let hi = luts[s].get(p.half_shift, 2 * ch + 1, |gi| unsafe {
                 lut_bf16_ne(p, cz, cols[s], gi)
             });
             // SAFETY: column < n, ch < chunks.
@@ -360,14 +413,7 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
                     _mm512_loadu_si512(xb.add(r * k + 64 * ch + 32 * h) as *const __m512i)
                 };
                 for s in 0..S {
-                    // SAFETY: __m512i and __m512bh are both 32 × 16 bits.
-                    let (wv, xv) = unsafe {
-                        (
-                            std::mem::transmute::<__m512i, __m512bh>(w[s][h]),
-                            std::mem::transmute::<__m512i, __m512bh>(xv),
-                        )
-                    };
-                    acc[s][r][h] = _mm512_dpbf16_ps(acc[s][r][h], wv, xv);
+                    acc[s][r][h] = _mm512_dpbf16_ps(acc[s][r][h], bh(w[s][h]), bh(xv));
                 }
             }
         }
@@ -407,15 +453,20 @@ pub(super) unsafe fn w4a16_expand(p: &PackedW4A16, cols: Range<usize>, out: &mut
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(super) unsafe fn w4a16_expand_bits(p: &PackedW4A16, cols: Range<usize>, out: &mut [u16]) {
     assert!(p.simd_ok && cols.end <= p.n && out.len() == cols.len() * p.k);
-    let cz = uniform_codes(p);
+    let cz = uniform_pairs(p);
     for (col, o) in cols.zip(out.chunks_exact_mut(p.k)) {
         let mut luts = LutCache {
             group: usize::MAX,
             lut: _mm512_setzero_si512(),
         };
         for ch in 0..p.chunks {
-            let lo = luts.get(p.half_shift, 2 * ch, |gi| lut_bf16_ne(p, cz, col, gi));
-            let hi = luts.get(p.half_shift, 2 * ch + 1, |gi| lut_bf16_ne(p, cz, col, gi));
+            // SAFETY: col < n, the chunk's groups < groups.
+            let lo = luts.get(p.half_shift, 2 * ch, |gi| unsafe {
+                lut_bf16_ne(p, cz, col, gi)
+            });
+            let hi = luts.get(p.half_shift, 2 * ch + 1, |gi| unsafe {
+                lut_bf16_ne(p, cz, col, gi)
+            });
             // SAFETY: col < n, ch < chunks; 64·ch + 64 ≤ k = o.len(). Byte layout as in
             // `w4a16_dot_bf16`: lane i holds inputs 64ch + i and 64ch + 32 + i.
             unsafe {
@@ -465,7 +516,7 @@ mod tests {
                 k: 64,
                 g: 64,
             });
-            for cz in [Some(unsafe { lut_codes(zero) }), None] {
+            for cz in [Some(unsafe { code_pairs(zero) }), None] {
                 for col in 0..n {
                     let got: [u16; 32] =
                         unsafe { std::mem::transmute(lut_bf16_ne(&p, cz, col, 0)) };

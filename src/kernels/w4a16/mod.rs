@@ -39,7 +39,7 @@ pub struct PackedW4A16 {
     chunks: usize,
     /// `[n][chunks][32]`
     nib: Vec<u8>,
-    /// bf16 bits `[n][groups]`
+    /// bf16 bits `[n][groups]`, then one pad slot
     scales: Vec<u16>,
     /// `[n][groups]`
     zeros: Zeros,
@@ -107,10 +107,12 @@ impl PackedW4A16 {
             groups: w.groups(),
             chunks,
             nib,
+            // One pad slot: the SIMD tables read each scale as a 32-bit pair with the next.
             scales: w
                 .scales
                 .iter()
                 .map(|s| half::bf16::from_f32(*s).to_bits())
+                .chain([0])
                 .collect(),
             zeros: Zeros::new(w.zeros, (0..w.zeros.len()).map(Some)),
             simd_ok: g % 32 == 0 && (g / 32).is_power_of_two() && k % 64 == 0,
