@@ -101,19 +101,6 @@ unsafe fn lut_bf16_ne(p: &PackedW4A16, cz: Option<__m512i>, col: usize, gi: usiz
     to_bf16_pair(t, t)
 }
 
-/// The tables of groups `gi` (lanes 0…15) and `gi + 1` (lanes 16…31) in one register.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn lut2_bf16_ne(p: &PackedW4A16, cz: Option<__m512i>, col: usize, gi: usize) -> __m512i {
-    // SAFETY: as the caller's (gi + 1 < groups).
-    unsafe {
-        to_bf16_pair(
-            scaled_codes(p, cz, col, gi + 1),
-            scaled_codes(p, cz, col, gi),
-        )
-    }
-}
-
 /// The table for half-chunk `h` (inputs 32h…32h + 31), rebuilt only when
 /// the group changes (once per group for G ≥ 64, per half for G = 32).
 /// Groups are `2^shift` halves (`simd_ok`), so no division per chunk.
@@ -135,12 +122,14 @@ impl<T: Copy> LutCache<T> {
 }
 
 /// Columns `cols`, rows `rows` (at most 4) of `x · Wᵀ` (requires `p.simd_ok`);
-/// `xb` holds `x` as bf16 bits when all of it is bf16 and the CPU has AVX512-BF16.
+/// `xb` holds `x` as bf16 bits when all of it is bf16 and the CPU has AVX512-BF16, decoded by
+/// `decode` (`Decode::Interleaved` only on a CPU with AVX512-VBMI).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn w4a16_gemv(
     p: &PackedW4A16,
     x: &[f32],
     xb: Option<&[u16]>,
+    decode: Decode,
     rows: Range<usize>,
     cols: Range<usize>,
     out: &ColumnsOut,
@@ -150,7 +139,7 @@ pub(super) unsafe fn w4a16_gemv(
     let xr = unsafe { x.as_ptr().add(rows.start * p.k) };
     let xb = xb.map(|b| &b[rows.start * p.k..rows.end * p.k]);
     let words = xb
-        .filter(|_| decodes_words(p))
+        .filter(|_| decode == Decode::Words)
         .map(|b| to_word_order(b, p.k));
     let xbr = words.as_deref().or(xb).map(<[u16]>::as_ptr);
     macro_rules! go {
@@ -160,10 +149,10 @@ pub(super) unsafe fn w4a16_gemv(
             // path is only taken with xb present, i.e. on an AVX512-BF16 CPU.
             let v: [[f32; 4]; $s] = unsafe {
                 match (xbr, $r) {
-                    (Some(b), 1) => pad(w4a16_dot_bf16::<1, $s>(p, b, cs)),
-                    (Some(b), 2) => pad(w4a16_dot_bf16::<2, $s>(p, b, cs)),
-                    (Some(b), 3) => pad(w4a16_dot_bf16::<3, $s>(p, b, cs)),
-                    (Some(b), _) => pad(w4a16_dot_bf16::<4, $s>(p, b, cs)),
+                    (Some(b), 1) => pad(w4a16_dot_bf16::<1, $s>(p, b, cs, decode)),
+                    (Some(b), 2) => pad(w4a16_dot_bf16::<2, $s>(p, b, cs, decode)),
+                    (Some(b), 3) => pad(w4a16_dot_bf16::<3, $s>(p, b, cs, decode)),
+                    (Some(b), _) => pad(w4a16_dot_bf16::<4, $s>(p, b, cs, decode)),
                     (None, 1) => pad(w4a16_dot::<1, $s>(p, xr, cs)),
                     (None, 2) => pad(w4a16_dot::<2, $s>(p, xr, cs)),
                     (None, 3) => pad(w4a16_dot::<3, $s>(p, xr, cs)),
@@ -255,17 +244,40 @@ unsafe fn w4a16_dot<const R: usize, const S: usize>(
     res
 }
 
-/// Whether [`w4a16_dot_bf16`] decodes whole 64-byte words (two chunks at a time): groups of
-/// whole 64-input chunks (G = 64, 128, …: the GPTQ sizes) and an even number of chunks. Its
-/// activations must then be in [`word_order`].
-pub(super) fn decodes_words(p: &PackedW4A16) -> bool {
-    p.half_shift >= 1 && p.chunks.is_multiple_of(2)
+/// How [`w4a16_dot_bf16`] turns a column's nibbles into bf16 weights.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Decode {
+    /// Chunk by chunk: 32 bytes widened to 16-bit lanes, two `vpermw` (any `simd_ok` shape).
+    Chunks,
+    /// Chunk pairs of one group (G ≥ 128, an even chunk count): the pair's 64 bytes as 32
+    /// 16-bit words whose four nibbles index the table by `vpermw` after a shift, no widening
+    /// (4 cross-lane shuffles per 128 weights where widening takes 6; the shuffles bound this
+    /// kernel on Zen 4). Activations in [`word_order`].
+    Words,
+    /// Chunk pairs of two groups (G = 64, an even chunk count, AVX512-VBMI): one `vpermb`
+    /// interleaves the two chunks' bytes so that word j is byte j of the first chunk and byte j
+    /// of the second; its low two nibbles then index the first group's table, its high two the
+    /// second's. Activations in their natural order.
+    Interleaved,
 }
 
-/// Which input of a chunk pair's 128 the word decoder puts at position `o` (0…127): position
-/// 32·s + j is nibble s of 16-bit word j of the pair's 64 bytes. Word j < 16 is bytes 2j, 2j+1
-/// of the first chunk, q[2j] | q[32 + 2j] << 4 | q[2j + 1] << 8 | q[33 + 2j] << 12 (the
-/// chunk layout of the parent module); words 16…31 the same of the second chunk.
+impl Decode {
+    pub(super) fn of(p: &PackedW4A16, vbmi: bool) -> Decode {
+        match p.half_shift {
+            _ if !p.chunks.is_multiple_of(2) => Decode::Chunks,
+            1 if vbmi => Decode::Interleaved,
+            1 => Decode::Chunks,
+            s if s >= 2 => Decode::Words,
+            _ => Decode::Chunks,
+        }
+    }
+}
+
+/// Which input of a chunk pair's 128 the [`Decode::Words`] decoder puts at position `o`
+/// (0…127): position 32·s + j is nibble s of 16-bit word j of the pair's 64 bytes. Word j < 16
+/// is bytes 2j, 2j+1 of the first chunk, q[2j] | q[32 + 2j] << 4 | q[2j + 1] << 8 |
+/// q[33 + 2j] << 12 (the chunk layout of the parent module); words 16…31 the same of the second
+/// chunk.
 pub(super) fn word_order(o: usize) -> usize {
     let (s, j) = (o / 32, o % 32);
     64 * (j / 16) + 2 * (j % 16) + [0, 32, 1, 33][s]
@@ -284,95 +296,131 @@ fn to_word_order(xb: &[u16], k: usize) -> Vec<u16> {
     out
 }
 
-/// [`w4a16_dot_bf16`] when [`decodes_words`]: each chunk pair's 64 bytes are loaded as 32
-/// 16-bit words whose four nibbles index the table by `vpermw` after a shift, with no
-/// widening step (per 128 weights 4 cross-lane shuffles where widening bytes takes 6; the
-/// shuffles bound this kernel on Zen 4). `xb` is in [`word_order`]. For G = 64 the two chunks
-/// have their own tables, put side by side: lanes 16…31 index the upper one (bit 4 set), so
-/// the index is masked to its nibble first; for larger groups one table stored twice makes
-/// bit 4 harmless. Four accumulators, one per nibble.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
-unsafe fn w4a16_dot_bf16_words<const R: usize, const S: usize>(
-    p: &PackedW4A16,
-    xb: *const u16,
-    cols: [usize; S],
-) -> [[f32; R]; S] {
-    debug_assert!(decodes_words(p));
-    let (k, nib) = (p.k, p.nib.as_ptr());
-    let cz = uniform_pairs(p);
-    // Chunk ch is in group ch >> chunk_shift.
-    let chunk_shift = p.half_shift - 1;
-    let (nibble, upper) = (
-        _mm512_set1_epi16(0xf),
-        _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(0x10)),
-    );
-    let mut acc = [[[_mm512_setzero_ps(); 4]; R]; S];
-    for pair in 0..p.chunks / 2 {
-        let mut w = [[_mm512_setzero_si512(); 4]; S];
-        for s in 0..S {
-            let at = (cols[s] * p.chunks + 2 * pair) * 32;
-            prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
-            // SAFETY: column < n, 2·pair + 1 < chunks: 64 bytes of this column.
-            let v = unsafe { _mm512_loadu_si512(nib.add(at) as *const __m512i) };
-            let idx = [
-                v,
-                _mm512_srli_epi16::<4>(v),
-                _mm512_srli_epi16::<8>(v),
-                _mm512_srli_epi16::<12>(v),
-            ];
-            w[s] = if chunk_shift == 0 {
-                // SAFETY: column < n, 2·pair + 1 < chunks = groups.
-                let lut = unsafe { lut2_bf16_ne(p, cz, cols[s], 2 * pair) };
-                // (index & 0xf) | upper
-                idx.map(|i| {
-                    _mm512_permutexvar_epi16(
-                        _mm512_ternarylogic_epi32::<0xea>(i, nibble, upper),
-                        lut,
-                    )
-                })
-            } else {
-                // SAFETY: column < n, the pair's group < groups.
-                let lut = unsafe { lut_bf16_ne(p, cz, cols[s], (2 * pair) >> chunk_shift) };
-                idx.map(|i| _mm512_permutexvar_epi16(i, lut))
-            };
-        }
-        for r in 0..R {
-            for q in 0..4 {
-                // SAFETY: rows of xb hold k = 64·chunks values (simd_ok).
-                let xv = unsafe {
-                    _mm512_loadu_si512(xb.add(r * k + 128 * pair + 32 * q) as *const __m512i)
-                };
+/// A chunk-pair kernel ([`Decode::Words`], [`Decode::Interleaved`]): per pair and column the
+/// decode block gives four registers of 32 bf16 weights, matching activations 128·pair + 32·q
+/// …; four accumulators, one per register. A macro, not a generic, because the two need
+/// different target features and the accumulators must stay in registers (a helper taking
+/// them by reference spilled them: 1.3–1.8× slower).
+macro_rules! pair_kernel {
+    ($(#[$doc:meta])* $name:ident, $features:literal,
+     |$p:ident, $cz:ident, $col:ident, $pair:ident, $v:ident| $decode:block) => {
+        $(#[$doc])*
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize, const S: usize>(
+            p: &PackedW4A16,
+            xb: *const u16,
+            cols: [usize; S],
+        ) -> [[f32; R]; S] {
+            debug_assert!(p.chunks.is_multiple_of(2));
+            let (k, nib) = (p.k, p.nib.as_ptr());
+            let cz = uniform_pairs(p);
+            let mut acc = [[[_mm512_setzero_ps(); 4]; R]; S];
+            for pair in 0..p.chunks / 2 {
+                let mut w = [[_mm512_setzero_si512(); 4]; S];
                 for s in 0..S {
-                    let a = &mut acc[s][r][q];
-                    *a = _mm512_dpbf16_ps(*a, bh(w[s][q]), bh(xv));
+                    let at = (cols[s] * p.chunks + 2 * pair) * 32;
+                    prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
+                    // SAFETY: column < n, 2·pair + 1 < chunks: 64 bytes of this column.
+                    let $v = unsafe { _mm512_loadu_si512(nib.add(at) as *const __m512i) };
+                    let ($p, $cz, $col, $pair) = (p, cz, cols[s], pair);
+                    w[s] = $decode;
+                }
+                for r in 0..R {
+                    for q in 0..4 {
+                        // SAFETY: rows of xb hold k = 64·chunks values (simd_ok).
+                        let xv = unsafe {
+                            _mm512_loadu_si512(xb.add(r * k + 128 * pair + 32 * q) as *const __m512i)
+                        };
+                        for s in 0..S {
+                            let a = &mut acc[s][r][q];
+                            *a = _mm512_dpbf16_ps(*a, bh(w[s][q]), bh(xv));
+                        }
+                    }
                 }
             }
+            let mut res = [[0f32; R]; S];
+            for s in 0..S {
+                for r in 0..R {
+                    let [a0, a1, a2, a3] = acc[s][r];
+                    res[s][r] = _mm512_reduce_add_ps(_mm512_add_ps(
+                        _mm512_add_ps(a0, a1),
+                        _mm512_add_ps(a2, a3),
+                    ));
+                }
+            }
+            res
         }
-    }
-    let mut res = [[0f32; R]; S];
-    for s in 0..S {
-        for r in 0..R {
-            let [a0, a1, a2, a3] = acc[s][r];
-            res[s][r] =
-                _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-        }
-    }
-    res
+    };
 }
 
-/// [`w4a16_dot`] with bf16 activations `xb` (in [`word_order`] when [`decodes_words`]):
-/// 32 weights per `vpermw`, 32 products per `vdpbf16ps`.
+pair_kernel!(
+    /// [`Decode::Words`]: one table per pair, stored twice, so the stray bit 4 of each shifted
+    /// word (the next nibble's low bit) is harmless; `xb` in [`word_order`].
+    w4a16_dot_bf16_words,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16",
+    |p, cz, col, pair, v| {
+        // SAFETY: column < n, the pair's group < groups.
+        let lut = unsafe { lut_bf16_ne(p, cz, col, (2 * pair) >> (p.half_shift - 1)) };
+        [
+            _mm512_permutexvar_epi16(v, lut),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(v), lut),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(v), lut),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(v), lut),
+        ]
+    }
+);
+
+/// Byte j of the first 32 to byte 2j, byte 32 + j to byte 2j + 1 ([`Decode::Interleaved`]).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn interleave_index() -> __m512i {
+    let idx: [u8; 64] = std::array::from_fn(|b| (b / 2 + 32 * (b % 2)) as u8);
+    // SAFETY: 64 bytes.
+    unsafe { _mm512_loadu_si512(idx.as_ptr() as *const __m512i) }
+}
+
+pair_kernel!(
+    /// [`Decode::Interleaved`] (G = 64): word j = byte j of chunk 2·pair (inputs j, 32 + j of
+    /// it in its nibbles) | byte j of chunk 2·pair + 1 << 8, so registers 0, 1 hold the
+    /// first group's inputs 0…31, 32…63 and registers 2, 3 the second's: the natural order.
+    /// Each group's table is stored twice, so the stray bit 4 is harmless.
+    w4a16_dot_bf16_interleaved,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,avx512vbmi",
+    |p, cz, col, pair, v| {
+        let v = _mm512_permutexvar_epi8(interleave_index(), v);
+        // SAFETY: column < n, 2·pair + 1 < chunks = groups.
+        let (a, b) = unsafe {
+            (
+                lut_bf16_ne(p, cz, col, 2 * pair),
+                lut_bf16_ne(p, cz, col, 2 * pair + 1),
+            )
+        };
+        [
+            _mm512_permutexvar_epi16(v, a),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(v), a),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(v), b),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(v), b),
+        ]
+    }
+);
+
+/// [`w4a16_dot`] with bf16 activations `xb` (in [`word_order`] for [`Decode::Words`]):
+/// 32 weights per `vpermw`, 32 products per `vdpbf16ps`. `Decode::Interleaved` requires
+/// AVX512-VBMI.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
 unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
     p: &PackedW4A16,
     xb: *const u16,
     cols: [usize; S],
+    decode: Decode,
 ) -> [[f32; R]; S] {
-    if decodes_words(p) {
+    match decode {
         // SAFETY: as this function's contract.
-        return unsafe { w4a16_dot_bf16_words::<R, S>(p, xb, cols) };
+        Decode::Words => return unsafe { w4a16_dot_bf16_words::<R, S>(p, xb, cols) },
+        Decode::Interleaved => return unsafe { w4a16_dot_bf16_interleaved::<R, S>(p, xb, cols) },
+        Decode::Chunks => {}
     }
     let k = p.k;
     let nib = p.nib.as_ptr();
@@ -487,6 +535,34 @@ pub(super) unsafe fn w4a16_expand_bits(p: &PackedW4A16, cols: Range<usize>, out:
 mod tests {
     use super::*;
     use crate::kernels::w4::{Codes, W4Nibbles};
+
+    /// The GPTQ shapes reach the pair decoders (the tier tests cover each decoder's results).
+    #[test]
+    fn group_sizes_pick_their_decoder() {
+        let pack = |k: usize, g: usize| {
+            let (q, z, s) = (vec![0u8; 2 * k], vec![8; 2 * k / g], vec![1.0; 2 * k / g]);
+            let nib = W4Nibbles {
+                q: Codes::Unpacked(&q),
+                zeros: &z,
+                scales: &s,
+                n: 2,
+                k,
+                g,
+            };
+            PackedW4A16::pack(nib)
+        };
+        for (k, g, vbmi, want) in [
+            (2048, 128, true, Decode::Words),
+            (6656, 128, false, Decode::Words),
+            (2048, 64, true, Decode::Interleaved),
+            (2048, 64, false, Decode::Chunks),
+            (192, 64, true, Decode::Chunks),
+            (2048, 32, true, Decode::Chunks),
+            (2048, 256, true, Decode::Words),
+        ] {
+            assert_eq!(Decode::of(&pack(k, g), vbmi), want, "k {k} g {g} vbmi {vbmi}");
+        }
+    }
 
     /// The `vcvtneps2bf16` table equals the scalar one for extreme scales
     /// (fp16's smallest subnormal up to its largest) and asymmetric zeros.

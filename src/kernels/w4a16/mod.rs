@@ -194,6 +194,16 @@ impl PackedW4A16 {
 
     /// [`matmul`](Self::matmul) on an explicit tier (tests run every available one).
     pub fn matmul_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        let vbmi = std::arch::is_x86_feature_detected!("avx512vbmi");
+        #[cfg(not(target_arch = "x86_64"))]
+        let vbmi = false;
+        self.matmul_vbmi(isa, vbmi, x, m, y)
+    }
+
+    /// [`matmul_with`](Self::matmul_with), told whether AVX512-VBMI may be used (tests run
+    /// the G = 64 decode both ways on a CPU that has it).
+    fn matmul_vbmi(&self, isa: Isa, vbmi: bool, x: &[f32], m: usize, y: &mut [f32]) {
         let (n, k) = (self.n, self.k);
         assert_eq!((x.len(), y.len()), (m * k, m * n));
         if m == 0 || n == 0 {
@@ -217,12 +227,17 @@ impl PackedW4A16 {
         } else {
             None
         };
+        #[cfg(target_arch = "x86_64")]
+        let decode = avx512::Decode::of(self, vbmi);
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = vbmi;
         let out = ColumnsOut::new(y, m, n);
         for_tiles(m, n, k, |rows, cb| match isa {
             #[cfg(target_arch = "x86_64")]
             isa if isa.avx512() && self.simd_ok => {
-                // SAFETY: the tier was detected on this CPU; this job owns `cb`.
-                unsafe { avx512::w4a16_gemv(self, x, xb.as_deref(), rows, cb, &out) }
+                // SAFETY: the tier was detected on this CPU (VBMI too when `vbmi`: the
+                // caller's detection); this job owns `cb`.
+                unsafe { avx512::w4a16_gemv(self, x, xb.as_deref(), decode, rows, cb, &out) }
             }
             _ => self.gemv_portable(x, rows, cb, &out),
         });
@@ -353,6 +368,10 @@ mod tests {
                     for isa in Isa::tested() {
                         let mut got = vec![f32::NAN; m * n];
                         packed.matmul_with(isa, &x, m, &mut got);
+                        assert_close_sum_order(&got, &want, &abs, k);
+                        // Without VBMI, G = 64 decodes chunk by chunk.
+                        got.fill(f32::NAN);
+                        packed.matmul_vbmi(isa, false, &x, m, &mut got);
                         assert_close_sum_order(&got, &want, &abs, k);
                         let mut e = vec![0f32; n * k];
                         packed.expand_with(isa, 0..n, &mut e);
