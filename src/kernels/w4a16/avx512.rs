@@ -560,7 +560,11 @@ mod tests {
             (2048, 32, true, Decode::Chunks),
             (2048, 256, true, Decode::Words),
         ] {
-            assert_eq!(Decode::of(&pack(k, g), vbmi), want, "k {k} g {g} vbmi {vbmi}");
+            assert_eq!(
+                Decode::of(&pack(k, g), vbmi),
+                want,
+                "k {k} g {g} vbmi {vbmi}"
+            );
         }
     }
 
