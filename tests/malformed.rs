@@ -854,6 +854,17 @@ fn gptq_cases() -> Vec<Case> {
         }
     }
     tensor_edits.push(("g_idx out of range".into(), t, g_idx));
+    // An infinite fp16 scale: the W4A16 tables read scales in pairs, so one corrupt scale would
+    // reach its neighbour's outputs too; refused at load, naming the tensor.
+    let scales = format!("{base}.scales");
+    let mut t = Tensors::read(&st);
+    {
+        let e = t.get(&scales);
+        assert_eq!(e.1["dtype"], "F16", "GPTQ scales are fp16");
+        let k = e.2.len() / 4 * 2;
+        e.2[k..k + 2].copy_from_slice(&0x7c00u16.to_le_bytes());
+    }
+    tensor_edits.push(("an infinite scale".into(), t, scales));
     for (label, t, name) in tensor_edits {
         let c = Case::new(format!("gptq {label} (run)"));
         let model = c.input(&shared().gptq, "model");
