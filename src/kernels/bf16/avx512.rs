@@ -19,9 +19,9 @@ use crate::kernels::par::ColumnsOut;
 
 /// The activations of [`bf16_gemv`], `[m, k]`.
 pub(super) enum Acts<'a> {
-    /// f32, deinterleaved by [`super::deinterleave`]: the FMA kernel, always
-    /// two streams (bound by its arithmetic and activation loads, which the
-    /// second stream shares).
+    /// f32, deinterleaved by [`super::deinterleave`]: the FMA kernel; its walk is
+    /// [`f32_walk`] (two streams share each activation load, which matters once a
+    /// row of activations no longer fits in L1).
     F32(&'a [f32]),
     /// bf16 bits, for a CPU with AVX512-BF16 only: `vdpbf16ps` on the weights
     /// as stored (exact products, f32 sums, as in the FMA kernel), no
@@ -73,7 +73,7 @@ pub(super) unsafe fn bf16_gemv(
         }};
     }
     let walk = match x {
-        Acts::F32(_) => Walk::TwoStreamsPrefetch,
+        Acts::F32(_) => f32_walk(k),
         Acts::Bf16(_) => walk(),
     };
     walk_columns!(walk, rows.len(), cols, go);
@@ -128,6 +128,20 @@ unsafe fn bf16_dot_bf16<const R: usize, const S: usize>(
     res
 }
 
+/// The FMA kernel's walk: the CPU's ([`walk`]) while a row of f32 activations (4k bytes) fits
+/// in L1 with room for the weights streaming past, else two streams + prefetch, which share
+/// each activation load. Measured on Zen 4 (docs/BENCHMARKS.md, "W4A16 decode tables"): one
+/// stream read the head (k = 2048) at 80–87 % of the stream where two read 44–66 %, but
+/// `down_proj` (k = 6656, 26 KB of activations) at 44 % where two read 58–70 %.
+fn f32_walk(k: usize) -> Walk {
+    const ONE_STREAM_MAX_K: usize = 4096;
+    if k <= ONE_STREAM_MAX_K {
+        walk()
+    } else {
+        Walk::TwoStreamsPrefetch
+    }
+}
+
 /// Weight rows `w[s][..k]` against `R` rows of `x` (stride k).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -140,11 +154,14 @@ unsafe fn bf16_dot<const R: usize, const S: usize>(
     let mut ae = [[_mm512_setzero_ps(); R]; S];
     let mut ao = ae;
     let chunks = k / 32;
+    let pf = f32_walk(k).prefetch();
     for ch in 0..chunks {
         let mut we = [_mm512_setzero_ps(); S];
         let mut wo = we;
         for s in 0..S {
-            prefetch(w[s].wrapping_add(32 * ch + PREFETCH_BYTES / 2));
+            if pf {
+                prefetch(w[s].wrapping_add(32 * ch + PREFETCH_BYTES / 2));
+            }
             // SAFETY: ch < k / 32.
             let v = unsafe { _mm512_loadu_si512(w[s].add(32 * ch) as *const __m512i) };
             // 32-bit lane i = (w[2i] low half, w[2i+1] high half).
