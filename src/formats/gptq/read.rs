@@ -134,10 +134,12 @@ pub fn read_linear<'a>(
             )],
         });
     }
-    if let Some(i) = scales_gn.iter().position(|s| !s.is_finite()) {
+    // As bf16 (what vLLM and the kernels use): an f32 scale beyond bf16's range is infinite too.
+    let bf16_finite = |s: f32| half::bf16::from_f32(s).to_f32().is_finite();
+    if let Some(i) = scales_gn.iter().position(|s| !bf16_finite(*s)) {
         return Err(CheckpointError::Tensors {
             problems: vec![format!(
-                "`{prefix}.scales` holds a non-finite value ({}) at element {i}; the checkpoint is corrupt",
+                "`{prefix}.scales` holds a value that is not finite as bf16 ({}) at element {i}; the checkpoint is corrupt",
                 scales_gn[i]
             )],
         });
@@ -276,5 +278,33 @@ pub(crate) mod tests {
         let s = store_of(&w, d.path(), |t| set(t, "g_idx", vec![4; 32]));
         let e = read_linear(&s, &info(false), "x", 0..16).err().unwrap();
         assert!(e.to_string().contains("x.g_idx"), "{e}");
+    }
+
+    /// A scale that is not finite as bf16 (an fp16 infinity, or an f32 beyond bf16's range) is
+    /// an error naming the tensor; the largest fp16 and a large but bf16-finite f32 are not.
+    #[test]
+    fn scales_must_be_finite_as_bf16() {
+        let d = tempfile::tempdir().unwrap();
+        let w = weight();
+        let as_f32 = |t: &mut Vec<OwnedTensor>, v: f32| {
+            let x = t.iter_mut().find(|x| x.name == "x.scales").unwrap();
+            let n = x.data.len() / 2;
+            *x = OwnedTensor::f32("x.scales", x.shape.clone(), &vec![v; n]);
+        };
+        for (v, ok) in [
+            (65504.0, true),
+            (3.0e38, true),
+            (3.4e38, false),
+            (f32::INFINITY, false),
+        ] {
+            let s = store_of(&w, d.path(), |t| as_f32(t, v));
+            match read_linear(&s, &info(false), "x", 0..16) {
+                Ok(_) => assert!(ok, "{v} accepted"),
+                Err(e) => {
+                    assert!(!ok, "{v}: {e}");
+                    assert!(e.to_string().contains("x.scales"), "{e}");
+                }
+            }
+        }
     }
 }
