@@ -93,6 +93,16 @@ pub fn isa() -> Isa {
     })
 }
 
+/// AVX512-VBMI (`vpermb`), which the W4A16 G = 64 pair decoder needs besides its tier: every CPU
+/// with AMX has it, Cooper Lake (AVX512-BF16) does not. Asked once.
+pub fn vbmi() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    #[cfg(target_arch = "x86_64")]
+    return *HAS.get_or_init(|| is_x86_feature_detected!("avx512vbmi"));
+    #[cfg(not(target_arch = "x86_64"))]
+    return *HAS.get_or_init(|| false);
+}
+
 /// AMX tiles with int8 and bf16 products, and the OS's grant of tile state to this process (Linux
 /// asks each process to request it before its first tile instruction; without it that
 /// instruction raises SIGILL). Asked once.

@@ -135,8 +135,8 @@ pub fn read_linear<'a>(
         });
     }
     // As bf16 (what vLLM and the kernels use): an f32 scale beyond bf16's range is infinite too.
-    let bf16_finite = |s: f32| half::bf16::from_f32(s).to_f32().is_finite();
-    if let Some(i) = scales_gn.iter().position(|s| !bf16_finite(*s)) {
+    let round_bf16 = crate::kernels::w4::round_bf16;
+    if let Some(i) = scales_gn.iter().position(|s| !round_bf16(*s).is_finite()) {
         return Err(CheckpointError::Tensors {
             problems: vec![format!(
                 "`{prefix}.scales` holds a value that is not finite as bf16 ({}) at element {i}; the checkpoint is corrupt",

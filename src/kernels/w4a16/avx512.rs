@@ -371,14 +371,23 @@ pair_kernel!(
     |p, cz, col, pair, v| {
         // SAFETY: column < n, the pair's group < groups.
         let lut = unsafe { lut_bf16_ne(p, cz, col, (2 * pair) >> (p.half_shift - 1)) };
-        [
-            _mm512_permutexvar_epi16(v, lut),
-            _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(v), lut),
-            _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(v), lut),
-            _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(v), lut),
-        ]
+        nibble_lookups(v, lut, lut)
     }
 );
+
+/// The four registers of a chunk pair: nibble s (0…3) of each 16-bit word of `v` looked up in
+/// `lo` (s = 0, 1) or `hi` (s = 2, 3). `vpermw` reads an index's low 5 bits, so each table is
+/// stored twice and the next nibble's low bit (bit 4 after the shift) is harmless.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn nibble_lookups(v: __m512i, lo: __m512i, hi: __m512i) -> [__m512i; 4] {
+    [
+        _mm512_permutexvar_epi16(v, lo),
+        _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(v), lo),
+        _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(v), hi),
+        _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(v), hi),
+    ]
+}
 
 /// Byte j of the first 32 to byte 2j, byte 32 + j to byte 2j + 1 ([`Decode::Interleaved`]).
 #[inline]
@@ -405,12 +414,7 @@ pair_kernel!(
                 lut_bf16_ne(p, cz, col, 2 * pair + 1),
             )
         };
-        [
-            _mm512_permutexvar_epi16(v, a),
-            _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(v), a),
-            _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(v), b),
-            _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(v), b),
-        ]
+        nibble_lookups(v, a, b)
     }
 );
 

@@ -194,11 +194,7 @@ impl PackedW4A16 {
 
     /// [`matmul`](Self::matmul) on an explicit tier (tests run every available one).
     pub fn matmul_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        let vbmi = std::arch::is_x86_feature_detected!("avx512vbmi");
-        #[cfg(not(target_arch = "x86_64"))]
-        let vbmi = false;
-        self.matmul_vbmi(isa, vbmi, x, m, y)
+        self.matmul_vbmi(isa, super::isa::vbmi(), x, m, y)
     }
 
     /// [`matmul_with`](Self::matmul_with), told whether AVX512-VBMI may be used (tests run
