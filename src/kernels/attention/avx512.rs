@@ -1,0 +1,221 @@
+//! Decode attention of one query row on AVX-512: the `group` query heads that share a KV head
+//! score each key in one pass over it (16-lane partial sums in registers, two per head), and
+//! the values are accumulated 64 dimensions × up to 4 heads at a time in registers over blocks
+//! of positions, so each value row is read once per block and the outputs are loaded and stored
+//! once per block instead of once per position. The portable body in `mod.rs` is the reference:
+//! the same math, sums in another order.
+
+use std::arch::x86_64::*;
+
+/// Positions per value block: 16 rows of one KV head (16 KiB at hd 256) stay in L1 across the
+/// block's passes over its dimension chunks.
+const BLOCK: usize = 16;
+/// Positions ahead of the one being read whose rows are prefetched into L2 (a KV head's row is
+/// a 1/kv_heads slice of each cached position's row: a stride the hardware prefetchers follow
+/// badly). Measured on Zen 4 (docs/BENCHMARKS.md "Decode attention in registers"): into L1 4
+/// ahead, the stage took 7.9–8.7 ms of a 1.7B token at 512 context; into L2 6–16 ahead 6.0–6.9.
+const AHEAD: usize = 8;
+
+/// [`super::attend`] for `hd` a multiple of 16.
+///
+/// # Safety
+/// The CPU has AVX-512F (checked by the caller).
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn attend<'a>(
+    q: &[f32],
+    key: impl Fn(usize) -> &'a [f32],
+    value: impl Fn(usize) -> &'a [f32],
+    lo: usize,
+    hi: usize,
+    hd: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    assert!(hd.is_multiple_of(16) && hd > 0 && out.len().is_multiple_of(hd));
+    let group = out.len() / hd;
+    assert_eq!(q.len(), group * hd);
+    let n = hi + 1 - lo;
+    scores.clear();
+    scores.resize(group * n, 0.0);
+    for (j, pos) in (lo..=hi).enumerate() {
+        if pos + AHEAD <= hi {
+            prefetch(key(pos + AHEAD));
+        }
+        let kr = key(pos);
+        assert_eq!(kr.len(), hd);
+        let mut h0 = 0;
+        while h0 < group {
+            let left = group - h0;
+            // SAFETY: heads h0.. of q and the key row hold hd values each (asserted).
+            unsafe {
+                match left {
+                    4.. => score::<4>(q, kr, hd, h0, j, n, scale, scores),
+                    3 => score::<3>(q, kr, hd, h0, j, n, scale, scores),
+                    2 => score::<2>(q, kr, hd, h0, j, n, scale, scores),
+                    _ => score::<1>(q, kr, hd, h0, j, n, scale, scores),
+                }
+            }
+            h0 += left.min(4);
+        }
+    }
+    for sh in scores.chunks_exact_mut(n) {
+        super::super::softmax(sh);
+    }
+    out.fill(0.0);
+    let mut rows = [std::ptr::null::<f32>(); BLOCK];
+    let mut b0 = lo;
+    while b0 <= hi {
+        let b1 = (b0 + BLOCK - 1).min(hi);
+        for (r, pos) in (b0..=b1).enumerate() {
+            let vr = value(pos);
+            assert_eq!(vr.len(), hd);
+            rows[r] = vr.as_ptr();
+            if pos + BLOCK.max(AHEAD) <= hi {
+                prefetch(value(pos + BLOCK.max(AHEAD)));
+            }
+        }
+        let (cnt, j0) = (b1 + 1 - b0, b0 - lo);
+        let mut h0 = 0;
+        while h0 < group {
+            let left = group - h0;
+            // SAFETY: rows[..cnt] point at hd values each; scores holds positions j0..j0 + cnt.
+            unsafe {
+                match left {
+                    4.. => accumulate::<4>(&rows[..cnt], scores, n, j0, h0, hd, out),
+                    3 => accumulate::<3>(&rows[..cnt], scores, n, j0, h0, hd, out),
+                    2 => accumulate::<2>(&rows[..cnt], scores, n, j0, h0, hd, out),
+                    _ => accumulate::<1>(&rows[..cnt], scores, n, j0, h0, hd, out),
+                }
+            }
+            h0 += left.min(4);
+        }
+        b0 = b1 + 1;
+    }
+}
+
+/// `scores[(h0 + h)·n + j] = scale · q[h0 + h] · k` for `G` heads: each 16 values of the key
+/// are loaded once for the `G` heads; two partial sums per head (even and odd chunks) hide the
+/// add latency.
+#[inline]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn score<const G: usize>(
+    q: &[f32],
+    k: &[f32],
+    hd: usize,
+    h0: usize,
+    j: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    assert!(q.len() >= (h0 + G) * hd && k.len() == hd);
+    let (qp, kp) = (q.as_ptr(), k.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); 2]; G];
+    let mut c = 0;
+    while c < hd {
+        // Two chunks per step into the two partial sums; a last odd chunk goes to the first.
+        let pair = c + 32 <= hd;
+        // SAFETY: c + 16 (c + 32 when `pair`) ≤ hd; head h0 + h's row lies inside q (asserted).
+        unsafe {
+            let k0 = _mm512_loadu_ps(kp.add(c));
+            let k1 = if pair {
+                _mm512_loadu_ps(kp.add(c + 16))
+            } else {
+                _mm512_setzero_ps()
+            };
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let qh = qp.add((h0 + h) * hd + c);
+                acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(qh), k0, acc[0]);
+                if pair {
+                    acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16)), k1, acc[1]);
+                }
+            }
+        }
+        c += if pair { 32 } else { 16 };
+    }
+    for (h, acc) in acc.iter().enumerate() {
+        scores[(h0 + h) * n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) * scale;
+    }
+}
+
+/// `out[h0 + h] += Σ_r scores[(h0 + h)·n + j0 + r] · rows[r]` for `G` heads, 64 dimensions at
+/// a time (16 dimensions for the last chunk of an hd that is not a multiple of 64), the `G`
+/// heads' partial outputs in registers across the block's rows.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn accumulate<const G: usize>(
+    rows: &[*const f32],
+    scores: &[f32],
+    n: usize,
+    j0: usize,
+    h0: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
+    assert!(out.len() >= (h0 + G) * hd && scores.len() >= (h0 + G) * n);
+    assert!(j0 + rows.len() <= n);
+    let op = out.as_mut_ptr();
+    let mut d = 0;
+    while d + 64 <= hd {
+        // SAFETY: d + 64 ≤ hd for every row and every head's output.
+        unsafe { accumulate_chunk::<G, 4>(rows, scores, n, j0, h0, hd, op, d) };
+        d += 64;
+    }
+    while d < hd {
+        // SAFETY: d + 16 ≤ hd (hd is a multiple of 16).
+        unsafe { accumulate_chunk::<G, 1>(rows, scores, n, j0, h0, hd, op, d) };
+        d += 16;
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate_chunk<const G: usize, const C: usize>(
+    rows: &[*const f32],
+    scores: &[f32],
+    n: usize,
+    j0: usize,
+    h0: usize,
+    hd: usize,
+    op: *mut f32,
+    d: usize,
+) {
+    // SAFETY (all): the caller's bounds: 16·C values from d in each row and output head.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); C]; G];
+        for (h, acc) in acc.iter_mut().enumerate() {
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(op.add((h0 + h) * hd + d + 16 * i));
+            }
+        }
+        for (r, &row) in rows.iter().enumerate() {
+            let mut v = [_mm512_setzero_ps(); C];
+            for (i, v) in v.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(row.add(d + 16 * i));
+            }
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let s = _mm512_set1_ps(*scores.get_unchecked((h0 + h) * n + j0 + r));
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    *a = _mm512_fmadd_ps(s, *v, *a);
+                }
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(op.add((h0 + h) * hd + d + 16 * i), *a);
+            }
+        }
+    }
+}
+
+/// Hint the cache lines of `row` into L2 (never faults).
+#[inline(always)]
+fn prefetch(row: &[f32]) {
+    for line in row.chunks(16) {
+        // SAFETY: a prefetch of a valid address has no architectural effect.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8) };
+    }
+}
