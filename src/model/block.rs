@@ -231,18 +231,21 @@ fn attention(
     let scale = 1.0 / (hd as f32).sqrt();
     let window = cfg.sliding_window;
     let kind = ctx.kind;
-    let key = |pos: usize| -> &[f32] {
+    // KV head h's row at `pos`: this call's rows are `[m, kv_dim]`, the cache's per head.
+    let key = |pos: usize, h: usize| -> &[f32] {
         if pos >= start {
-            &k[(pos - start) * kv_dim..(pos - start + 1) * kv_dim]
+            let o = (pos - start) * kv_dim + h * hd;
+            &k[o..o + hd]
         } else {
-            cache.key(pos)
+            cache.key(pos, h)
         }
     };
-    let value = |pos: usize| -> &[f32] {
+    let value = |pos: usize, h: usize| -> &[f32] {
         if pos >= start {
-            &v[(pos - start) * kv_dim..(pos - start + 1) * kv_dim]
+            let o = (pos - start) * kv_dim + h * hd;
+            &v[o..o + hd]
         } else {
-            cache.value(pos)
+            cache.value(pos, h)
         }
     };
     let kv_heads = kv_dim / hd;
@@ -267,12 +270,11 @@ fn attention(
                     qb.extend_from_slice(&q[i * q_dim + cols.start..i * q_dim + cols.end]);
                 }
                 ob.resize(qb.len(), 0.0);
-                let kvo = kvh * hd;
                 kernels::attention::attend_rows(
                     qb,
                     rows,
-                    |pos| &key(pos)[kvo..kvo + hd],
-                    |pos| &value(pos)[kvo..kvo + hd],
+                    |pos| key(pos, kvh),
+                    |pos| value(pos, kvh),
                     |r| lo_of(r0 + r),
                     start + r0,
                     hd,
@@ -296,12 +298,11 @@ fn attention(
         .for_each(|(c, out_g)| {
             let (i, kvh) = (c / kv_heads, c % kv_heads);
             let (p, lo) = (start + i, lo_of(i));
-            let kvo = kvh * hd;
             let q0 = i * q_dim + kvh * group * hd;
             kernels::attention::attend(
                 &q[q0..q0 + group * hd],
-                |pos| &key(pos)[kvo..kvo + hd],
-                |pos| &value(pos)[kvo..kvo + hd],
+                |pos| key(pos, kvh),
+                |pos| value(pos, kvh),
                 lo,
                 p,
                 hd,

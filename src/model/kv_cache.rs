@@ -3,6 +3,10 @@
 //! Sliding layers keep exactly `sliding_window` entries in a ring buffer,
 //! whatever the context; full layers grow up to the requested context.
 //! K is stored after RoPE, so ring slots never need re-rotation.
+//!
+//! Each KV head has its own plane (`[position][head_dim]`): decode attention reads one KV head's
+//! keys and values per job, and a plane is one sequential stream where rows of all heads
+//! interleaved made it a strided one the hardware prefetchers follow badly.
 
 use crate::checkpoint::{LayerType, SparkConfig};
 
@@ -12,20 +16,53 @@ pub enum CacheError {
     ContextFull { needed: usize, context: usize },
 }
 
+/// K and V planes, one per KV head, each `[slot][hd]`.
+struct Planes {
+    hd: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl Planes {
+    fn new(heads: usize, hd: usize, slots: usize) -> Self {
+        Planes {
+            hd,
+            k: (0..heads).map(|_| Vec::with_capacity(slots * hd)).collect(),
+            v: (0..heads).map(|_| Vec::with_capacity(slots * hd)).collect(),
+        }
+    }
+    /// Write (or, at the end of the planes, append) the row `k`, `v` (`[heads × hd]`) at `slot`.
+    fn put(&mut self, slot: usize, k: &[f32], v: &[f32]) {
+        let hd = self.hd;
+        for (h, (kp, vp)) in self.k.iter_mut().zip(&mut self.v).enumerate() {
+            let (kr, vr) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
+            if kp.len() == slot * hd {
+                kp.extend_from_slice(kr);
+                vp.extend_from_slice(vr);
+            } else {
+                kp[slot * hd..(slot + 1) * hd].copy_from_slice(kr);
+                vp[slot * hd..(slot + 1) * hd].copy_from_slice(vr);
+            }
+        }
+    }
+    fn rows(&self) -> usize {
+        self.k.first().map_or(0, |p| p.len() / self.hd.max(1))
+    }
+    fn bytes(&self) -> usize {
+        2 * self.k.iter().map(Vec::len).sum::<usize>() * 4
+    }
+}
+
 /// The last `window` K/V rows; the entry for position p lives in slot p mod window.
 pub struct SlidingKvCache {
     window: usize,
-    kv_dim: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    planes: Planes,
     len: usize,
 }
 
 /// Every K/V row from position 0.
 pub struct FullKvCache {
-    kv_dim: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    planes: Planes,
 }
 
 pub enum LayerKvCache {
@@ -34,12 +71,17 @@ pub enum LayerKvCache {
 }
 
 impl SlidingKvCache {
-    pub fn new(window: usize, kv_dim: usize) -> Self {
+    /// A ring of `window` rows of `heads` KV heads of `hd` values.
+    pub fn new(window: usize, heads: usize, hd: usize) -> Self {
+        // The whole ring up front: a bulk append longer than the window starts mid-ring.
+        let ring = || (0..heads).map(|_| vec![0.0; window * hd]).collect();
         SlidingKvCache {
             window,
-            kv_dim,
-            k: vec![0.0; window * kv_dim],
-            v: vec![0.0; window * kv_dim],
+            planes: Planes {
+                hd,
+                k: ring(),
+                v: ring(),
+            },
             len: 0,
         }
     }
@@ -50,12 +92,10 @@ impl SlidingKvCache {
             self.len.saturating_sub(self.window),
             self.len
         );
-        (pos % self.window) * self.kv_dim
+        pos % self.window
     }
     fn push(&mut self, k: &[f32], v: &[f32]) {
-        let s = (self.len % self.window) * self.kv_dim;
-        self.k[s..s + self.kv_dim].copy_from_slice(k);
-        self.v[s..s + self.kv_dim].copy_from_slice(v);
+        self.planes.put(self.len % self.window, k, v);
         self.len += 1;
     }
     /// Number of rows actually held (≤ window).
@@ -67,16 +107,21 @@ impl SlidingKvCache {
 impl LayerKvCache {
     /// The cache a layer of type `t` needs for up to `context` tokens.
     pub fn new(cfg: &SparkConfig, t: LayerType, context: usize) -> Self {
-        let kv_dim = cfg.kv_dim();
+        let (heads, hd) = (cfg.num_key_value_heads, cfg.head_dim);
         match t {
             LayerType::Sliding => {
-                LayerKvCache::Sliding(SlidingKvCache::new(cfg.sliding_window, kv_dim))
+                LayerKvCache::Sliding(SlidingKvCache::new(cfg.sliding_window, heads, hd))
             }
             LayerType::Full => LayerKvCache::Full(FullKvCache {
-                kv_dim,
-                k: Vec::with_capacity(context.min(1 << 16) * kv_dim),
-                v: Vec::with_capacity(context.min(1 << 16) * kv_dim),
+                planes: Planes::new(heads, hd, context.min(1 << 16)),
             }),
+        }
+    }
+
+    fn planes(&self) -> &Planes {
+        match self {
+            LayerKvCache::Sliding(c) => &c.planes,
+            LayerKvCache::Full(c) => &c.planes,
         }
     }
 
@@ -84,36 +129,33 @@ impl LayerKvCache {
     pub fn len(&self) -> usize {
         match self {
             LayerKvCache::Sliding(c) => c.len,
-            LayerKvCache::Full(c) => c.k.len() / c.kv_dim.max(1),
+            LayerKvCache::Full(c) => c.planes.rows(),
         }
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// K row (all KV heads) of absolute position `pos`.
-    pub fn key(&self, pos: usize) -> &[f32] {
+    fn slot(&self, pos: usize) -> usize {
         match self {
-            LayerKvCache::Sliding(c) => {
-                let s = c.slot(pos);
-                &c.k[s..s + c.kv_dim]
-            }
-            LayerKvCache::Full(c) => &c.k[pos * c.kv_dim..(pos + 1) * c.kv_dim],
+            LayerKvCache::Sliding(c) => c.slot(pos),
+            LayerKvCache::Full(_) => pos,
         }
     }
-    pub fn value(&self, pos: usize) -> &[f32] {
-        match self {
-            LayerKvCache::Sliding(c) => {
-                let s = c.slot(pos);
-                &c.v[s..s + c.kv_dim]
-            }
-            LayerKvCache::Full(c) => &c.v[pos * c.kv_dim..(pos + 1) * c.kv_dim],
-        }
+    /// K row of KV head `head` at absolute position `pos` (`head_dim` values).
+    pub fn key(&self, pos: usize, head: usize) -> &[f32] {
+        let (p, s) = (self.planes(), self.slot(pos));
+        &p.k[head][s * p.hd..(s + 1) * p.hd]
     }
-    /// Append rows for consecutive positions (`k`, `v` are `[n, kv_dim]`).
+    /// V row of KV head `head` at absolute position `pos` (`head_dim` values).
+    pub fn value(&self, pos: usize, head: usize) -> &[f32] {
+        let (p, s) = (self.planes(), self.slot(pos));
+        &p.v[head][s * p.hd..(s + 1) * p.hd]
+    }
+    /// Append rows for consecutive positions (`k`, `v` are `[n, kv_heads × head_dim]`).
     pub fn append(&mut self, k: &[f32], v: &[f32]) {
         match self {
             LayerKvCache::Sliding(c) => {
-                let d = c.kv_dim;
+                let d = c.planes.hd * c.planes.k.len();
                 let n = k.len() / d;
                 // Rows older than the window would be overwritten anyway.
                 let skip = n.saturating_sub(c.window);
@@ -123,17 +165,18 @@ impl LayerKvCache {
                 }
             }
             LayerKvCache::Full(c) => {
-                c.k.extend_from_slice(k);
-                c.v.extend_from_slice(v);
+                let d = c.planes.hd * c.planes.k.len();
+                for i in 0..k.len() / d {
+                    let slot = c.planes.rows();
+                    c.planes
+                        .put(slot, &k[i * d..(i + 1) * d], &v[i * d..(i + 1) * d]);
+                }
             }
         }
     }
     /// Bytes of K and V held right now (f32).
     pub fn bytes(&self) -> usize {
-        match self {
-            LayerKvCache::Sliding(c) => 2 * c.k.len() * 4,
-            LayerKvCache::Full(c) => 2 * c.k.len() * 4,
-        }
+        self.planes().bytes()
     }
 }
 
@@ -198,14 +241,15 @@ mod tests {
 
     #[test]
     fn sliding_cache_keeps_exactly_the_window() {
-        let mut c = LayerKvCache::Sliding(SlidingKvCache::new(4, 2));
+        let mut c = LayerKvCache::Sliding(SlidingKvCache::new(4, 2, 1));
         for p in 0..10 {
             c.append(&row(p), &row(p));
         }
         assert_eq!(c.len(), 10);
         for p in 6..10 {
-            assert_eq!(c.key(p), row(p).as_slice());
-            assert_eq!(c.value(p), row(p).as_slice());
+            // Two KV heads of one value each: head 0 holds p, head 1 −p.
+            assert_eq!((c.key(p, 0), c.key(p, 1)), (&row(p)[..1], &row(p)[1..]));
+            assert_eq!((c.value(p, 0), c.value(p, 1)), (&row(p)[..1], &row(p)[1..]));
         }
         assert_eq!(
             c.bytes(),
@@ -216,22 +260,50 @@ mod tests {
 
     #[test]
     fn bulk_append_longer_than_window_keeps_the_tail() {
-        let mut c = LayerKvCache::Sliding(SlidingKvCache::new(3, 2));
+        let mut c = LayerKvCache::Sliding(SlidingKvCache::new(3, 2, 1));
         let rows: Vec<f32> = (0..7).flat_map(row).collect();
         c.append(&rows, &rows);
         assert_eq!(c.len(), 7);
         for p in 4..7 {
-            assert_eq!(c.key(p), row(p).as_slice());
+            assert_eq!((c.key(p, 0), c.key(p, 1)), (&row(p)[..1], &row(p)[1..]));
         }
     }
 
     #[test]
     #[should_panic(expected = "not in the sliding cache")]
     fn evicted_positions_are_not_served() {
-        let mut c = LayerKvCache::Sliding(SlidingKvCache::new(2, 2));
+        let mut c = LayerKvCache::Sliding(SlidingKvCache::new(2, 2, 1));
         for p in 0..5 {
             c.append(&row(p), &row(p));
         }
-        let _ = c.key(2);
+        let _ = c.key(2, 0);
+    }
+
+    /// A full cache serves each KV head's row of every position appended, one row or many at a
+    /// time, from that head's own plane.
+    #[test]
+    fn full_cache_serves_each_heads_rows() {
+        let json = crate::checkpoint::config::tests::real_1_7b_json().to_string();
+        let cfg = crate::checkpoint::SparkConfig::from_json_str(&json, "config.json").unwrap();
+        let (heads, hd) = (cfg.num_key_value_heads, cfg.head_dim);
+        let d = heads * hd;
+        let mut c = LayerKvCache::new(&cfg, LayerType::Full, 16);
+        let rows = |p0: usize, n: usize, sign: f32| -> Vec<f32> {
+            (p0 * d..(p0 + n) * d).map(|i| sign * i as f32).collect()
+        };
+        c.append(&rows(0, 3, 1.0), &rows(0, 3, -1.0));
+        c.append(&rows(3, 1, 1.0), &rows(3, 1, -1.0));
+        assert_eq!(c.len(), 4);
+        for p in 0..4 {
+            for h in 0..heads {
+                let want: Vec<f32> = (p * d + h * hd..p * d + (h + 1) * hd)
+                    .map(|i| i as f32)
+                    .collect();
+                assert_eq!(c.key(p, h), want.as_slice());
+                let neg: Vec<f32> = want.iter().map(|x| -x).collect();
+                assert_eq!(c.value(p, h), neg.as_slice());
+            }
+        }
+        assert_eq!(c.bytes(), 2 * 4 * d * 4);
     }
 }

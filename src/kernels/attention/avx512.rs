@@ -10,10 +10,10 @@ use std::arch::x86_64::*;
 /// Positions per value block: 16 rows of one KV head (16 KiB at hd 256) stay in L1 across the
 /// block's passes over its dimension chunks.
 const BLOCK: usize = 16;
-/// Positions ahead of the one being read whose rows are prefetched into L2 (a KV head's row is
-/// a 1/kv_heads slice of each cached position's row: a stride the hardware prefetchers follow
-/// badly). Measured on Zen 4 (docs/BENCHMARKS.md "Decode attention in registers"): into L1 4
-/// ahead, the stage took 7.9–8.7 ms of a 1.7B token at 512 context; into L2 6–16 ahead 6.0–6.9.
+/// Positions ahead of the one being read whose rows are prefetched into L2. Measured on Zen 4
+/// at a 1.7B token's 512 context, 1 thread (docs/BENCHMARKS.md "Decode attention in
+/// registers"): with rows of all KV heads interleaved, into L1 4 ahead the stage took 7.9–8.7 ms,
+/// into L2 6–16 ahead 6.0–6.9; from per-head planes 4.5–4.8 ms, and 5.9–6.3 with no prefetch.
 const AHEAD: usize = 8;
 
 /// [`super::attend`] for `hd` a multiple of 16.
