@@ -292,21 +292,23 @@ fn attention(
     }
     // Decode and short calls: one job per (query row, KV head): the `group` query heads sharing
     // a KV head stream its keys and values once, and decode (one row) still spreads over the KV
-    // heads. Per query head the arithmetic and its order are those of a plain per-head loop.
+    // heads (`kernels::attention`: the same math on every tier, sums in another order on AVX-512).
     out.par_chunks_mut(group * hd)
         .enumerate()
         .for_each(|(c, out_g)| {
             let (i, kvh) = (c / kv_heads, c % kv_heads);
             let (p, lo) = (start + i, lo_of(i));
             let q0 = i * q_dim + kvh * group * hd;
+            let kv = kernels::attention::Window {
+                key: |pos| key(pos, kvh),
+                value: |pos| value(pos, kvh),
+                lo,
+                hi: p,
+            };
             kernels::attention::attend(
                 &q[q0..q0 + group * hd],
-                |pos| key(pos, kvh),
-                |pos| value(pos, kvh),
-                lo,
-                p,
-                hd,
-                scale,
+                &kv,
+                (hd, scale),
                 &mut Vec::new(),
                 out_g,
             );

@@ -153,6 +153,8 @@ impl LayerKvCache {
     }
     /// Append rows for consecutive positions (`k`, `v` are `[n, kv_heads × head_dim]`).
     pub fn append(&mut self, k: &[f32], v: &[f32]) {
+        let d = self.planes().hd * self.planes().k.len();
+        assert!(k.len() == v.len() && k.len().is_multiple_of(d), "K/V rows of {d} values");
         match self {
             LayerKvCache::Sliding(c) => {
                 let d = c.planes.hd * c.planes.k.len();
@@ -287,7 +289,8 @@ mod tests {
         let cfg = crate::checkpoint::SparkConfig::from_json_str(&json, "config.json").unwrap();
         let (heads, hd) = (cfg.num_key_value_heads, cfg.head_dim);
         let d = heads * hd;
-        let mut c = LayerKvCache::new(&cfg, LayerType::Full, 16);
+        // Sized for 2 positions, grown to 4: each plane reallocates on its own.
+        let mut c = LayerKvCache::new(&cfg, LayerType::Full, 2);
         let rows = |p0: usize, n: usize, sign: f32| -> Vec<f32> {
             (p0 * d..(p0 + n) * d).map(|i| sign * i as f32).collect()
         };
@@ -305,5 +308,33 @@ mod tests {
             }
         }
         assert_eq!(c.bytes(), 2 * 4 * d * 4);
+    }
+
+    /// A ring of two heads of three values, filled by a bulk append longer than the window and
+    /// then row by row across the wrap, serves each head's rows of the last `window` positions.
+    #[test]
+    fn sliding_planes_wrap_per_head() {
+        let (window, heads, hd) = (5, 2, 3);
+        let d = heads * hd;
+        let rows = |p0: usize, n: usize| -> Vec<f32> {
+            (p0 * d..(p0 + n) * d).map(|i| i as f32).collect()
+        };
+        let mut c = LayerKvCache::Sliding(SlidingKvCache::new(window, heads, hd));
+        c.append(&rows(0, 7), &rows(0, 7));
+        for p in 7..12 {
+            c.append(&rows(p, 1), &rows(p, 1));
+            for q in p + 1 - window..=p {
+                for h in 0..heads {
+                    let want: Vec<f32> = (q * d + h * hd..q * d + (h + 1) * hd)
+                        .map(|i| i as f32)
+                        .collect();
+                    assert_eq!(
+                        (c.key(q, h), c.value(q, h)),
+                        (want.as_slice(), want.as_slice())
+                    );
+                }
+            }
+        }
+        assert_eq!((c.len(), c.bytes()), (12, 2 * window * d * 4));
     }
 }

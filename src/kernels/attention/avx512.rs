@@ -10,10 +10,11 @@ use std::arch::x86_64::*;
 /// Positions per value block: 16 rows of one KV head (16 KiB at hd 256) stay in L1 across the
 /// block's passes over its dimension chunks.
 const BLOCK: usize = 16;
-/// Positions ahead of the one being read whose rows are prefetched into L2. Measured on Zen 4
-/// at a 1.7B token's 512 context, 1 thread (docs/BENCHMARKS.md "Decode attention in
-/// registers"): with rows of all KV heads interleaved, into L1 4 ahead the stage took 7.9–8.7 ms,
-/// into L2 6–16 ahead 6.0–6.9; from per-head planes 4.5–4.8 ms, and 5.9–6.3 with no prefetch.
+/// Positions ahead of the one being read whose key rows are prefetched into L2 (value rows:
+/// `BLOCK.max(AHEAD)` ahead, the next block). Measured on Zen 4 at a 1.7B token's 512 context,
+/// 1 thread (docs/BENCHMARKS.md "Decode attention in registers, per-head KV planes"): with rows of
+/// all KV heads interleaved, into L1 4 ahead the stage took 7.9–8.7 ms, into L2 6–16 ahead
+/// 6.0–6.9; from per-head planes 4.5–4.8 ms, and 5.9–6.3 with no prefetch.
 const AHEAD: usize = 8;
 
 /// [`super::attend`] for `hd` a multiple of 16.
@@ -21,18 +22,21 @@ const AHEAD: usize = 8;
 /// # Safety
 /// The CPU has AVX-512F (checked by the caller).
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn attend<'a>(
+pub(super) unsafe fn attend<'a, K, V>(
     q: &[f32],
-    key: impl Fn(usize) -> &'a [f32],
-    value: impl Fn(usize) -> &'a [f32],
-    lo: usize,
-    hi: usize,
-    hd: usize,
-    scale: f32,
+    &super::Window {
+        ref key,
+        ref value,
+        lo,
+        hi,
+    }: &super::Window<K, V>,
+    (hd, scale): (usize, f32),
     scores: &mut Vec<f32>,
     out: &mut [f32],
-) {
+) where
+    K: Fn(usize) -> &'a [f32],
+    V: Fn(usize) -> &'a [f32],
+{
     assert!(hd.is_multiple_of(16) && hd > 0 && out.len().is_multiple_of(hd));
     let group = out.len() / hd;
     assert_eq!(q.len(), group * hd);
@@ -76,17 +80,22 @@ pub(super) unsafe fn attend<'a>(
                 prefetch(value(pos + BLOCK.max(AHEAD)));
             }
         }
-        let (cnt, j0) = (b1 + 1 - b0, b0 - lo);
+        let block = Block {
+            rows: &rows[..b1 + 1 - b0],
+            scores,
+            n,
+            j0: b0 - lo,
+        };
         let mut h0 = 0;
         while h0 < group {
             let left = group - h0;
-            // SAFETY: rows[..cnt] point at hd values each; scores holds positions j0..j0 + cnt.
+            // SAFETY: the block's rows point at hd values each; scores holds its positions.
             unsafe {
                 match left {
-                    4.. => accumulate::<4>(&rows[..cnt], scores, n, j0, h0, hd, out),
-                    3 => accumulate::<3>(&rows[..cnt], scores, n, j0, h0, hd, out),
-                    2 => accumulate::<2>(&rows[..cnt], scores, n, j0, h0, hd, out),
-                    _ => accumulate::<1>(&rows[..cnt], scores, n, j0, h0, hd, out),
+                    4.. => accumulate::<4>(&block, h0, hd, out),
+                    3 => accumulate::<3>(&block, h0, hd, out),
+                    2 => accumulate::<2>(&block, h0, hd, out),
+                    _ => accumulate::<1>(&block, h0, hd, out),
                 }
             }
             h0 += left.min(4);
@@ -141,49 +150,50 @@ unsafe fn score<const G: usize>(
     }
 }
 
-/// `out[h0 + h] += Σ_r scores[(h0 + h)·n + j0 + r] · rows[r]` for `G` heads, 64 dimensions at
-/// a time (16 dimensions for the last chunk of an hd that is not a multiple of 64), the `G`
-/// heads' partial outputs in registers across the block's rows.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn accumulate<const G: usize>(
-    rows: &[*const f32],
-    scores: &[f32],
+/// A block of value rows: `rows[r]` is position `j0 + r` of the window, whose score for head h
+/// is `scores[h·n + j0 + r]`.
+struct Block<'s> {
+    rows: &'s [*const f32],
+    scores: &'s [f32],
     n: usize,
     j0: usize,
-    h0: usize,
-    hd: usize,
-    out: &mut [f32],
-) {
-    assert!(out.len() >= (h0 + G) * hd && scores.len() >= (h0 + G) * n);
-    assert!(j0 + rows.len() <= n);
+}
+
+/// `out[h0 + h] += Σ_r scores[(h0 + h)·n + j0 + r] · rows[r]` for `G` heads, 64 dimensions at
+/// a time (16 dimensions for the last chunks of an hd that is not a multiple of 64), the `G`
+/// heads' partial outputs in registers across the block's rows.
+///
+/// # Safety
+/// Every row of `b` points at `hd` readable values.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn accumulate<const G: usize>(b: &Block, h0: usize, hd: usize, out: &mut [f32]) {
+    assert!(out.len() >= (h0 + G) * hd && b.scores.len() >= (h0 + G) * b.n);
+    assert!(b.j0 + b.rows.len() <= b.n && hd.is_multiple_of(16));
     let op = out.as_mut_ptr();
     let mut d = 0;
     while d + 64 <= hd {
         // SAFETY: d + 64 ≤ hd for every row and every head's output.
-        unsafe { accumulate_chunk::<G, 4>(rows, scores, n, j0, h0, hd, op, d) };
+        unsafe { accumulate_chunk::<G, 4>(b, h0, hd, op, d) };
         d += 64;
     }
     while d < hd {
         // SAFETY: d + 16 ≤ hd (hd is a multiple of 16).
-        unsafe { accumulate_chunk::<G, 1>(rows, scores, n, j0, h0, hd, op, d) };
+        unsafe { accumulate_chunk::<G, 1>(b, h0, hd, op, d) };
         d += 16;
     }
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn accumulate_chunk<const G: usize, const C: usize>(
-    rows: &[*const f32],
-    scores: &[f32],
-    n: usize,
-    j0: usize,
+    b: &Block,
     h0: usize,
     hd: usize,
     op: *mut f32,
     d: usize,
 ) {
-    // SAFETY (all): the caller's bounds: 16·C values from d in each row and output head.
+    // SAFETY (all): the caller's bounds: 16·C values from d in each row and output head; the
+    // scores index is below (h0 + G)·n (asserted by the caller).
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); C]; G];
         for (h, acc) in acc.iter_mut().enumerate() {
@@ -191,13 +201,13 @@ unsafe fn accumulate_chunk<const G: usize, const C: usize>(
                 *a = _mm512_loadu_ps(op.add((h0 + h) * hd + d + 16 * i));
             }
         }
-        for (r, &row) in rows.iter().enumerate() {
+        for (r, &row) in b.rows.iter().enumerate() {
             let mut v = [_mm512_setzero_ps(); C];
             for (i, v) in v.iter_mut().enumerate() {
                 *v = _mm512_loadu_ps(row.add(d + 16 * i));
             }
             for (h, acc) in acc.iter_mut().enumerate() {
-                let s = _mm512_set1_ps(*scores.get_unchecked((h0 + h) * n + j0 + r));
+                let s = _mm512_set1_ps(*b.scores.get_unchecked((h0 + h) * b.n + b.j0 + r));
                 for (a, v) in acc.iter_mut().zip(&v) {
                     *a = _mm512_fmadd_ps(s, *v, *a);
                 }

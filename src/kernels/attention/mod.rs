@@ -11,48 +11,55 @@ use super::{dot, softmax};
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
-/// `out[h] = Σ_pos softmax_pos(q[h]·k_pos · scale) v_pos` for the
-/// `out.len() / hd` query heads in `q`, over positions `lo..=hi`.
-/// `scores` is scratch (resized here).
-#[allow(clippy::too_many_arguments)]
-pub fn attend<'a>(
+/// What one query row attends over: positions `lo..=hi`, and each position's key and value row
+/// of one KV head (`head_dim` values).
+pub struct Window<K, V> {
+    pub key: K,
+    pub value: V,
+    pub lo: usize,
+    pub hi: usize,
+}
+
+/// `out[h] = Σ_pos softmax_pos(q[h]·k_pos · scale) v_pos` for the `out.len() / hd` query heads
+/// in `q`, over the positions of `kv`. `scores` is scratch (resized here).
+pub fn attend<'a, K, V>(
     q: &[f32],
-    key: impl Fn(usize) -> &'a [f32],
-    value: impl Fn(usize) -> &'a [f32],
-    lo: usize,
-    hi: usize,
-    hd: usize,
-    scale: f32,
+    kv: &Window<K, V>,
+    (hd, scale): (usize, f32),
     scores: &mut Vec<f32>,
     out: &mut [f32],
-) {
+) where
+    K: Fn(usize) -> &'a [f32],
+    V: Fn(usize) -> &'a [f32],
+{
     #[cfg(target_arch = "x86_64")]
     if super::isa::isa().avx512() && hd.is_multiple_of(16) {
         // SAFETY: the CPU has AVX-512 (detected at run time).
-        return unsafe { avx512::attend(q, key, value, lo, hi, hd, scale, scores, out) };
+        return unsafe { avx512::attend(q, kv, (hd, scale), scores, out) };
     }
-    attend_body(q, key, value, lo, hi, hd, scale, scores, out)
+    attend_body(q, kv, (hd, scale), scores, out)
 }
 
 /// The portable reference of [`attend`].
-#[allow(clippy::too_many_arguments)]
-fn attend_body<'a>(
+fn attend_body<'a, K, V>(
     q: &[f32],
-    key: impl Fn(usize) -> &'a [f32],
-    value: impl Fn(usize) -> &'a [f32],
-    lo: usize,
-    hi: usize,
-    hd: usize,
-    scale: f32,
+    &Window {
+        ref key,
+        ref value,
+        lo,
+        hi,
+    }: &Window<K, V>,
+    (hd, scale): (usize, f32),
     scores: &mut Vec<f32>,
     out: &mut [f32],
-) {
+) where
+    K: Fn(usize) -> &'a [f32],
+    V: Fn(usize) -> &'a [f32],
+{
     let group = out.len() / hd;
     let n = hi + 1 - lo;
     scores.clear();
     scores.resize(group * n, 0.0);
-    // Rows of one KV head are 1/kv_heads of each cached position's row, a
-    // stride the hardware prefetchers follow badly: fetch a few ahead.
     const AHEAD: usize = 4;
     for (j, pos) in (lo..=hi).enumerate() {
         if pos + AHEAD <= hi {
@@ -168,56 +175,64 @@ fn prefetch(row: &[f32]) {
 mod tests {
     use super::*;
 
+    /// Row p of `k` and `v` (`[positions][hd]`) at positions `lo..=hi`.
+    fn kv_rows<'a>(
+        k: &'a [f32],
+        v: &'a [f32],
+        hd: usize,
+        (lo, hi): (usize, usize),
+    ) -> Window<impl Fn(usize) -> &'a [f32], impl Fn(usize) -> &'a [f32]> {
+        Window {
+            key: move |p| &k[p * hd..(p + 1) * hd],
+            value: move |p| &v[p * hd..(p + 1) * hd],
+            lo,
+            hi,
+        }
+    }
+
     /// Straight from the definition, one head at a time, in f64.
     #[test]
     fn matches_the_definition() {
-        let (hd, group, n) = (24, 3, 37);
-        let mut s = 7u32;
-        let mut rnd = || {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        };
-        let q: Vec<f32> = (0..group * hd).map(|_| rnd()).collect();
-        let k: Vec<f32> = (0..(n + 5) * hd).map(|_| rnd()).collect();
-        let v: Vec<f32> = (0..(n + 5) * hd).map(|_| rnd()).collect();
-        let (lo, hi) = (5, n + 4);
-        let mut out = vec![0f32; group * hd];
-        fn row(m: &[f32], hd: usize, p: usize) -> &[f32] {
-            &m[p * hd..(p + 1) * hd]
-        }
-        attend(
-            &q,
-            |p| row(&k, hd, p),
-            |p| row(&v, hd, p),
-            lo,
-            hi,
-            hd,
-            0.3,
-            &mut vec![],
-            &mut out,
-        );
-        for h in 0..group {
-            let qh = &q[h * hd..(h + 1) * hd];
-            let logits: Vec<f64> = (lo..=hi)
-                .map(|p| {
-                    0.3 * qh
-                        .iter()
-                        .zip(row(&k, hd, p))
-                        .map(|(a, b)| (a * b) as f64)
-                        .sum::<f64>()
-                })
-                .collect();
-            let mx = logits.iter().cloned().fold(f64::MIN, f64::max);
-            let w: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
-            let z: f64 = w.iter().sum();
-            for d in 0..hd {
-                let want: f64 = (lo..=hi)
-                    .map(|p| w[p - lo] / z * row(&v, hd, p)[d] as f64)
-                    .sum();
-                assert!(
-                    (out[h * hd + d] as f64 - want).abs() < 1e-5,
-                    "head {h} dim {d}"
-                );
+        // hd 24 takes the portable body everywhere, hd 32 the AVX-512 kernel where there is one.
+        for (hd, group, n) in [(24, 3, 37), (32, 5, 37)] {
+            let mut s = 7u32;
+            let mut rnd = || {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            };
+            let q: Vec<f32> = (0..group * hd).map(|_| rnd()).collect();
+            let k: Vec<f32> = (0..(n + 5) * hd).map(|_| rnd()).collect();
+            let v: Vec<f32> = (0..(n + 5) * hd).map(|_| rnd()).collect();
+            let (lo, hi) = (5, n + 4);
+            let mut out = vec![0f32; group * hd];
+            fn row(m: &[f32], hd: usize, p: usize) -> &[f32] {
+                &m[p * hd..(p + 1) * hd]
+            }
+            let kv = kv_rows(&k, &v, hd, (lo, hi));
+            attend(&q, &kv, (hd, 0.3), &mut vec![], &mut out);
+            for h in 0..group {
+                let qh = &q[h * hd..(h + 1) * hd];
+                let logits: Vec<f64> = (lo..=hi)
+                    .map(|p| {
+                        0.3 * qh
+                            .iter()
+                            .zip(row(&k, hd, p))
+                            .map(|(a, b)| (a * b) as f64)
+                            .sum::<f64>()
+                    })
+                    .collect();
+                let mx = logits.iter().cloned().fold(f64::MIN, f64::max);
+                let w: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for d in 0..hd {
+                    let want: f64 = (lo..=hi)
+                        .map(|p| w[p - lo] / z * row(&v, hd, p)[d] as f64)
+                        .sum();
+                    assert!(
+                        (out[h * hd + d] as f64 - want).abs() < 1e-5,
+                        "head {h} dim {d}"
+                    );
+                }
             }
         }
     }
@@ -264,17 +279,8 @@ mod tests {
             for r in 0..rows {
                 let mut want = vec![0f32; heads * hd];
                 let qr = &q[r * heads * hd..(r + 1) * heads * hd];
-                attend(
-                    qr,
-                    |p| row(&k, hd, p),
-                    |p| row(&v, hd, p),
-                    lo(r),
-                    p0 + r,
-                    hd,
-                    0.25,
-                    &mut vec![],
-                    &mut want,
-                );
+                let kv = kv_rows(&k, &v, hd, (lo(r), p0 + r));
+                attend(qr, &kv, (hd, 0.25), &mut vec![], &mut want);
                 for (g, w) in got[r * heads * hd..(r + 1) * heads * hd].iter().zip(&want) {
                     assert!(
                         (g - w).abs() <= 1e-5,
@@ -307,21 +313,18 @@ mod tests {
                 (16, 1, 0, 16),
                 (128, 5, 7, 70),
                 (48, 3, 1, 33),
+                (128, 8, 2, 50),
             ] {
                 let total = hi + 1;
                 // Keys scaled up so the softmax is far from uniform.
                 let q: Vec<f32> = (0..group * hd).map(|_| 4.0 * rnd()).collect();
                 let k: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
                 let v: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
-                fn row(m: &[f32], hd: usize, p: usize) -> &[f32] {
-                    &m[p * hd..(p + 1) * hd]
-                }
                 let (mut want, mut got) = (vec![0f32; group * hd], vec![f32::NAN; group * hd]);
-                let key = |p| row(&k, hd, p);
-                let value = |p| row(&v, hd, p);
-                attend_body(&q, key, value, lo, hi, hd, 0.3, &mut vec![], &mut want);
+                let kv = kv_rows(&k, &v, hd, (lo, hi));
+                attend_body(&q, &kv, (hd, 0.3), &mut vec![], &mut want);
                 // SAFETY: AVX-512 checked above.
-                unsafe { avx512::attend(&q, key, value, lo, hi, hd, 0.3, &mut vec![], &mut got) };
+                unsafe { avx512::attend(&q, &kv, (hd, 0.3), &mut vec![], &mut got) };
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (g - w).abs() <= 2e-6,
