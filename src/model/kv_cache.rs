@@ -154,10 +154,12 @@ impl LayerKvCache {
     /// Append rows for consecutive positions (`k`, `v` are `[n, kv_heads × head_dim]`).
     pub fn append(&mut self, k: &[f32], v: &[f32]) {
         let d = self.planes().hd * self.planes().k.len();
-        assert!(k.len() == v.len() && k.len().is_multiple_of(d), "K/V rows of {d} values");
+        assert!(
+            k.len() == v.len() && k.len().is_multiple_of(d),
+            "K/V rows of {d} values"
+        );
         match self {
             LayerKvCache::Sliding(c) => {
-                let d = c.planes.hd * c.planes.k.len();
                 let n = k.len() / d;
                 // Rows older than the window would be overwritten anyway.
                 let skip = n.saturating_sub(c.window);
@@ -167,7 +169,6 @@ impl LayerKvCache {
                 }
             }
             LayerKvCache::Full(c) => {
-                let d = c.planes.hd * c.planes.k.len();
                 for i in 0..k.len() / d {
                     let slot = c.planes.rows();
                     c.planes
