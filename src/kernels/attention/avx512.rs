@@ -7,6 +7,8 @@
 
 use std::arch::x86_64::*;
 
+use super::{prefetch, L2};
+
 /// Positions per value block: 16 rows of one KV head (16 KiB at hd 256) stay in L1 across the
 /// block's passes over its dimension chunks.
 const BLOCK: usize = 16;
@@ -45,7 +47,7 @@ pub(super) unsafe fn attend<'a, K, V>(
     scores.resize(group * n, 0.0);
     for (j, pos) in (lo..=hi).enumerate() {
         if pos + AHEAD <= hi {
-            prefetch(key(pos + AHEAD));
+            prefetch::<L2>(key(pos + AHEAD));
         }
         let kr = key(pos);
         assert_eq!(kr.len(), hd);
@@ -77,7 +79,7 @@ pub(super) unsafe fn attend<'a, K, V>(
             assert_eq!(vr.len(), hd);
             rows[r] = vr.as_ptr();
             if pos + BLOCK.max(AHEAD) <= hi {
-                prefetch(value(pos + BLOCK.max(AHEAD)));
+                prefetch::<L2>(value(pos + BLOCK.max(AHEAD)));
             }
         }
         let block = Block {
@@ -218,14 +220,5 @@ unsafe fn accumulate_chunk<const G: usize, const C: usize>(
                 _mm512_storeu_ps(op.add((h0 + h) * hd + d + 16 * i), *a);
             }
         }
-    }
-}
-
-/// Hint the cache lines of `row` into L2 (never faults).
-#[inline(always)]
-fn prefetch(row: &[f32]) {
-    for line in row.chunks(16) {
-        // SAFETY: a prefetch of a valid address has no architectural effect.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8) };
     }
 }

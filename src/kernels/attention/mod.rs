@@ -63,7 +63,7 @@ fn attend_body<'a, K, V>(
     const AHEAD: usize = 4;
     for (j, pos) in (lo..=hi).enumerate() {
         if pos + AHEAD <= hi {
-            prefetch(key(pos + AHEAD));
+            prefetch::<L1>(key(pos + AHEAD));
         }
         let kr = key(pos);
         for h in 0..group {
@@ -76,7 +76,7 @@ fn attend_body<'a, K, V>(
     out.fill(0.0);
     for (j, pos) in (lo..=hi).enumerate() {
         if pos + AHEAD <= hi {
-            prefetch(value(pos + AHEAD));
+            prefetch::<L1>(value(pos + AHEAD));
         }
         let vr = value(pos);
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {
@@ -155,17 +155,17 @@ pub fn attend_rows<'a>(
     unsafe { super::gemm_strided(m, hd, n, out.as_mut_ptr(), hd, s, n, v, hd, 1, SERIAL) };
 }
 
-/// Hint the cache lines of `row` into L1 (never faults).
+/// Prefetch hints of [`prefetch`] (x86's `_MM_HINT_T0` and `_MM_HINT_T1`).
+const L1: i32 = 3;
+const L2: i32 = 2;
+
+/// Hint the cache lines of `row` into the cache level `HINT` names ([`L1`], [`L2`]; never faults).
 #[inline(always)]
-fn prefetch(row: &[f32]) {
+fn prefetch<const HINT: i32>(row: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     for line in row.chunks(16) {
         // SAFETY: a prefetch of a valid address has no architectural effect.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr() as *const i8
-            )
-        };
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(line.as_ptr() as *const i8) };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = row;
