@@ -128,7 +128,8 @@ impl OutputMoment {
         for (yc, q) in y.chunks(CHUNK * n).zip(xq.chunks(CHUNK * k)) {
             let t = yc.len() / n;
             let yt = &mut yt[..n * t];
-            // yᵀ for a plain row-major GEMM: [n, t] · [t, k].
+            // yᵀ for a plain row-major GEMM: [n, t] · [t, k]. Not the bf16 Gram with y rounded to
+            // bf16: on the fixture that raised held-out KL by 3–5 % (docs/QUANTIZE.md).
             yt.par_chunks_mut(t).enumerate().for_each(|(j, row)| {
                 for (i, v) in row.iter_mut().enumerate() {
                     *v = yc[i * n + j];
@@ -299,7 +300,7 @@ mod tests {
         let xf = rows(&mut rng, m, k);
         let xq: Vec<f32> = xf
             .iter()
-            .map(|v| v + 0.05 * rng.random_range(-1.0f32..1.0))
+            .map(|v| v + 0.2 * rng.random_range(-1.0f32..1.0))
             .collect();
         let w = rows(&mut rng, n, k);
         let y: Vec<f32> = xf
@@ -326,7 +327,7 @@ mod tests {
                 .iter()
                 .zip(&b)
                 .fold(0f32, |s, (a, b)| s.max((a - b).abs()));
-            assert!(worst < 1e-3 * scale, "damp {damp}: {worst} of {scale}");
+            assert!(worst < 1e-4 * scale, "damp {damp}: {worst} of {scale}");
             // The correction is real: the target is not W.
             let moved = a
                 .iter()
@@ -373,6 +374,16 @@ mod tests {
         let (at_target, at_w) = (gradient(&ws), gradient(&w));
         // f32 GEMM chunks and f32 weights: the normal equations hold to well under 1 % of the
         // gradient W itself leaves.
+        assert!(at_target < tolerance * at_w, "{at_target} vs {at_w}");
+        // The same target from the float output's moment (`down_proj`'s form).
+        let y: Vec<f32> = xf
+            .chunks(k)
+            .flat_map(|x| w.chunks(k).map(|wr| dot(wr, x) as f32).collect::<Vec<_>>())
+            .collect();
+        let mut o = OutputMoment::new(n, k);
+        o.add(&y, &xq, m);
+        let t = FloatOutputTarget::from_outputs(&h, &o, 1e-9).unwrap();
+        let at_target = gradient(&t.apply(&w, n));
         assert!(at_target < tolerance * at_w, "{at_target} vs {at_w}");
     }
 }
