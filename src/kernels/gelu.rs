@@ -1,8 +1,8 @@
 //! GELU with erf, `x·Φ(x) = ½·x·erfc(−x/√2)`, evaluated without libm so that it vectorises.
 //!
 //! For z ≥ 0, erfc(z) = t·exp(−z² + P(t)) with t = 1 / (1 + z/2) and P a degree-10 polynomial
-//! fitted by `tools/fit_gelu.py` (its relative error on erfc is 1.2e-8 in f64); exp is a
-//! Cody–Waite reduction to |r| ≤ ln2/2 and its Taylor polynomial to r⁷ (truncation 5.5e-9).
+//! fitted by `tools/fit_gelu.py` (its relative error on erfc is 1.2e-8 in f64); exp is
+//! [`super::exp_nonpositive`].
 //! Measured in f32 against the f64 erf on a grid of step 5e-5 over [−20, 20] and beyond (tests
 //! below): within 1e-6·|GELU(x)| + 1e-9·|x| ([`MAX_ERROR`]); 6.8e-7 relative at worst where
 //! |GELU(x)| > 1e-3, a few f32 roundings. Every operation is a plain IEEE one (no fused
@@ -10,6 +10,7 @@
 //! rounded to bf16 (2⁻⁹) or quantized to int8 right after, so this error does not show in any
 //! parity figure (docs/BENCHMARKS.md).
 
+use super::exp_nonpositive;
 #[cfg(target_arch = "x86_64")]
 use super::isa::isa;
 
@@ -32,35 +33,6 @@ const P: [f32; 11] = [
 /// MAX_ERROR.1·|x|` (the second term covers large negative x, where GELU(x) underflows towards 0
 /// while x does not); checked by the tests on a dense grid.
 pub const MAX_ERROR: (f32, f32) = (1e-6, 1e-9);
-
-/// e^a for a ≤ 0 (a below −87 gives e^−87, a normal float: GELU is then below 1e-36·|x|).
-#[inline(always)]
-fn exp_nonpositive(a: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 in two parts: n·LN2_HI is exact for |n| < 2⁹.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding 1.5·2²³ rounds to an integer held in the low mantissa bits.
-    const MAGIC: f32 = 12_582_912.0;
-    let a = a.max(-87.0);
-    let shifted = a * LOG2E + MAGIC;
-    let n = shifted - MAGIC;
-    let ni = shifted.to_bits() as i32 - MAGIC.to_bits() as i32;
-    let r = (a - n * LN2_HI) - n * LN2_LO;
-    let mut p = 1.0 / 5040.0;
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
-        p = p * r + c;
-    }
-    p * f32::from_bits(((ni + 127) << 23) as u32)
-}
 
 /// GELU with erf (the reference model's `ACT2FN["gelu"]`), to [`MAX_ERROR`].
 #[inline(always)]
