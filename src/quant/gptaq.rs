@@ -129,7 +129,8 @@ impl OutputMoment {
             let t = yc.len() / n;
             let yt = &mut yt[..n * t];
             // yᵀ for a plain row-major GEMM: [n, t] · [t, k]. Not the bf16 Gram with y rounded to
-            // bf16: on the fixture that raised held-out KL by 3–5 % (docs/QUANTIZE.md).
+            // bf16: on the fixture that raised held-out KL by 3–5 % against this f32 form
+            // (docs/QUANTIZE.md).
             yt.par_chunks_mut(t).enumerate().for_each(|(j, row)| {
                 for (i, v) in row.iter_mut().enumerate() {
                     *v = yc[i * n + j];

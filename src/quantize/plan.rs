@@ -84,15 +84,16 @@ impl MemoryPlan {
             16 * k * k
         };
         // One chunk of calibration tokens in flight beside them (`hessian::CHUNK`): the Gram's
-        // operands as transposed bf16 bits, with the cross moment's f32 difference x − x̃, or the
-        // output moment's transposed f32 output.
+        // operands as transposed bf16 bits (2 bytes per value) with, on AMX, the tiled copy of
+        // the first (2 more), and the cross moment's f32 difference x − x̃ (4), or the output
+        // moment's transposed f32 output.
         let chunk = rows.min(crate::quant::hessian::CHUNK) as u128;
         let hessian = hessian
             + chunk
                 * if float_output {
-                    (8 * narrow).max(4 * hidden).max(2 * k)
+                    (10 * narrow).max(4 * hidden).max(4 * k)
                 } else {
-                    2 * k
+                    4 * k
                 };
         let size = |p: &Proj| p.shape(cfg).iter().product::<usize>() as u128;
         let layer: u128 = Proj::ALL.iter().map(size).sum();
@@ -188,14 +189,15 @@ mod tests {
     #[test]
     fn grows_with_calibration_tokens_not_with_layers() {
         let cfg = spark_4b();
-        let a = MemoryPlan::new(&cfg, 4096, 0, false, false);
-        let b = MemoryPlan::new(&cfg, 16384, 0, false, false);
+        // Both at least one Hessian chunk of tokens, so their Hessian terms agree.
+        let chunk = crate::quant::hessian::CHUNK;
+        let a = MemoryPlan::new(&cfg, chunk.max(4096), 0, false, false);
+        let b = MemoryPlan::new(&cfg, 4 * chunk.max(4096), 0, false, false);
         assert!(2 * b.activations > 3 * a.activations, "{a} vs {b}");
         assert_eq!((a.hessian, a.weights), (b.hessian, b.weights));
         // The down_proj Hessian: 16 bytes per entry at K = 10240, and a chunk of its input as
-        // bf16 bits.
-        let chunk = crate::quant::hessian::CHUNK;
-        assert_eq!(a.hessian, 16 * 10240 * 10240 + chunk as u64 * 2 * 10240);
+        // bf16 bits and their tiles.
+        assert_eq!(a.hessian, 16 * 10240 * 10240 + chunk as u64 * 4 * 10240);
         let mut deep = cfg.clone();
         deep.num_hidden_layers *= 4;
         deep.layer_types = deep.layer_types.repeat(4);

@@ -308,7 +308,7 @@ fn transposed_bits(x: &[f32], t: usize, w: usize, t2: usize) -> Option<Vec<u16>>
     // 64 columns of x per job, 64 tokens at a time through a small tile: rows of x are read 256
     // contiguous bytes at a time, and each output row gets 128 contiguous bytes. (Output rows lie
     // 2·t2 bytes apart, usually a power of two: writing one token to all 64 of them at once maps
-    // the stores onto one L1 set; that form took 1.9× as long in a 1.7B-shaped quantize.)
+    // the stores onto one L1 set; that form took twice as long in a 1.7B-shaped quantize.)
     const COLS: usize = 64;
     const ROWS: usize = 64;
     let mut out = vec![0u16; w * t2];
@@ -480,7 +480,7 @@ mod tests {
     fn transposed_bits_pad_with_zeros_and_refuse_a_stray_value() {
         use crate::kernels::test_util::activations;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        for &(t, w) in &[(1, 1), (65, 3), (130, 70), (64, 128)] {
+        for &(t, w) in &[(1, 1), (65, 3), (130, 70), (64, 128), (96, 200)] {
             let x: Vec<f32> = activations(&mut rng, t, w)
                 .into_iter()
                 .map(crate::kernels::w4::round_bf16)
