@@ -348,10 +348,11 @@ fn softmax_body(x: &mut [f32]) {
     for c in &mut chunks {
         m.iter_mut().zip(c).for_each(|(m, v)| *m = m.max(*v));
     }
-    let max = chunks.remainder().iter().fold(
-        m.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-        |a, v| a.max(*v),
-    );
+    let max = m
+        .iter()
+        .chain(chunks.remainder())
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
     let mut s = [0f32; LANES];
     let mut chunks = x.chunks_exact_mut(LANES);
     for c in &mut chunks {
