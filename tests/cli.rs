@@ -248,6 +248,7 @@ fn block_tune_settings_without_block_tune_are_refused() {
         (&["--model-tune-codes-lr", "1e-3"], "--model-tune"),
         (&["--model-tune-batch", "2"], "--model-tune"),
         (&["--model-tune-int8"], "--model-tune"),
+        (&["--model-tune-seed", "1"], "--model-tune"),
     ] {
         let d = tempfile::tempdir().unwrap();
         let out = tool()

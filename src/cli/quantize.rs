@@ -214,6 +214,10 @@ pub struct QuantizeArgs {
     /// Tune with every quantized linear's input rounded per token to int8, as W4A8 kernels round it.
     #[arg(long, requires = "model_tune")]
     model_tune_int8: bool,
+    /// Seed of --model-tune's batch order (recorded in the report; on spark-tiny, held-out KL moved
+    /// by about ±1 % between seeds, docs/FIDELITY.md).
+    #[arg(long, default_value_t = ModelTune::default().seed, requires = "model_tune")]
+    model_tune_seed: u64,
     /// What each linear is solved to reproduce: the float model's output from the quantized
     /// model's input (GPTAQ), or the output of that input (classic GPTQ). Default: float-output for
     /// GPTQ checkpoints (measured best, docs/FIDELITY.md); quantized-input for GGUF, whose
@@ -350,6 +354,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             codes_lr: a.model_tune_codes_lr,
             batch: a.model_tune_batch,
             int8_inputs: a.model_tune_int8,
+            seed: a.model_tune_seed,
             ..ModelTune::default()
         }),
     };
