@@ -20,32 +20,24 @@ from pathlib import Path
 
 import numpy as np
 
+import st_numpy as st
 
-def load(path: Path) -> tuple[bytes, dict, int]:
+
+def header(path: Path) -> tuple[bytes, dict, int]:
+    """The file's bytes, its header and where its data starts."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     return raw, json.loads(raw[8:8 + n]), 8 + n
 
 
-def bf16_round(x: np.ndarray) -> np.ndarray:
-    """Round float32 to the nearest bf16 (ties to even), returned as float32."""
-    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.astype(np.uint32).view(np.float32)
-
-
-def values(buf: bytes, dtype: str) -> np.ndarray:
+def encode(mean: np.ndarray, dtype: str) -> bytes:
+    """The mean on the bf16 lattice, stored as `dtype` (BF16, or F16 holding a bf16 value exactly)."""
+    bits = st.to_bf16_bits(mean)
     if dtype == "BF16":
-        return (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-    if dtype == "F16":
-        return np.frombuffer(buf, dtype="<f2").astype(np.float32)
-    sys.exit(f"averaging a {dtype} tensor is not supported")
-
-
-def encode(x: np.ndarray, dtype: str) -> bytes:
-    x = bf16_round(x)
-    if dtype == "BF16":
-        return (x.view(np.uint32) >> 16).astype("<u2").tobytes()
+        return bits.astype("<u2").tobytes()
+    if dtype != "F16":
+        sys.exit(f"averaging a {dtype} tensor is not supported")
+    x = (bits.astype(np.uint32) << 16).view(np.float32)
     f = x.astype("<f2")
     if not np.array_equal(f.astype(np.float32), x):
         sys.exit("an averaged scale is not representable in fp16")
@@ -58,24 +50,23 @@ def main() -> None:
     out, ins = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     if out.exists():
         sys.exit(f"{out} exists; choose a new folder")
-    files = [load(p / "model.safetensors") for p in ins]
-    raw0, head0, base0 = files[0]
+    raw0, head0, base0 = header(ins[0] / "model.safetensors")
+    tensors = [st.read_file(p / "model.safetensors") for p in ins]
     body = bytearray(raw0)
     averaged = 0
     for name, info in head0.items():
         if name == "__metadata__":
             continue
         parts = []
-        for (raw, head, base), p in zip(files, ins):
-            if head.get(name, {}).get("shape") != info["shape"] or head[name]["dtype"] != info["dtype"]:
-                sys.exit(f"{p}: tensor {name} differs in shape or dtype from {ins[0]}")
-            a, b = head[name]["data_offsets"]
-            parts.append(raw[base + a:base + b])
-        if all(q == parts[0] for q in parts[1:]):
+        for t, p in zip(tensors, ins):
+            if name not in t or t[name].shape != tensors[0][name].shape or t[name].dtype != tensors[0][name].dtype:
+                sys.exit(f"{p}: tensor {name} is missing or differs in shape or dtype from {ins[0]}")
+            parts.append(t[name])
+        if all(np.array_equal(q, parts[0]) for q in parts[1:]):
             continue
         if not (name.endswith(".scales") or name.endswith("norm.weight")):
             sys.exit(f"tensor {name} differs between the inputs: only scales and norm weights may")
-        mean = np.mean([values(q, info["dtype"]) for q in parts], axis=0)
+        mean = np.mean([q.astype(np.float32) for q in parts], axis=0)
         a, b = info["data_offsets"]
         body[base0 + a:base0 + b] = encode(mean, info["dtype"])
         averaged += 1
