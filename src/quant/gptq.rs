@@ -257,6 +257,16 @@ fn inverse_upper_factor(h: impl Fn(usize, usize) -> f64 + Sync, k: usize) -> Opt
     u.par_iter().all(|x| x.is_finite()).then_some(u)
 }
 
+/// One solve: the weights, where its time went, and its output error as GPTQ's own loss gives it.
+pub struct Solution {
+    pub q: QuantizedWeight,
+    pub times: SolveTimes,
+    /// tr(ΔHΔᵀ), Δ = W − Ŵ, H/n undamped: the numerator of [`output_error_parts`], here from the
+    /// column errors the solve scaled by U anyway (docs/GPTQ_FORMAT.md §12, "The error GPTQ
+    /// reports"), not from another product with H.
+    pub error: f64,
+}
+
 /// Everything GPTQ needs from one Hessian, computed once and shared by every
 /// linear that reads the same input (q/k/v; gate/up) and by every variant.
 pub struct GptqSolver {
@@ -271,6 +281,8 @@ pub struct GptqSolver {
     /// Per position.
     dead: Vec<bool>,
     pub damp_used: f64,
+    /// The damping added to H/n's diagonal: `damp_used` × mean(diag H/n).
+    lambda: f64,
 }
 
 /// Which group each processing position belongs to, and each group's members.
@@ -359,7 +371,7 @@ impl GptqSolver {
         };
         let input = |pos: usize| perm.as_ref().map_or(pos, |p| p[pos]);
         let mut damp = damp;
-        let u = loop {
+        let (u, lambda) = loop {
             let add = damp * mean_diag;
             let damped = |a: usize, b: usize| {
                 let (x, y) = (input(a), input(b));
@@ -370,7 +382,7 @@ impl GptqSolver {
                 }
             };
             if let Some(u) = inverse_upper_factor(damped, k) {
-                break u;
+                break (u, add);
             }
             if damp >= 1.0 {
                 return Err(GptqError::Cholesky(name.into(), damp));
@@ -397,6 +409,7 @@ impl GptqSolver {
             imp,
             dead,
             damp_used: damp,
+            lambda,
         })
     }
 
@@ -424,16 +437,16 @@ impl GptqSolver {
         n: usize,
         cfg: &GptqConfig,
     ) -> Result<QuantizedWeight, GptqError> {
-        self.quantize_timed(w, n, cfg).map(|(q, _)| q)
+        self.quantize_timed(w, n, cfg).map(|s| s.q)
     }
 
-    /// [`GptqSolver::quantize`], also saying where the time went.
+    /// [`GptqSolver::quantize`], also saying where the time went and what error it left.
     pub fn quantize_timed(
         &self,
         w: &[f32],
         n: usize,
         cfg: &GptqConfig,
-    ) -> Result<(QuantizedWeight, SolveTimes), GptqError> {
+    ) -> Result<Solution, GptqError> {
         self.solve(w, n, cfg, None)
     }
 
@@ -445,7 +458,7 @@ impl GptqSolver {
         n: usize,
         cfg: &GptqConfig,
         scales: &[f32],
-    ) -> Result<(QuantizedWeight, SolveTimes), GptqError> {
+    ) -> Result<Solution, GptqError> {
         if scales.len() != self.k / cfg.group_size.max(1) * n {
             return Err(GptqError::Shape(self.name.clone(), self.k, cfg.group_size));
         }
@@ -458,7 +471,7 @@ impl GptqSolver {
         n: usize,
         cfg: &GptqConfig,
         given: Option<&[f32]>,
-    ) -> Result<(QuantizedWeight, SolveTimes), GptqError> {
+    ) -> Result<Solution, GptqError> {
         let (k, gs, bs) = (self.k, cfg.group_size, cfg.block_size);
         if k % gs != 0 || bs % gs != 0 || w.len() != n * k {
             return Err(GptqError::Shape(self.name.clone(), k, gs));
@@ -529,6 +542,7 @@ impl GptqSolver {
             columns: share(sum.columns),
             flush: share(sum.flush),
         };
+        let error = self.undamped(&chunks, w, &sched, cfg);
         let mut scales = vec![0f32; k / gs * n];
         let mut codes = vec![0u8; k * n];
         // Back to one [k, n] layout in input order: input kk was solved at `sched.position[kk]`.
@@ -563,7 +577,43 @@ impl GptqSolver {
             grid: cfg.grid,
             tier_scales,
         };
-        Ok((q, times))
+        Ok(Solution { q, times, error })
+    }
+
+    /// tr(ΔHΔᵀ) from the solve's column errors. With H' = H + λI (dead inputs: 1 + λ) and
+    /// H'⁻¹ = UᵀU, GPTQ leaves W̃ − Ŵ = E·U, E the column errors divided by U's diagonal, so
+    /// tr((W̃ − Ŵ)H'(W̃ − Ŵ)ᵀ) = ‖E‖² exactly; W̃ is W with dead inputs zeroed, which H does not
+    /// see. What the damping and the dead inputs' unit diagonal add is taken off again.
+    fn undamped(&self, chunks: &[RowChunk], w: &[f32], sched: &Schedule, cfg: &GptqConfig) -> f64 {
+        let k = self.k;
+        let undamped: f64 = chunks
+            .par_iter()
+            .map(|c| {
+                let nc = c.r1 - c.r0;
+                let mut extra = 0f64;
+                for pos in 0..k {
+                    let (kk, g) = (sched.input[pos], sched.group[pos]);
+                    let weight = self.lambda + if self.dead[pos] { 1.0 } else { 0.0 };
+                    let mut sq = 0f64;
+                    for j in 0..nc {
+                        let orig = if self.dead[pos] {
+                            0.0
+                        } else {
+                            w[(c.r0 + j) * k + kk]
+                        };
+                        let q = cfg
+                            .grid
+                            .dequant(c.codes[pos * nc + j], c.scales[g * nc + j]);
+                        let d = (orig - q) as f64;
+                        sq += d * d;
+                    }
+                    extra += weight * sq;
+                }
+                c.loss - extra
+            })
+            .sum();
+        // Rounding can take an exact zero a hair below it.
+        undamped.max(0.0)
     }
 }
 
@@ -584,6 +634,8 @@ struct RowChunk {
     fixed: bool,
     /// Wall time of this chunk's job in each sub-phase (one busy thread).
     times: SolveTimes,
+    /// Σ of the squared scaled column errors (GPTQ's loss with the damped H).
+    loss: f64,
 }
 
 impl RowChunk {
@@ -623,6 +675,7 @@ impl RowChunk {
             imp: vec![0f32; gs],
             fixed: false,
             times: SolveTimes::default(),
+            loss: 0.0,
         }
     }
 
@@ -722,6 +775,7 @@ impl RowChunk {
                 self.codes[i * nc + nn] = q;
                 err[nn] = (row[nn] - grid.dequant(q, sc)) / d;
             }
+            self.loss += err.iter().map(|&e| e as f64 * e as f64).sum::<f64>();
             let err = &self.err[(i - i1) * nc..(i - i1 + 1) * nc];
             for (j, r) in tail[..(i2 - i - 1) * nc].chunks_mut(nc).enumerate() {
                 let uij = u[i * k + i + 1 + j];
@@ -845,6 +899,18 @@ pub fn output_error_parts(w: &[f32], q: &[f32], n: usize, k: usize, hm: &[f32]) 
     )
 }
 
+/// tr(ΔHΔᵀ) for Δ = W − Ŵ (`w` `[n, k]`, `hm` from [`Hessian::matrix_f32`]): the numerator of
+/// [`output_error_parts`] for weights no GPTQ solve produced (RTN, refitted scales, descent).
+pub fn delta_form(w: &[f32], q: &QuantizedWeight, hm: &[f32]) -> f64 {
+    let (n, k) = (q.out_features, q.in_features);
+    let delta: Vec<f32> = w
+        .par_iter()
+        .zip(q.dequantize())
+        .map(|(a, b)| a - b)
+        .collect();
+    quadratic_form(&delta, n, k, hm)
+}
+
 /// `out[n, cols] = d[:, r0..r0+rows] · H[r0..r0+rows, c0..c0+cols]` for `d` `[n, k]` and `h` `[k, k]`
 /// (row-major, single-threaded: callers run one block per job).
 pub(crate) fn rows_times_block(
@@ -884,7 +950,7 @@ const QF_BLOCK: usize = 256;
 /// Σ_rows d_r H d_rᵀ for `d` `[n, k]` and a symmetric `h` `[k, k]`: by blocks
 /// of H on and above the diagonal (off-diagonal ones counted twice), so half
 /// the multiply-adds of D·H; one GEMM job per block.
-pub(crate) fn quadratic_form(d: &[f32], n: usize, k: usize, h: &[f32]) -> f64 {
+pub fn quadratic_form(d: &[f32], n: usize, k: usize, h: &[f32]) -> f64 {
     assert_eq!((d.len(), h.len()), (n * k, k * k));
     let nb = k.div_ceil(QF_BLOCK);
     let pairs: Vec<(usize, usize)> = (0..nb).flat_map(|i| (i..nb).map(move |j| (i, j))).collect();
@@ -1081,6 +1147,48 @@ pub(crate) mod tests {
             ((pa.0 + pb.0) - pw.0).abs() <= 1e-9 * pw.0
                 && ((pa.1 + pb.1) - pw.1).abs() <= 1e-9 * pw.1
         );
+    }
+
+    #[test]
+    fn the_solves_own_loss_is_its_output_error() {
+        // GPTQ's column errors give tr(ΔHΔᵀ) exactly (up to f32 rounding) for every grid, order,
+        // scale rule, dead input and damping, and for given scales; heavier damping makes the
+        // damping's share of the loss larger, so a wrong correction would show there.
+        let (n, k) = (24, 256);
+        let (w, mut h) = case(n, k, 512);
+        h.zero_input(7);
+        let hm = h.matrix_f32();
+        for (grid, gs) in [
+            (Grid::VLLM, 32),
+            (Grid::tiered(4, 63), 32),
+            (Grid::LPBQ, 64),
+        ] {
+            for order in [Order::Natural, Order::ActStatic] {
+                for (rule, damp) in [(ScaleRule::MaxOver7_5, 0.01), (ScaleRule::Search, 0.5)] {
+                    let solver = GptqSolver::with_order("t", &h, damp, order).unwrap();
+                    let cfg = GptqConfig {
+                        group_size: gs,
+                        block_size: 64,
+                        damp,
+                        rule,
+                        grid,
+                    };
+                    let mut solves = vec![solver.quantize_timed(&w, n, &cfg).unwrap()];
+                    if grid.tier_of(k).is_none() {
+                        let scales: Vec<f32> = solves[0].q.scales.iter().map(|s| s * 1.1).collect();
+                        solves.push(solver.quantize_with_scales(&w, n, &cfg, &scales).unwrap());
+                    }
+                    for s in solves {
+                        let want = delta_form(&w, &s.q, &hm);
+                        assert!(
+                            (s.error - want).abs() <= 1e-4 * want,
+                            "{grid:?} {order:?} {rule:?} damp {damp}: {} vs {want}",
+                            s.error
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

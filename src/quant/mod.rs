@@ -11,8 +11,9 @@ pub mod timing;
 
 pub use descent::descend;
 pub use gptq::{
-    gptq, output_error_parts, relative_output_error, relative_output_error_with, rtn, GptqConfig,
-    GptqError, GptqResult, GptqSolver, Order, QuantizedWeight,
+    delta_form, gptq, output_error_parts, quadratic_form, relative_output_error,
+    relative_output_error_with, rtn, GptqConfig, GptqError, GptqResult, GptqSolver, Order,
+    QuantizedWeight, Solution,
 };
 pub use grid::{Grid, Lattice, ScaleRule};
 pub use hessian::Hessian;

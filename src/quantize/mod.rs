@@ -35,8 +35,8 @@ use crate::model::{Bf16Data, DecoderLayer, DenseLinear, DenseWeight, Linear, Pro
 use crate::quant::gptaq::{CrossMoment, FloatOutputTarget, OutputMoment};
 use crate::quant::timing::Clock;
 use crate::quant::{
-    descend, output_error_parts, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian, Order,
-    QuantizedWeight, ScaleRule,
+    delta_form, descend, quadratic_form, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian,
+    Order, QuantizedWeight, ScaleRule,
 };
 use crate::tokenizer::SparkTokenizer;
 use phases::{Phase, PhaseReport, Phases};
@@ -446,20 +446,26 @@ fn solve_linear(
     let mut parts = [None; 3];
     let mut chosen = None;
     let mut seconds = 0.0;
+    // ‖WX‖² once: every variant's error is relative to it.
+    let mut clock = Clock::start();
+    let den = quadratic_form(w, n, k, hm);
+    phases.add(Phase::Compare, clock.lap());
     for &v in &variants {
-        let mut clock = Clock::start();
-        let (q, times) = match v {
+        let (q, times, num) = match v {
             Method::Rtn => (
                 rtn(w, n, k, h, group_size, ScaleRule::MaxOver7_5, grid),
                 Default::default(),
+                None,
             ),
             Method::Gptq | Method::GptqSearch => {
-                solver.quantize_timed(w, n, &cfg(v.scale_rule()))?
+                let s = solver.quantize_timed(w, n, &cfg(v.scale_rule()))?;
+                (s.q, s.times, Some(s.error))
             }
         };
         let solved = clock.lap();
-        parts[v as usize] = Some(output_error_parts(w, &q.dequantize(), n, k, hm));
+        let num = num.unwrap_or_else(|| delta_form(w, &q, hm));
         phases.add(Phase::Compare, clock.lap());
+        parts[v as usize] = Some((num, den));
         if v == method {
             seconds = solved.seconds;
             if v == Method::Rtn {
@@ -498,7 +504,7 @@ fn solve_linear(
         let spent = clock.lap();
         phases.add(Phase::Descent, spent);
         seconds += spent.seconds;
-        parts[method as usize] = Some(output_error_parts(w, &q.dequantize(), n, k, hm));
+        parts[method as usize] = Some((delta_form(w, &q, hm), den));
         phases.add(Phase::Compare, clock.lap());
     }
     Ok(Solved { q, parts, seconds })
@@ -519,7 +525,6 @@ fn refine(
     rounds: usize,
     phases: &mut Phases,
 ) -> Result<(QuantizedWeight, (f64, f64)), QuantizeError> {
-    let k = solver.dim();
     let mut best = (q, parts);
     for _ in 0..rounds {
         let mut clock = Clock::start();
@@ -529,13 +534,12 @@ fn refine(
             scales: scales.clone(),
             ..best.0.clone()
         };
-        let refit_parts = output_error_parts(w, &refit.dequantize(), n, k, hm);
+        let refit_parts = (delta_form(w, &refit, hm), parts.1);
         phases.add(Phase::Compare, clock.lap());
-        let (resolved, times) = solver.quantize_with_scales(w, n, cfg, &scales)?;
-        phases.add_solve(&times);
-        clock.lap();
-        let resolved_parts = output_error_parts(w, &resolved.dequantize(), n, k, hm);
-        phases.add(Phase::Compare, clock.lap());
+        let resolved = solver.quantize_with_scales(w, n, cfg, &scales)?;
+        phases.add_solve(&resolved.times);
+        let resolved_parts = (resolved.error, parts.1);
+        let resolved = resolved.q;
         let before = best.1 .0;
         for cand in [(refit, refit_parts), (resolved, resolved_parts)] {
             if cand.1 .0 < best.1 .0 {
@@ -600,8 +604,7 @@ fn quantize_group(
     let setup = factor.seconds / names.len() as f64;
     // One f32 copy of H serves every error measured against it.
     let hm = phases.time(Phase::Compare, || h.matrix_f32());
-    let mut kept = Vec::new();
-    let mut reports = Vec::new();
+    let (mut kept, mut reports) = (Vec::new(), Vec::new());
     for (((name, w), &n), &grid) in names.iter().zip(weights).zip(outs).zip(grids) {
         let s = solve_linear(&solver, &hm, h, w, n, grid, opts, phases)?;
         reports.push(linear_report(
@@ -620,35 +623,57 @@ fn quantize_group(
 /// Rows W4A8's activation rounding is measured on (strided over the calibration rows).
 const ACT_ERROR_ROWS: usize = 1024;
 
-/// A strided sample of at most [`ACT_ERROR_ROWS`] rows of `x` (`[rows, k]`) and its row count.
-fn act_rounding_sample(x: &[f32], rows: usize, k: usize) -> (Vec<f32>, usize) {
-    let step = rows.div_ceil(ACT_ERROR_ROWS).max(1);
-    let xs: Vec<f32> = x.chunks_exact(k).step_by(step).flatten().copied().collect();
+/// A strided sample of at most [`ACT_ERROR_ROWS`] rows of `x` (`[rows, k]`, windows of
+/// `seq_len` rows) and its row count. The stride is coprime to `seq_len`, so every position in
+/// the window is sampled equally often: a stride that divides it would return the same few
+/// positions of every window, position 0's (the first token's, often the loudest) among them.
+fn act_rounding_sample(x: &[f32], rows: usize, seq_len: usize, k: usize) -> (Vec<f32>, usize) {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let mut step = (rows / ACT_ERROR_ROWS).max(1);
+    while step > 1 && gcd(step, seq_len.max(1)) != 1 {
+        step -= 1;
+    }
+    let xs: Vec<f32> = x
+        .chunks_exact(k)
+        .step_by(step)
+        .take(ACT_ERROR_ROWS)
+        .flatten()
+        .copied()
+        .collect();
     let m = xs.len() / k;
     (xs, m)
 }
 
 /// What W4A8's dynamic per-token int8 rounding of the input adds to a linear's output error, with
-/// the weights written: ‖(Q(X) − X)·Ŵᵀ‖² / ‖X·Wᵀ‖² on the sample `x` (`[m, K]`), `w` the
-/// original weight, `written` the installed dequantized one. The same denominator as
-/// [`LinearReport::error`], so the two add up to first order (docs/FIDELITY.md).
-fn act_rounding_error(x: &[f32], m: usize, w: &[f32], written: &dyn Linear) -> f64 {
-    let (k, n) = (written.in_features(), written.out_features());
-    let mut dx = vec![0f32; x.len()];
+/// the weights written: ‖(Q(X) − X)·Ŵᵀ‖² / ‖X·Ŵᵀ‖² on the sample `x` (`[m, K]`), `written` the
+/// installed dequantized weights. Up to Ŵ for W in the denominator (the weights' own relative
+/// error, ≈ 10⁻³) the denominator of [`LinearReport::error`], so the two add up to first order
+/// (docs/FIDELITY.md); a ratio on the same rows, so loud rows weigh in both.
+fn act_rounding_error(x: &[f32], m: usize, written: &dyn Linear) -> f64 {
+    let k = written.in_features();
+    // [X; Q(X) − X]: one pass of the written kernel gives both sums.
+    let mut both = Vec::with_capacity(2 * x.len());
+    both.extend_from_slice(x);
+    both.resize(2 * x.len(), 0.0);
+    let (x, dx) = both.split_at_mut(x.len());
     let mut a = vec![0i32; k];
     for (row, d) in x.chunks_exact(k).zip(dx.chunks_exact_mut(k)) {
         let sa = crate::kernels::w4::quantize_activation_row(row, &mut a);
-        for ((d, &q), &v) in d.iter_mut().zip(&a).zip(row) {
+        for ((d, &q), &v) in d.iter_mut().zip(&a).zip(row.iter()) {
             *d = sa * q as f32 - v;
         }
     }
-    let sq = |y: Vec<f32>| y.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>();
-    let num = sq(written.project(&dx, m));
-    let mut y = vec![0f32; m * n];
-    crate::kernels::matmul().matmul_nt(x, m, k, w, n, &mut y);
-    let den = sq(y);
+    let y = written.project(&both, 2 * m);
+    let sq = |y: &[f32]| y.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>();
+    let (den, num) = y.split_at(y.len() / 2);
+    let den = sq(den);
     if den > 0.0 {
-        num / den
+        sq(num) / den
     } else {
         0.0
     }
@@ -684,6 +709,8 @@ struct LayerSolve<'a> {
     cfg: &'a SparkConfig,
     li: usize,
     rows: usize,
+    /// Rows per calibration window: `rows` is whole windows of it.
+    seq_len: usize,
     opts: &'a QuantizeOptions,
     result: LayerResult,
     reports: Vec<LinearReport>,
@@ -760,12 +787,12 @@ impl LayerSolve<'_> {
         self.phases.add(Phase::Install, clock.elapsed());
         if self.opts.format == WeightFormat::W4A8 && self.opts.gguf.is_none() {
             let k = projs[0].shape(cfg)[1];
-            let (xs, m) = self
-                .phases
-                .time(Phase::Compare, || act_rounding_sample(input, self.rows, k));
-            for ((r, w), &p) in reports.iter_mut().zip(&weights).zip(projs) {
+            let (xs, m) = self.phases.time(Phase::Compare, || {
+                act_rounding_sample(input, self.rows, self.seq_len, k)
+            });
+            for (r, &p) in reports.iter_mut().zip(projs) {
                 r.act_error = Some(self.phases.time(Phase::Compare, || {
-                    act_rounding_error(&xs, m, w, layer.linear(p))
+                    act_rounding_error(&xs, m, layer.linear(p))
                 }));
             }
         }
@@ -845,6 +872,7 @@ fn quantize_layer(
         cfg,
         li,
         rows,
+        seq_len,
         opts,
         result: LayerResult::default(),
         reports: Vec::new(),
@@ -1744,6 +1772,26 @@ mod tests {
     }
 
     #[test]
+    fn the_activation_sample_visits_every_window_position_equally() {
+        // Row r holds r: the sample says which rows it took.
+        for (samples, seq_len) in [(32, 512), (128, 512), (3, 100), (1, 64)] {
+            let rows = samples * seq_len;
+            let x: Vec<f32> = (0..rows).map(|r| r as f32).collect();
+            let (xs, m) = act_rounding_sample(&x, rows, seq_len, 1);
+            assert_eq!(m, rows.min(ACT_ERROR_ROWS), "{samples} × {seq_len}");
+            let mut per_pos = vec![0usize; seq_len];
+            for &r in &xs {
+                per_pos[r as usize % seq_len] += 1;
+            }
+            let (lo, hi) = (per_pos.iter().min().unwrap(), per_pos.iter().max().unwrap());
+            assert!(
+                hi - lo <= 1,
+                "{samples} × {seq_len}: positions {lo}..{hi} times"
+            );
+        }
+    }
+
+    #[test]
     fn activation_rounding_error_is_zero_on_the_int8_grid_and_grows_with_the_crest() {
         let (m, k, n) = (4, 64, 8);
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
@@ -1759,15 +1807,15 @@ mod tests {
                 }
             })
             .collect();
-        assert_eq!(act_rounding_error(&on_grid, m, &w, &lin), 0.0);
+        assert_eq!(act_rounding_error(&on_grid, m, &lin), 0.0);
         // The same random rows, once flat and once with one loud channel: the loud channel
         // coarsens every other channel's step, so the error grows (roughly with crest²).
         let flat: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let mut loud = flat.clone();
         loud.chunks_exact_mut(k).for_each(|r| r[3] = 40.0);
         let (ef, el) = (
-            act_rounding_error(&flat, m, &w, &lin),
-            act_rounding_error(&loud, m, &w, &lin),
+            act_rounding_error(&flat, m, &lin),
+            act_rounding_error(&loud, m, &lin),
         );
         assert!(ef > 0.0 && ef < 1e-4, "{ef}");
         assert!(el > 10.0 * ef, "{el} vs {ef}");
