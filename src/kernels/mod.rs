@@ -10,6 +10,7 @@ pub mod attention;
 mod avx512_util;
 pub mod bf16;
 pub mod convert;
+pub mod fit;
 pub mod gelu;
 pub mod isa;
 pub mod par;

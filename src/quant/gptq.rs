@@ -628,6 +628,8 @@ struct RowChunk {
     tier_d: Vec<f32>,
     err: Vec<f32>,
     upd: Vec<f32>,
+    /// A group's weights: `[G, nc]` as gathered, `[nc, G]` as searched.
+    rows: Vec<f32>,
     buf: Vec<f32>,
     imp: Vec<f32>,
     /// Scales given up front ([`GptqSolver::quantize_with_scales`]), not chosen per group.
@@ -671,7 +673,8 @@ impl RowChunk {
             tier_d: vec![0f32; k / sched.tier.max(1) * nc],
             err: vec![0f32; bs * nc],
             upd: Vec::new(),
-            buf: vec![0f32; gs],
+            rows: Vec::new(),
+            buf: Vec::new(),
             imp: vec![0f32; gs],
             fixed: false,
             times: SolveTimes::default(),
@@ -688,10 +691,10 @@ impl RowChunk {
         self.fixed = true;
     }
 
-    /// Group `g`'s current weights in row `nn` into `buf` and its importances into `imp`, at
-    /// position `i` of block `i1..i2`. In-block updates go to `wt` directly; a member in a later
-    /// block (act order) has not had this block's columns so far flushed into it yet, so they
-    /// are applied here.
+    /// Group `g`'s current weights, row by row, into `buf` (`[nc, G]`: row `nn`'s G weights are
+    /// contiguous) and its importances into `imp`, at position `i` of block `i1..i2`. In-block
+    /// updates go to `wt` directly; a member in a later block (act order) has not had this
+    /// block's columns so far flushed into it yet, so they are applied here.
     #[allow(clippy::too_many_arguments)]
     fn load_group(
         &mut self,
@@ -699,22 +702,32 @@ impl RowChunk {
         sched: &Schedule,
         g: usize,
         gs: usize,
-        nn: usize,
         i1: usize,
         i: usize,
         i2: usize,
     ) {
         let (k, nc, u) = (s.k, self.r1 - self.r0, &s.u);
         let members = sched.members(g, gs);
-        for ((b, c), &m) in self.buf.iter_mut().zip(self.imp.iter_mut()).zip(members) {
-            let mut v = self.wt[m * nc + nn];
+        // The members' rows of `wt` ([G, nc]), then one transpose: rows of `wt` are contiguous,
+        // a row's group is not.
+        self.rows.clear();
+        for (j, &m) in members.iter().enumerate() {
+            self.rows.extend_from_slice(&self.wt[m * nc..(m + 1) * nc]);
             if m >= i2 {
+                let row = &mut self.rows[j * nc..];
                 for p in i1..i {
-                    v -= u[p * k + m] * self.err[(p - i1) * nc + nn];
+                    let f = u[p * k + m];
+                    let e = &self.err[(p - i1) * nc..(p - i1 + 1) * nc];
+                    row.iter_mut().zip(e).for_each(|(v, e)| *v -= f * e);
                 }
             }
-            *b = v;
-            *c = s.imp[m];
+            self.imp[j] = s.imp[m];
+        }
+        self.buf.resize(nc * gs, 0.0);
+        for (j, row) in self.rows.chunks_exact(nc).enumerate() {
+            for (nn, &v) in row.iter().enumerate() {
+                self.buf[nn * gs + j] = v;
+            }
         }
     }
 
@@ -744,24 +757,30 @@ impl RowChunk {
                 // would choose on the weights as updated by then.
                 let t = std::time::Instant::now();
                 let (per, g0) = (sched.tier / gs, tier * sched.tier / gs);
-                let mut free = vec![0f32; per];
-                for nn in 0..nc {
-                    for (j, f) in free.iter_mut().enumerate() {
-                        self.load_group(s, sched, g0 + j, gs, nn, i1, i, i2);
-                        *f = grid
-                            .untiered()
-                            .group_scale(&self.buf, &self.imp, cfg.rule, 0.0);
+                let mut free = vec![0f32; nc * per];
+                for j in 0..per {
+                    self.load_group(s, sched, g0 + j, gs, i1, i, i2);
+                    for nn in 0..nc {
+                        free[nn * per + j] = grid.untiered().group_scale(
+                            &self.buf[nn * gs..(nn + 1) * gs],
+                            &self.imp,
+                            cfg.rule,
+                            0.0,
+                        );
                     }
-                    self.tier_d[tier * nc + nn] = grid.tier_scale(&free);
+                }
+                for nn in 0..nc {
+                    self.tier_d[tier * nc + nn] = grid.tier_scale(&free[nn * per..(nn + 1) * per]);
                 }
                 searched += t.elapsed().as_secs_f64();
             }
             if sched.members(g, gs)[0] == i && !self.fixed {
                 let t = std::time::Instant::now();
+                self.load_group(s, sched, g, gs, i1, i, i2);
                 for nn in 0..nc {
-                    self.load_group(s, sched, g, gs, nn, i1, i, i2);
                     let d = self.tier_d[tier * nc + nn];
-                    self.scales[g * nc + nn] = grid.group_scale(&self.buf, &self.imp, cfg.rule, d);
+                    self.scales[g * nc + nn] =
+                        grid.group_scale(&self.buf[nn * gs..(nn + 1) * gs], &self.imp, cfg.rule, d);
                 }
                 searched += t.elapsed().as_secs_f64();
             }

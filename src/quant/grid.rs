@@ -7,7 +7,7 @@
 //! and the f32 here are one number. GGUF's Q4_0/Q8_0 store any fp16; Q4_K/Q6_K store one fp16
 //! `d` per 256 inputs and a small integer per group, s = d·k (docs/GGUF.md).
 
-use crate::kernels::w4::round_ties_even_small;
+use crate::kernels::fit::{code_in, error_and_fit};
 use half::{bf16, f16};
 
 /// The 4-bit zero point and largest code (the vLLM grid).
@@ -220,14 +220,6 @@ pub fn code(w: f32, s: f32) -> u8 {
     code_in(w, s, ZERO, QMAX)
 }
 
-#[inline(always)]
-fn code_in(w: f32, s: f32, zero: i32, qmax: i32) -> u8 {
-    // Clamp before rounding: the fast ties-to-even round is exact only for
-    // |x| ≤ 2^22, and every value outside the grid clamps to the same code.
-    let x = (w / s).clamp(-(zero as f32) - 1.0, (qmax - zero) as f32 + 1.0);
-    (round_ties_even_small(x) as i32 + zero).clamp(0, qmax) as u8
-}
-
 #[inline]
 pub fn dequant(q: u8, s: f32) -> f32 {
     s * (q as i32 - ZERO) as f32
@@ -254,47 +246,6 @@ fn weighted_error(grid: &Grid, w: &[f32], imp: &[f32], s: f32) -> f64 {
     error_and_fit(w, imp, s, grid.zero(), grid.qmax()).0
 }
 
-/// For the codes `s` produces: the weighted error Σ c_i (w_i − s·l_i)² and
-/// the least-squares terms Σ c_i w_i l_i, Σ c_i l_i² (l = q − z), in one pass.
-/// Eight partial sums per term let the compiler vectorise the loop.
-#[inline(always)]
-fn error_and_fit(w: &[f32], imp: &[f32], s: f32, zero: i32, qmax: i32) -> (f64, f64, f64) {
-    // No closures here: they would not inherit `search_avx512`'s features.
-    const L: usize = 8;
-    let (mut e, mut num, mut den) = ([0f64; L], [0f64; L], [0f64; L]);
-    let (cw, ci) = (w.chunks_exact(L), imp.chunks_exact(L));
-    let (rw, ri) = (cw.remainder(), ci.remainder());
-    for (xs, cs) in cw.zip(ci) {
-        for lane in 0..L {
-            let t = fit_terms(xs[lane], cs[lane], s, zero, qmax);
-            e[lane] += t.0;
-            num[lane] += t.1;
-            den[lane] += t.2;
-        }
-    }
-    for (lane, (&x, &c)) in rw.iter().zip(ri).enumerate() {
-        let t = fit_terms(x, c, s, zero, qmax);
-        e[lane] += t.0;
-        num[lane] += t.1;
-        den[lane] += t.2;
-    }
-    (sum8(e), sum8(num), sum8(den))
-}
-
-#[inline(always)]
-fn fit_terms(x: f32, c: f32, s: f32, zero: i32, qmax: i32) -> (f64, f64, f64) {
-    let l = code_in(x, s, zero, qmax) as i32 - zero;
-    let d = (x - s * l as f32) as f64;
-    let l = l as f64;
-    let c = c as f64;
-    (c * d * d, c * x as f64 * l, c * l * l)
-}
-
-#[inline(always)]
-fn sum8(v: [f64; 8]) -> f64 {
-    ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))
-}
-
 /// The least-squares scale from [`error_and_fit`]'s terms.
 fn refit(num: f64, den: f64) -> Option<f32> {
     (den > 0.0 && num > 0.0).then(|| (num / den) as f32)
@@ -305,26 +256,9 @@ pub fn group_scale(w: &[f32], imp: &[f32], rule: ScaleRule) -> f32 {
     Grid::VLLM.group_scale(w, imp, rule, 0.0)
 }
 
-fn search(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if crate::kernels::isa::isa().avx512() {
-        // SAFETY: the CPU has AVX-512 (checked at run time).
-        return unsafe { search_avx512(grid, w, imp, amax, base, d) };
-    }
-    search_with(grid, w, imp, amax, base, d)
-}
-
-/// The same code compiled for AVX-512, where the loops vectorise 16 wide.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn search_avx512(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
-    search_with(grid, w, imp, amax, base, d)
-}
-
 /// Denominators c around the grid's half-range (z − ½): 6.5…8.5 for 4 bits, the same
 /// relative span for wider grids.
-#[inline(always)]
-fn search_with(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
+fn search(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
     let (zero, qmax) = (grid.zero(), grid.qmax());
     let half = zero as f32 - 0.5;
     let width = half / 7.5;
@@ -341,7 +275,6 @@ fn search_with(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32
 
 /// Evaluate the stored scale nearest `s`, keep it in `best` if it wins
 /// (ties to the smaller scale); returns its least-squares refit.
-#[inline(always)]
 fn consider(
     grid: &Grid,
     w: &[f32],
