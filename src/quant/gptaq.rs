@@ -220,6 +220,26 @@ impl FloatOutputTarget {
         None
     }
 
+    /// tr(W*·H̃·W*ᵀ) in O(N·K) where the target came from the output moment: W*·(H̃ + λI) =
+    /// M + λ·W, so it is ⟨M + λ·W, W*⟩ − λ‖W*‖² (H̃ scaled as [`Hessian::matrix`]). `None` for
+    /// the cross moment, whose W*·(H̃ + λI) = W·(H̃ + λI) + W·C needs W·H̃.
+    pub fn energy(&self, w: &[f32], wstar: &[f32]) -> Option<f64> {
+        let Moment::Outputs(m, _) = &self.moment else {
+            return None;
+        };
+        assert_eq!((w.len(), wstar.len()), (m.len(), m.len()));
+        let lambda = self.lambda as f64;
+        let e: f64 = m
+            .par_iter()
+            .zip(w.par_iter().zip(wstar))
+            .map(|(&m, (&w, &ws))| {
+                let ws = ws as f64;
+                (m as f64 + lambda * w as f64) * ws - lambda * ws * ws
+            })
+            .sum();
+        Some(e.max(0.0))
+    }
+
     /// W* for a row-major `[n, k]` weight: W + W·C·(H̃ + λI)⁻¹, or (M + λ·W)·(H̃ + λI)⁻¹ from the
     /// output moment (which belongs to this one weight).
     pub fn apply(&self, w: &[f32], n: usize) -> Vec<f32> {
@@ -335,6 +355,17 @@ mod tests {
                 .zip(&w)
                 .fold(0f32, |s, (a, b)| s.max((a - b).abs()));
             assert!(moved > 1e-2 * scale, "damp {damp}: {moved}");
+            // The output moment's target gives its energy tr(W*H̃W*ᵀ) without H̃; the cross
+            // moment's does not.
+            let to = FloatOutputTarget::from_outputs(&h, &o, damp).unwrap();
+            let want = crate::quant::quadratic_form(&b, n, k, &h.matrix_f32());
+            let got = to.energy(&w, &b).unwrap();
+            assert!(
+                (got - want).abs() <= 1e-5 * want,
+                "damp {damp}: {got} vs {want}"
+            );
+            let tc = FloatOutputTarget::new(&h, &c, damp).unwrap();
+            assert_eq!(tc.energy(&w, &a), None);
         }
     }
 

@@ -424,7 +424,7 @@ fn solve_linear(
     solver: &GptqSolver,
     hm: &[f32],
     h: &Hessian,
-    w: &[f32],
+    (w, energy): (&[f32], Option<f64>),
     n: usize,
     (grid, group_size): (Grid, usize),
     opts: &QuantizeOptions,
@@ -446,9 +446,10 @@ fn solve_linear(
     let mut parts = [None; 3];
     let mut chosen = None;
     let mut seconds = 0.0;
-    // ‖WX‖² once: every variant's error is relative to it.
+    // tr(WHWᵀ) once (or as the float-output target gave it): every variant's error is relative
+    // to it.
     let mut clock = Clock::start();
-    let den = quadratic_form(w, n, k, hm);
+    let den = energy.unwrap_or_else(|| quadratic_form(w, n, k, hm));
     phases.add(Phase::Compare, clock.lap());
     for &v in &variants {
         let (q, times, num) = match v {
@@ -590,7 +591,7 @@ fn linear_report(
 /// RTN, plain GPTQ and GPTQ + scale search are all measured for the report.
 fn quantize_group(
     names: &[String],
-    weights: &[Vec<f32>],
+    (weights, energies): (&[Vec<f32>], &[Option<f64>]),
     outs: &[usize],
     grids: &[(Grid, usize)],
     h: &Hessian,
@@ -605,8 +606,10 @@ fn quantize_group(
     // One f32 copy of H serves every error measured against it.
     let hm = phases.time(Phase::Compare, || h.matrix_f32());
     let (mut kept, mut reports) = (Vec::new(), Vec::new());
-    for (((name, w), &n), &grid) in names.iter().zip(weights).zip(outs).zip(grids) {
-        let s = solve_linear(&solver, &hm, h, w, n, grid, opts, phases)?;
+    for ((((name, w), &n), &grid), &energy) in
+        names.iter().zip(weights).zip(outs).zip(grids).zip(energies)
+    {
+        let s = solve_linear(&solver, &hm, h, (w, energy), n, grid, opts, phases)?;
         reports.push(linear_report(
             name,
             n,
@@ -749,6 +752,8 @@ impl LayerSolve<'_> {
                 .map(|&p| layer.linear(p).dequantize())
                 .collect()
         });
+        // Each linear's tr(WHWᵀ) where the target gives it for free.
+        let mut energies = vec![None; projs.len()];
         if let Some(float) = float {
             // Solve for W* (the float output from this input) instead of W.
             let target = self.phases.time(Phase::Hessian, || match float {
@@ -772,12 +777,21 @@ impl LayerSolve<'_> {
                     crate::setting::Setting::Damp
                 ))
             })?;
-            for (w, &n) in weights.iter_mut().zip(&outs) {
-                *w = self.phases.time(Phase::Factor, || target.apply(w, n));
+            for ((w, &n), e) in weights.iter_mut().zip(&outs).zip(&mut energies) {
+                let star = self.phases.time(Phase::Factor, || target.apply(w, n));
+                *e = self.phases.time(Phase::Compare, || target.energy(w, &star));
+                *w = star;
             }
         }
-        let (qs, mut reports) =
-            quantize_group(&names, &weights, &outs, &grids, &h, self.opts, self.phases)?;
+        let (qs, mut reports) = quantize_group(
+            &names,
+            (&weights, &energies),
+            &outs,
+            &grids,
+            &h,
+            self.opts,
+            self.phases,
+        )?;
         drop(h);
         let clock = Clock::start();
         for (&p, q) in projs.iter().zip(qs) {
@@ -1149,7 +1163,7 @@ fn quantize_head(
             Ok(DenseLinear::from_weight(w, r1 - r0, hidden).dequantize())
         })?;
         let grid = opts.grid_of(None, Proj::Q, cfg.num_hidden_layers);
-        let s = solve_linear(&solver, &hm, &h, &w, r1 - r0, grid, opts, phases)?;
+        let s = solve_linear(&solver, &hm, &h, (&w, None), r1 - r0, grid, opts, phases)?;
         parts.push(s.parts);
         seconds += s.seconds;
         blocks.push(s.q);
@@ -1683,7 +1697,7 @@ mod tests {
         let names = ["a".to_string(), "b".to_string()];
         let (qs, reports) = quantize_group(
             &names,
-            &ws,
+            (&ws, &[None, None]),
             &[48, 16],
             &[(Grid::VLLM, 32); 2],
             &h,
@@ -1712,7 +1726,7 @@ mod tests {
         let (h, ws) = case();
         let (_, reports) = quantize_group(
             &["a".into()],
-            &ws[..1],
+            (&ws[..1], &[None]),
             &[48],
             &[(Grid::VLLM, 32)],
             &h,
