@@ -911,22 +911,18 @@ pub fn relative_output_error_with(w: &[f32], q: &[f32], n: usize, k: usize, hm: 
 
 /// (‖(W − Q)X‖², ‖WX‖²) from the Hessian: sums over output rows, so blocks of rows add up.
 pub fn output_error_parts(w: &[f32], q: &[f32], n: usize, k: usize, hm: &[f32]) -> (f64, f64) {
-    let delta: Vec<f32> = w.par_iter().zip(q).map(|(a, b)| a - b).collect();
-    (
-        quadratic_form(&delta, n, k, hm),
-        quadratic_form(w, n, k, hm),
-    )
+    (difference_form(w, q, n, k, hm), quadratic_form(w, n, k, hm))
 }
 
 /// tr(ΔHΔᵀ) for Δ = W − Ŵ (`w` `[n, k]`, `hm` from [`Hessian::matrix_f32`]): the numerator of
 /// [`output_error_parts`] for weights no GPTQ solve produced (RTN, refitted scales, descent).
 pub fn delta_form(w: &[f32], q: &QuantizedWeight, hm: &[f32]) -> f64 {
-    let (n, k) = (q.out_features, q.in_features);
-    let delta: Vec<f32> = w
-        .par_iter()
-        .zip(q.dequantize())
-        .map(|(a, b)| a - b)
-        .collect();
+    difference_form(w, &q.dequantize(), q.out_features, q.in_features, hm)
+}
+
+/// tr((W − Q)H(W − Q)ᵀ) for dequantized `q`.
+fn difference_form(w: &[f32], q: &[f32], n: usize, k: usize, hm: &[f32]) -> f64 {
+    let delta: Vec<f32> = w.par_iter().zip(q).map(|(a, b)| a - b).collect();
     quadratic_form(&delta, n, k, hm)
 }
 
