@@ -289,6 +289,55 @@ fn transpose16(x: &mut [__m512i; 16], idx: &[(__m512i, __m512i); 4]) {
     }
 }
 
+/// Bytes of activation rows a block of [`bf16_gemm_slices`] keeps in L2 while every slice of its
+/// group passes over them (with one slice beside them: 1 MB of L2 per core on Zen 4).
+const ROW_BLOCK_BYTES: usize = 384 << 10;
+
+/// Packed slices per group of [`bf16_gemm_slices`] for a reduction of `k`: each row block is read
+/// from memory once per group rather than once per slice, and the group stays in L3.
+pub(super) fn slices_per_group(k: usize) -> usize {
+    ((4 << 20) / (GEMM_SLICE * 2 * k.max(1))).clamp(1, 16)
+}
+
+/// [`bf16_gemm_slice`] over consecutive packed slices (`slices`, the first for columns `c0…`,
+/// `cols` columns in all), blocks of rows outer: a block's activations stay in L2 while each
+/// slice of the group passes over them, so the activations stream from memory once per group
+/// (at 16K calibration rows they are 64–213 MB, far beyond the caches). Slice `i` covers rows
+/// below `row_end(i)` only (the upper triangle of a Gram matrix). Each output is the same sum in
+/// the same order as one [`bf16_gemm_slice`] over all rows.
+///
+/// # Safety
+/// As [`bf16_gemm_slice`]: AVX512-BF16 on this CPU, and the job owns columns `c0..c0 + cols`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn bf16_gemm_slices(
+    xb: &[u16],
+    k: usize,
+    slices: &[u16],
+    rows: Range<usize>,
+    c0: usize,
+    cols: usize,
+    row_end: &dyn Fn(usize) -> usize,
+    out: &ColumnsOut,
+) {
+    let per_slice = GEMM_SLICE * k;
+    let block = (ROW_BLOCK_BYTES / (2 * k.max(1))).next_multiple_of(8).max(8);
+    let mut r0 = rows.start;
+    while r0 < rows.end {
+        let r1 = (r0 + block).min(rows.end);
+        for (i, slice) in slices.chunks_exact(per_slice).enumerate() {
+            let first = i * GEMM_SLICE;
+            let c = cols.saturating_sub(first).min(GEMM_SLICE);
+            let end = r1.min(row_end(i));
+            if c > 0 && r0 < end {
+                // SAFETY: as the caller's.
+                unsafe { bf16_gemm_slice(xb, k, slice, r0..end, c0 + first, c, out) };
+            }
+        }
+        r0 = r1;
+    }
+}
+
 /// `y[rows, c0..c0 + cols] = x[rows] · slice` for bf16 activations `xb`
 /// (`[m, k]` bits) and a slice from [`pack_bf16_slice`]: eight rows at a
 /// time, each weight vector reused by every row, `vdpbf16ps` (exact

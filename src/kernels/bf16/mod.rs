@@ -136,11 +136,11 @@ pub(super) fn bf16_act_panel_matmul(
     assert_eq!((x.len(), y.len()), (m * k, m * n));
     let out = ColumnsOut::new(y, m, n);
     let tiled = tiled_rows(isa, &xb, m, k);
-    // The tile kernel reuses each activation tile over a group of slices.
+    // Both kernels reuse each block of activation rows over a group of slices.
     let group = if tiled.is_some() {
         amx::slices_per_group(k)
     } else {
-        1
+        avx512::slices_per_group(k)
     };
     super::par::for_ranges(n.div_ceil(GEMM_SLICE), m * n * k, |slices| {
         let mut wb = vec![0u16; GEMM_SLICE * k];
@@ -206,17 +206,8 @@ unsafe fn gemm_slices(
         }
     }
     if rest < rows.end {
-        let per_slice = avx512::GEMM_SLICE * k;
-        for (i, slice) in slices.chunks_exact(per_slice).enumerate() {
-            let first = i * avx512::GEMM_SLICE;
-            let c = cols.saturating_sub(first).min(avx512::GEMM_SLICE);
-            if c > 0 {
-                // SAFETY: as above, AVX512-BF16 checked by the caller.
-                unsafe {
-                    avx512::bf16_gemm_slice(xb, k, slice, rest..rows.end, c0 + first, c, out)
-                };
-            }
-        }
+        // SAFETY: as above, AVX512-BF16 checked by the caller.
+        unsafe { avx512::bf16_gemm_slices(xb, k, slices, rest..rows.end, c0, cols, &|_| usize::MAX, out) };
     }
 }
 
@@ -273,22 +264,56 @@ pub fn gram_bf16_with(
         let tiled = tiled_rows(isa, &at, k, t2);
         let dst = ColumnsOut::new(out, k, k);
         let slices = k.div_ceil(avx512::GEMM_SLICE);
+        // The tile kernel takes one slice per call; the row-blocked one a group, small enough
+        // that the triangle's unequal groups still balance over the threads.
+        let group = if tiled.is_some() {
+            1
+        } else {
+            let balance = slices.div_ceil(4 * rayon::current_num_threads());
+            avx512::slices_per_group(t2).min(balance).max(1)
+        };
+        let groups = slices.div_ceil(group);
+        let per_slice = avx512::GEMM_SLICE * t2;
         // Largest jobs first: the upper triangle's slices grow with their column.
-        (0..slices).into_par_iter().rev().for_each_init(
+        (0..groups).into_par_iter().rev().for_each_init(
             || {
-                let packed = super::amx::Aligned::new(avx512::GEMM_SLICE * t2);
+                let packed = super::amx::Aligned::new(group * per_slice);
                 (packed, super::amx::Aligned::new(0))
             },
-            |(packed, scratch), si| {
-                let c0 = si * avx512::GEMM_SLICE;
-                let c = (k - c0).min(avx512::GEMM_SLICE);
-                let rows = if b.is_none() { 0..c0 + c } else { 0..k };
-                // SAFETY: the tier was checked above; this job alone writes columns c0..c0 + c.
-                unsafe {
-                    avx512::pack_bf16_slice(&cols_of[c0 * t2..(c0 + c) * t2], c, t2, packed);
-                    let t = tiled.as_ref();
-                    gemm_slices(t, &at, t2, packed, rows, c0, c, &dst, scratch)
-                };
+            |(packed, scratch), gi| {
+                let c0 = gi * group * avx512::GEMM_SLICE;
+                let c = (k - c0).min(group * avx512::GEMM_SLICE);
+                for (i, dst) in packed.chunks_exact_mut(per_slice).enumerate() {
+                    let s0 = c0 + i * avx512::GEMM_SLICE;
+                    let sc = (c0 + c).saturating_sub(s0).min(avx512::GEMM_SLICE);
+                    if sc > 0 {
+                        // SAFETY: the tier was checked above.
+                        unsafe {
+                            avx512::pack_bf16_slice(&cols_of[s0 * t2..(s0 + sc) * t2], sc, t2, dst)
+                        };
+                    }
+                }
+                let packed = &packed[..c.div_ceil(avx512::GEMM_SLICE) * per_slice];
+                let t = tiled.as_ref();
+                if let Some(t) = t {
+                    let rows = if b.is_none() { 0..c0 + c } else { 0..k };
+                    // SAFETY: the tier was checked above; this job alone writes columns c0..c0 + c.
+                    unsafe { gemm_slices(Some(t), &at, t2, packed, rows, c0, c, &dst, scratch) };
+                } else {
+                    // Slice i of the group ends its rows at the diagonal when only the upper
+                    // triangle is asked for.
+                    let row_end = |i: usize| {
+                        if b.is_none() {
+                            (c0 + (i + 1) * avx512::GEMM_SLICE).min(k)
+                        } else {
+                            k
+                        }
+                    };
+                    // SAFETY: as above.
+                    unsafe {
+                        avx512::bf16_gemm_slices(&at, t2, packed, 0..k, c0, c, &row_end, &dst)
+                    };
+                }
             },
         );
         true
@@ -350,9 +375,29 @@ pub fn all_bf16(x: &[f32]) -> bool {
 /// `x` as bf16 bits when every value is a bf16 value (the low 16 bits
 /// zero), for the `vdpbf16ps` kernels; `None` otherwise.
 pub(super) fn bf16_bits(x: &[f32]) -> Option<Vec<u16>> {
-    x.iter()
-        .all(|v| v.to_bits() & 0xFFFF == 0)
-        .then(|| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect())
+    use rayon::prelude::*;
+    // Threaded only where the pass is long enough to pay for the fan-out (prefill's rows, the
+    // calibration forward's 16K), not for decode's one row.
+    const PAR_MIN: usize = 1 << 16;
+    if x.len() < PAR_MIN {
+        return x
+            .iter()
+            .all(|v| v.to_bits() & 0xFFFF == 0)
+            .then(|| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
+    }
+    let mut out = vec![0u16; x.len()];
+    out.par_chunks_mut(PAR_MIN)
+        .zip(x.par_chunks(PAR_MIN))
+        .try_for_each(|(o, x)| {
+            let mut low = 0u32;
+            for (o, v) in o.iter_mut().zip(x) {
+                let v = v.to_bits();
+                low |= v & 0xFFFF;
+                *o = (v >> 16) as u16;
+            }
+            (low == 0).then_some(())
+        })
+        .map(|()| out)
 }
 
 /// Each row's full 32-element chunks reordered as 16 even then 16 odd
@@ -428,6 +473,8 @@ mod tests {
             (64, 2048, 40),
             (96, 320, 65),
             (70, 6656, 17),
+            // Several row blocks of the row-blocked slice kernel, jobs of two slices.
+            (200, 1024, 300),
         ] {
             // bf16 activations: the vdpbf16ps GEMV (decode rows) and GEMM paths.
             for act_bf16 in [false, true] {
@@ -512,7 +559,8 @@ mod tests {
     fn the_bf16_gram_is_the_sum_of_outer_products() {
         use crate::kernels::test_util::activations;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        for &(t, k) in &[(1, 1), (7, 33), (64, 32), (131, 70), (300, 97), (40, 130)] {
+        // The last: several row blocks and groups of two slices, the triangle ending inside them.
+        for &(t, k) in &[(1, 1), (7, 33), (64, 32), (131, 70), (300, 97), (40, 130), (4100, 330)] {
             let a = activations(&mut rng, t, k);
             let b = activations(&mut rng, t, k);
             let f32_only = vec![0.1f32 + f32::EPSILON; t * k];
