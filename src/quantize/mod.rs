@@ -1505,6 +1505,8 @@ fn run(
     };
     for (li, mut layer) in all_layers.into_iter().enumerate().skip(first) {
         let x_in = opts.block_tune.is_some().then(|| x.clone());
+        // A layer allocates its stages' activations (up to `rows` × 6656 f32) anew each time.
+        let heap = crate::resources::HeapReuse::new();
         let (mut res, rep) = quantize_layer(
             &model,
             &mut layer,
@@ -1516,6 +1518,7 @@ fn run(
             &bar,
             &mut phases,
         )?;
+        drop(heap);
         if let (Some(bt), Some(mut x_in), Some(y)) = (&opts.block_tune, x_in, xf.as_deref()) {
             let r = phases.time(Phase::BlockTune, || {
                 tune_layer(
