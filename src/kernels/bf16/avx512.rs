@@ -321,7 +321,9 @@ pub(super) unsafe fn bf16_gemm_slices(
     out: &ColumnsOut,
 ) {
     let per_slice = GEMM_SLICE * k;
-    let block = (ROW_BLOCK_BYTES / (2 * k.max(1))).next_multiple_of(8).max(8);
+    let block = (ROW_BLOCK_BYTES / (2 * k.max(1)))
+        .next_multiple_of(8)
+        .max(8);
     let mut r0 = rows.start;
     while r0 < rows.end {
         let r1 = (r0 + block).min(rows.end);

@@ -207,7 +207,18 @@ unsafe fn gemm_slices(
     }
     if rest < rows.end {
         // SAFETY: as above, AVX512-BF16 checked by the caller.
-        unsafe { avx512::bf16_gemm_slices(xb, k, slices, rest..rows.end, c0, cols, &|_| usize::MAX, out) };
+        unsafe {
+            avx512::bf16_gemm_slices(
+                xb,
+                k,
+                slices,
+                rest..rows.end,
+                c0,
+                cols,
+                &|_| usize::MAX,
+                out,
+            )
+        };
     }
 }
 
@@ -560,7 +571,15 @@ mod tests {
         use crate::kernels::test_util::activations;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         // The last: several row blocks and groups of two slices, the triangle ending inside them.
-        for &(t, k) in &[(1, 1), (7, 33), (64, 32), (131, 70), (300, 97), (40, 130), (4100, 330)] {
+        for &(t, k) in &[
+            (1, 1),
+            (7, 33),
+            (64, 32),
+            (131, 70),
+            (300, 97),
+            (40, 130),
+            (4100, 330),
+        ] {
             let a = activations(&mut rng, t, k);
             let b = activations(&mut rng, t, k);
             let f32_only = vec![0.1f32 + f32::EPSILON; t * k];
