@@ -16,11 +16,11 @@
 //! outputs than inputs (`down_proj`: 2048 × 6656 at the 1.7B shape) M is the cheaper moment: N·K
 //! per token instead of C's K², and N·K memory instead of K² ([`OutputMoment`]).
 
+use faer::Mat;
 use rayon::prelude::*;
 
 use super::hessian::{at_b_block, BLOCK, CHUNK};
-use super::gptq::matmul_nn;
-use super::GptqSolver;
+use super::Hessian;
 use crate::kernels::bf16::{all_bf16, gram_bf16};
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4::round_bf16;
@@ -136,7 +136,7 @@ impl OutputMoment {
                     *v = yc[i * n + j];
                 }
             });
-            matmul_nn(yt, n, t, q, k, &mut part, true);
+            super::gptq::matmul_nn(yt, n, t, q, k, &mut part, true);
             self.sum.fold(&part);
         }
         self.sum.tokens += m;
@@ -145,127 +145,140 @@ impl OutputMoment {
 
 /// What the float model contributes to the target.
 enum Moment {
-    /// C, row-major `[k, k]`: W* = W + W·C·H'⁻¹ for any W.
+    /// C, row-major `[k, k]`: W* = W + W·C·(H̃ + λI)⁻¹ for any W.
     Cross(Vec<f32>),
-    /// M, row-major `[n, k]`, of one linear: W* = (M + λ·W)·H'⁻¹.
+    /// M, row-major `[n, k]`, of one linear: W* = (M + λ·W)·(H̃ + λI)⁻¹.
     Outputs(Vec<f32>, usize),
 }
 
-/// The float model's side of the target, for every linear that reads the same input. The
-/// inverse comes from the GPTQ solver of that input ([`GptqSolver::times_inverse`]): W* is
-/// regressed with GPTQ's own damping, H' = H̃ + λI (dead inputs, never active in X̃, on a unit
-/// diagonal, as GPTQ zeroes their columns anyway), and H̃ is factored once per input, not once
-/// for the target and again for the solve.
+/// The damped H̃ factored once, for every linear that reads the same input. In f32 like GPTQ's own
+/// factor (docs/QUANTIZE.md): W* differs from W by a correction term, and a failed factorisation
+/// only means more damping.
 pub struct FloatOutputTarget {
     k: usize,
     moment: Moment,
+    /// The damping λ the factor holds.
+    lambda: f32,
+    /// Lower Cholesky factor of H̃ + λ·I, column-major.
+    l: Vec<f32>,
 }
 
 impl FloatOutputTarget {
-    pub fn new(cross: &CrossMoment) -> Self {
-        FloatOutputTarget {
-            k: cross.k,
-            moment: Moment::Cross(cross.sum.matrix_f32()),
-        }
+    /// Factor H̃ + λ·I, λ = `damp` × mean diag(H̃), raised ×10 while the factorisation fails
+    /// (as GPTQ raises its own damping).
+    pub fn new(h: &Hessian, cross: &CrossMoment, damp: f64) -> Option<Self> {
+        assert_eq!(h.dim(), cross.k);
+        Self::factor(h, damp, || Moment::Cross(cross.sum.matrix_f32()))
     }
 
-    /// The target of the one linear whose float outputs `outputs` accumulated.
-    pub fn from_outputs(outputs: &OutputMoment) -> Self {
-        FloatOutputTarget {
-            k: outputs.k,
-            moment: Moment::Outputs(outputs.sum.matrix_f32(), outputs.n),
-        }
+    /// The target of the one linear whose float outputs `outputs` accumulated: for `apply` with
+    /// that linear's weight only.
+    pub fn from_outputs(h: &Hessian, outputs: &OutputMoment, damp: f64) -> Option<Self> {
+        assert_eq!(h.dim(), outputs.k);
+        Self::factor(h, damp, || {
+            Moment::Outputs(outputs.sum.matrix_f32(), outputs.n)
+        })
     }
 
-    /// W* for each of the weights `ws` (row-major `[outs[j], k]`) that read this input, through
-    /// `solver` (built on the same H̃). With the cross moment the correction is W·(C·H'⁻¹) when the
-    /// weights have more rows than C (2·K³ + 2·N·K² flops instead of 4·N·K²: q/k/v, gate/up), and
-    /// (W·C)·H'⁻¹ otherwise.
-    pub fn targets(&self, solver: &GptqSolver, ws: &[Vec<f32>], outs: &[usize]) -> Vec<Vec<f32>> {
-        let k = self.k;
-        assert_eq!(solver.dim(), k);
-        match &self.moment {
-            Moment::Cross(c) => {
-                let rows: usize = outs.iter().sum();
-                let d = (rows > k).then(|| solver.times_inverse(c, k));
-                ws.iter()
-                    .zip(outs)
-                    .map(|(w, &n)| {
-                        let mut corr = vec![0f32; n * k];
-                        match &d {
-                            Some(d) => matmul_nn(w, n, k, d, k, &mut corr, true),
-                            None => {
-                                let mut wc = vec![0f32; n * k];
-                                matmul_nn(w, n, k, c, k, &mut wc, true);
-                                corr = solver.times_inverse(&wc, n);
-                            }
-                        }
-                        corr.par_iter_mut().zip(w).for_each(|(c, w)| *c += w);
-                        corr
-                    })
-                    .collect()
+    fn factor(h: &Hessian, damp: f64, moment: impl FnOnce() -> Moment) -> Option<Self> {
+        use faer::dyn_stack::{MemBuffer, MemStack};
+        use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
+        let k = h.dim();
+        let inv_t = 1.0 / h.tokens().max(1) as f64;
+        let mean = (0..k).map(|i| h.upper(i, i) * inv_t).sum::<f64>() / k.max(1) as f64;
+        let mut lambda = damp * mean.max(f64::MIN_POSITIVE);
+        let par = faer::get_global_parallelism();
+        for _ in 0..6 {
+            // Column j, rows i ≥ j: H̃[j, i] (symmetric) + λ on the diagonal.
+            let mut l = vec![0f32; k * k];
+            l.par_chunks_mut(k).enumerate().for_each(|(j, col)| {
+                for (i, v) in col.iter_mut().enumerate().skip(j) {
+                    *v = (h.upper(j, i) * inv_t + if i == j { lambda } else { 0.0 }) as f32;
+                }
+            });
+            let mut mem =
+                MemBuffer::new(cholesky_in_place_scratch::<f32>(k, par, Default::default()));
+            let ok = cholesky_in_place(
+                faer::MatMut::from_column_major_slice_mut(&mut l, k, k),
+                Default::default(),
+                par,
+                MemStack::new(&mut mem),
+                Default::default(),
+            )
+            .is_ok();
+            if ok && l.par_iter().all(|v| v.is_finite()) {
+                // The solves below read the lower triangle only.
+                return Some(FloatOutputTarget {
+                    k,
+                    moment: moment(),
+                    lambda: lambda as f32,
+                    l,
+                });
             }
-            Moment::Outputs(m, rows) => {
-                assert!(ws.len() == 1 && outs == [*rows], "an output moment belongs to one linear");
-                let lambda = solver.lambda() as f32;
-                let r: Vec<f32> = m.par_iter().zip(&ws[0]).map(|(m, w)| m + lambda * w).collect();
-                vec![solver.times_inverse(&r, *rows)]
-            }
+            lambda *= 10.0;
         }
+        None
     }
 
-    /// tr(W*·H̃·W*ᵀ) in O(N·K) where the target came from the output moment: W*·H' = M + λ·W, so
-    /// it is ⟨M + λ·W, W*⟩ − λ‖W*‖² − Σ_dead ‖W*_i‖² (H̃ scaled as [`Hessian::matrix`]). `None` for
-    /// the cross moment, whose W*·H' = W·H' + W·C needs W·H̃.
-    pub fn energy(&self, solver: &GptqSolver, w: &[f32], wstar: &[f32]) -> Option<f64> {
+    /// tr(W*·H̃·W*ᵀ) in O(N·K) where the target came from the output moment: W*·(H̃ + λI) =
+    /// M + λ·W, so it is ⟨M + λ·W, W*⟩ − λ‖W*‖² (H̃ scaled as [`Hessian::matrix`]). `None` for
+    /// the cross moment, whose W*·(H̃ + λI) = W·(H̃ + λI) + W·C needs W·H̃.
+    pub fn energy(&self, w: &[f32], wstar: &[f32]) -> Option<f64> {
         let Moment::Outputs(m, _) = &self.moment else {
             return None;
         };
         assert_eq!((w.len(), wstar.len()), (m.len(), m.len()));
-        let k = self.k;
-        let lambda = solver.lambda();
-        let dead = solver.dead_inputs();
+        let lambda = self.lambda as f64;
         let e: f64 = m
-            .par_chunks(k)
-            .zip(w.par_chunks(k).zip(wstar.par_chunks(k)))
-            .map(|(m, (w, ws))| {
-                let mut e = 0f64;
-                for (j, ((&m, &w), &ws)) in m.iter().zip(w).zip(ws).enumerate() {
-                    let ws = ws as f64;
-                    let diag = lambda + if dead[j] { 1.0 } else { 0.0 };
-                    e += (m as f64 + lambda * w as f64) * ws - diag * ws * ws;
-                }
-                e
+            .par_iter()
+            .zip(w.par_iter().zip(wstar))
+            .map(|(&m, (&w, &ws))| {
+                let ws = ws as f64;
+                (m as f64 + lambda * w as f64) * ws - lambda * ws * ws
             })
             .sum();
         Some(e.max(0.0))
+    }
+
+    /// W* for a row-major `[n, k]` weight: W + W·C·(H̃ + λI)⁻¹, or (M + λ·W)·(H̃ + λI)⁻¹ from the
+    /// output moment (which belongs to this one weight).
+    pub fn apply(&self, w: &[f32], n: usize) -> Vec<f32> {
+        use faer::linalg::triangular_solve::{
+            solve_lower_triangular_in_place, solve_upper_triangular_in_place,
+        };
+        let k = self.k;
+        let wm = faer::MatRef::from_row_major_slice(w, n, k);
+        // Zᵀ·(H̃ + λI) = R with H̃ symmetric: L·Lᵀ·Z = Rᵀ.
+        let (mut z, add_w): (Mat<f32>, bool) = match &self.moment {
+            Moment::Cross(c) => {
+                let cm = faer::MatRef::from_row_major_slice(c, k, k);
+                ((wm * cm).transpose().to_owned(), true)
+            }
+            Moment::Outputs(m, rows) => {
+                assert_eq!(*rows, n, "an output moment belongs to one linear");
+                let lambda = self.lambda;
+                let z = Mat::from_fn(k, n, |j, i| m[i * k + j] + lambda * w[i * k + j]);
+                (z, false)
+            }
+        };
+        let l = faer::MatRef::from_column_major_slice(&self.l, k, k);
+        let par = faer::get_global_parallelism();
+        solve_lower_triangular_in_place(l, z.as_mut(), par);
+        solve_upper_triangular_in_place(l.transpose(), z.as_mut(), par);
+        let mut out = if add_w { w.to_vec() } else { vec![0f32; n * k] };
+        out.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v += z[(j, i)];
+            }
+        });
+        out
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::Hessian;
     use rand::{Rng, SeedableRng};
-
-    /// W* through GPTQ's solver of the same H̃ (natural order and activation order).
-    fn target_of(t: &FloatOutputTarget, h: &Hessian, damp: f64, w: &[f32], n: usize) -> Vec<f32> {
-        let mut got = Vec::new();
-        for order in [crate::quant::Order::Natural, crate::quant::Order::ActStatic] {
-            let solver = GptqSolver::with_order("t", h, damp, order).unwrap();
-            let ws = t.targets(&solver, &[w.to_vec()], &[n]).remove(0);
-            if let Some(first) = got.first() {
-                let scale = ws.iter().fold(0f32, |s: f32, v| s.max(v.abs()));
-                let worst = ws
-                    .iter()
-                    .zip(first)
-                    .fold(0f32, |s: f32, (a, b): (&f32, &f32)| s.max((a - b).abs()));
-                assert!(worst <= 1e-4 * scale, "orders disagree: {worst} of {scale}");
-            }
-            got.push(ws);
-        }
-        got.remove(0)
-    }
 
     fn rows(rng: &mut impl Rng, m: usize, k: usize) -> Vec<f32> {
         (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect()
@@ -281,9 +294,8 @@ mod tests {
         h.add(&x, m);
         let mut c = CrossMoment::new(k);
         c.add(&x, &x, m);
-        let t = FloatOutputTarget::new(&c);
-        // C = 0: the correction is exactly zero, whatever the order of the factor.
-        assert_eq!(target_of(&t, &h, 0.01, &w, n), w);
+        let t = FloatOutputTarget::new(&h, &c, 0.01).unwrap();
+        assert_eq!(t.apply(&w, n), w);
     }
 
     /// Without damping W* is the least-squares solution: the residual W·X − W*·X̃ is orthogonal
@@ -305,8 +317,7 @@ mod tests {
     #[test]
     fn the_output_moment_gives_the_cross_moments_target() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
-        // More outputs than inputs: the cross moment takes its W·(C·H'⁻¹) form.
-        let (m, k, n) = (CHUNK + 200, 40, 47);
+        let (m, k, n) = (CHUNK + 200, 40, 7);
         let xf = rows(&mut rng, m, k);
         let xq: Vec<f32> = xf
             .iter()
@@ -328,8 +339,10 @@ mod tests {
         let mut o = OutputMoment::new(n, k);
         o.add(&y, &xq, m);
         for damp in [1e-9, 0.01, 0.5] {
-            let a = target_of(&FloatOutputTarget::new(&c), &h, damp, &w, n);
-            let b = target_of(&FloatOutputTarget::from_outputs(&o), &h, damp, &w, n);
+            let a = FloatOutputTarget::new(&h, &c, damp).unwrap().apply(&w, n);
+            let b = FloatOutputTarget::from_outputs(&h, &o, damp)
+                .unwrap()
+                .apply(&w, n);
             let scale = a.iter().fold(0f32, |s, v| s.max(v.abs()));
             let worst = a
                 .iter()
@@ -344,16 +357,15 @@ mod tests {
             assert!(moved > 1e-2 * scale, "damp {damp}: {moved}");
             // The output moment's target gives its energy tr(W*H̃W*ᵀ) without H̃; the cross
             // moment's does not.
-            let to = FloatOutputTarget::from_outputs(&o);
-            let solver = GptqSolver::new("t", &h, damp).unwrap();
+            let to = FloatOutputTarget::from_outputs(&h, &o, damp).unwrap();
             let want = crate::quant::quadratic_form(&b, n, k, &h.matrix_f32());
-            let got = to.energy(&solver, &w, &b).unwrap();
+            let got = to.energy(&w, &b).unwrap();
             assert!(
                 (got - want).abs() <= 1e-5 * want,
                 "damp {damp}: {got} vs {want}"
             );
-            let tc = FloatOutputTarget::new(&c);
-            assert_eq!(tc.energy(&solver, &w, &a), None);
+            let tc = FloatOutputTarget::new(&h, &c, damp).unwrap();
+            assert_eq!(tc.energy(&w, &a), None);
         }
     }
 
@@ -371,7 +383,8 @@ mod tests {
         h.add(&xq, m);
         let mut c = CrossMoment::new(k);
         c.add(&xq, &xf, m);
-        let ws = target_of(&FloatOutputTarget::new(&c), &h, 1e-9, &w, n);
+        let t = FloatOutputTarget::new(&h, &c, 1e-9).unwrap();
+        let ws = t.apply(&w, n);
         let dot = |a: &[f32], b: &[f32]| -> f64 {
             a.iter().zip(b).map(|(a, b)| *a as f64 * *b as f64).sum()
         };
@@ -401,8 +414,8 @@ mod tests {
             .collect();
         let mut o = OutputMoment::new(n, k);
         o.add(&y, &xq, m);
-        let t = FloatOutputTarget::from_outputs(&o);
-        let at_target = gradient(&target_of(&t, &h, 1e-9, &w, n));
+        let t = FloatOutputTarget::from_outputs(&h, &o, 1e-9).unwrap();
+        let at_target = gradient(&t.apply(&w, n));
         assert!(at_target < tolerance * at_w, "{at_target} vs {at_w}");
     }
 }

@@ -430,57 +430,6 @@ impl GptqSolver {
         self.dead.iter().filter(|d| **d).count()
     }
 
-    /// The damping λ added to H/n's diagonal, which dead inputs carry on top of their unit
-    /// diagonal: the factor is of H' = H/n + λI + Σ_dead e_i e_iᵀ.
-    pub fn lambda(&self) -> f64 {
-        self.lambda
-    }
-
-    /// Per input (natural order): never active on the calibration set.
-    pub fn dead_inputs(&self) -> Vec<bool> {
-        let mut dead = vec![false; self.k];
-        for (pos, &d) in self.dead.iter().enumerate() {
-            dead[self.perm.as_ref().map_or(pos, |p| p[pos])] = d;
-        }
-        dead
-    }
-
-    /// R·H'⁻¹ for a row-major `[n, k]` R, from the solve's own factor: H'⁻¹ = Pᵀ·Uᵀ·U·P, two
-    /// triangular products (n·k² multiply-adds, as two triangular solves with a Cholesky factor
-    /// of H' would be, without factoring H' a second time).
-    pub fn times_inverse(&self, r: &[f32], n: usize) -> Vec<f32> {
-        use faer::linalg::matmul::triangular::{matmul, BlockStructure};
-        let k = self.k;
-        assert_eq!(r.len(), n * k);
-        let input = |pos: usize| self.perm.as_ref().map_or(pos, |p| p[pos]);
-        // R·Pᵀ: processing position a holds input input(a).
-        let mut a = Mat::<f32>::zeros(n, k);
-        a.par_col_chunks_mut(1).enumerate().for_each(|(pos, mut col)| {
-            let i = input(pos);
-            for row in 0..n {
-                col[(row, 0)] = r[row * k + i];
-            }
-        });
-        let u = faer::MatRef::from_row_major_slice(&self.u, k, k);
-        let par = faer::get_global_parallelism();
-        let mut b = Mat::<f32>::zeros(n, k);
-        let (rect, lower, upper) = (
-            BlockStructure::Rectangular,
-            BlockStructure::TriangularLower,
-            BlockStructure::TriangularUpper,
-        );
-        matmul(b.as_mut(), rect, faer::Accum::Replace, a.as_ref(), rect, u.transpose(), lower, 1.0, par);
-        matmul(a.as_mut(), rect, faer::Accum::Replace, b.as_ref(), rect, u, upper, 1.0, par);
-        drop(b);
-        let mut out = vec![0f32; n * k];
-        out.par_chunks_mut(k).enumerate().for_each(|(row, o)| {
-            for pos in 0..k {
-                o[input(pos)] = a[(row, pos)];
-            }
-        });
-        out
-    }
-
     /// Quantize `w` (`[n, k]`, PyTorch order).
     pub fn quantize(
         &self,

@@ -589,9 +589,7 @@ fn linear_report(
 
 /// Quantize every linear that reads `h` with `opts.method`; with `opts.compare`,
 /// RTN, plain GPTQ and GPTQ + scale search are all measured for the report.
-#[allow(clippy::too_many_arguments)]
 fn quantize_group(
-    (solver, factor_seconds): (&GptqSolver, f64),
     names: &[String],
     (weights, energies): (&[Vec<f32>], &[Option<f64>]),
     outs: &[usize],
@@ -600,18 +598,22 @@ fn quantize_group(
     opts: &QuantizeOptions,
     phases: &mut Phases,
 ) -> Result<(Vec<QuantizedWeight>, Vec<LinearReport>), QuantizeError> {
-    let setup = factor_seconds / names.len() as f64;
+    let mut clock = Clock::start();
+    let solver = GptqSolver::with_order(&names.join("+"), h, opts.damp, opts.order)?;
+    let factor = clock.lap();
+    phases.add(Phase::Factor, factor);
+    let setup = factor.seconds / names.len() as f64;
     // One f32 copy of H serves every error measured against it.
     let hm = phases.time(Phase::Compare, || h.matrix_f32());
     let (mut kept, mut reports) = (Vec::new(), Vec::new());
     for ((((name, w), &n), &grid), &energy) in
         names.iter().zip(weights).zip(outs).zip(grids).zip(energies)
     {
-        let s = solve_linear(solver, &hm, h, (w, energy), n, grid, opts, phases)?;
+        let s = solve_linear(&solver, &hm, h, (w, energy), n, grid, opts, phases)?;
         reports.push(linear_report(
             name,
             n,
-            solver,
+            &solver,
             &[s.parts],
             setup + s.seconds,
             opts.method,
@@ -764,39 +766,38 @@ impl LayerSolve<'_> {
                 .map(|&p| layer.linear(p).dequantize())
                 .collect()
         });
-        let target = float.map(|float| {
-            self.phases.time(Phase::Hessian, || match float {
+        // Each linear's tr(WHWᵀ) where the target gives it for free.
+        let mut energies = vec![None; projs.len()];
+        if let Some(float) = float {
+            // Solve for W* (the float output from this input) instead of W.
+            let target = self.phases.time(Phase::Hessian, || match float {
                 Float::Inputs(xf) => {
                     let mut c = CrossMoment::new(h.dim());
                     c.add(input, xf, self.rows);
-                    FloatOutputTarget::new(&c)
+                    FloatOutputTarget::new(&h, &c, self.opts.damp)
                 }
                 Float::Outputs(y) => {
                     assert_eq!(outs.len(), 1, "an output moment belongs to one linear");
                     let mut m = OutputMoment::new(outs[0], h.dim());
                     m.add(y, input, self.rows);
-                    FloatOutputTarget::from_outputs(&m)
+                    FloatOutputTarget::from_outputs(&h, &m, self.opts.damp)
                 }
-            })
-        });
-        let mut clock = Clock::start();
-        let solver = GptqSolver::with_order(&names.join("+"), &h, self.opts.damp, self.opts.order)?;
-        let factor = clock.lap();
-        self.phases.add(Phase::Factor, factor);
-        // Each linear's tr(WHWᵀ) where the target gives it for free.
-        let mut energies = vec![None; projs.len()];
-        if let Some(target) = target {
-            // Solve for W* (the float output from this input) instead of W.
-            let stars = self.phases.time(Phase::Factor, || {
-                target.targets(&solver, &weights, &outs)
             });
-            for ((w, star), e) in weights.iter_mut().zip(stars).zip(&mut energies) {
-                *e = self.phases.time(Phase::Compare, || target.energy(&solver, w, &star));
+            let target = target.ok_or_else(|| {
+                QuantizeError::Invalid(format!(
+                    "layer {}: the Hessian of {} stays singular with its damping raised 10⁵-fold; raise {}",
+                    self.li,
+                    names.join("+"),
+                    crate::setting::Setting::Damp
+                ))
+            })?;
+            for ((w, &n), e) in weights.iter_mut().zip(&outs).zip(&mut energies) {
+                let star = self.phases.time(Phase::Factor, || target.apply(w, n));
+                *e = self.phases.time(Phase::Compare, || target.energy(w, &star));
                 *w = star;
             }
         }
         let (qs, mut reports) = quantize_group(
-            (&solver, factor.seconds),
             &names,
             (&weights, &energies),
             &outs,
@@ -1711,9 +1712,7 @@ mod tests {
     fn linears_sharing_an_input_get_one_solve_and_a_report_each() {
         let (h, ws) = case();
         let names = ["a".to_string(), "b".to_string()];
-        let solver = GptqSolver::new("a+b", &h, 0.01).unwrap();
         let (qs, reports) = quantize_group(
-            (&solver, 0.0),
             &names,
             (&ws, &[None, None]),
             &[48, 16],
@@ -1742,9 +1741,7 @@ mod tests {
     #[test]
     fn without_compare_only_the_chosen_method_is_measured() {
         let (h, ws) = case();
-        let solver = GptqSolver::new("a", &h, 0.01).unwrap();
         let (_, reports) = quantize_group(
-            (&solver, 0.0),
             &["a".into()],
             (&ws[..1], &[None]),
             &[48],
