@@ -305,8 +305,7 @@ pub fn gram_bf16_with(
                     }
                 }
                 let packed = &packed[..c.div_ceil(avx512::GEMM_SLICE) * per_slice];
-                let t = tiled.as_ref();
-                if let Some(t) = t {
+                if let Some(t) = tiled.as_ref() {
                     let rows = if b.is_none() { 0..c0 + c } else { 0..k };
                     // SAFETY: the tier was checked above; this job alone writes columns c0..c0 + c.
                     unsafe { gemm_slices(Some(t), &at, t2, packed, rows, c0, c, &dst, scratch) };
@@ -390,25 +389,24 @@ pub(super) fn bf16_bits(x: &[f32]) -> Option<Vec<u16>> {
     // Threaded only where the pass is long enough to pay for the fan-out (prefill's rows, the
     // calibration forward's 16K), not for decode's one row.
     const PAR_MIN: usize = 1 << 16;
-    if x.len() < PAR_MIN {
-        return x
-            .iter()
-            .all(|v| v.to_bits() & 0xFFFF == 0)
-            .then(|| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
-    }
+    let convert = |(o, x): (&mut [u16], &[f32])| {
+        let mut low = 0u32;
+        for (o, v) in o.iter_mut().zip(x) {
+            let v = v.to_bits();
+            low |= v & 0xFFFF;
+            *o = (v >> 16) as u16;
+        }
+        (low == 0).then_some(())
+    };
     let mut out = vec![0u16; x.len()];
-    out.par_chunks_mut(PAR_MIN)
-        .zip(x.par_chunks(PAR_MIN))
-        .try_for_each(|(o, x)| {
-            let mut low = 0u32;
-            for (o, v) in o.iter_mut().zip(x) {
-                let v = v.to_bits();
-                low |= v & 0xFFFF;
-                *o = (v >> 16) as u16;
-            }
-            (low == 0).then_some(())
-        })
-        .map(|()| out)
+    if x.len() < PAR_MIN {
+        convert((&mut out, x))?;
+    } else {
+        out.par_chunks_mut(PAR_MIN)
+            .zip(x.par_chunks(PAR_MIN))
+            .try_for_each(convert)?;
+    }
+    Some(out)
 }
 
 /// Each row's full 32-element chunks reordered as 16 even then 16 odd
