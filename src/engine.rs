@@ -53,10 +53,8 @@ struct ModelSequence<'a> {
 
 impl Sequence for ModelSequence<'_> {
     fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>, ModelError> {
-        // Run the whole step on a pool worker: the per-linear fan-outs then
-        // start from a worker that takes part, instead of a caller that waits.
         let (model, cache) = (self.model, &mut self.cache);
-        rayon::scope(|_| model.forward(tokens, cache, want))
+        on_pool(tokens.len(), || model.forward(tokens, cache, want))
     }
     fn kv_cache(&mut self) -> Option<&mut KvCache> {
         Some(&mut self.cache)
@@ -87,7 +85,19 @@ impl Engine for SparkModel {
             return step_each(seqs, tokens);
         }
         let mut caches: Vec<&mut KvCache> = seqs.iter_mut().filter_map(|s| s.kv_cache()).collect();
-        rayon::scope(|_| self.forward_many(tokens, &mut caches))
+        on_pool(tokens.len(), || self.forward_many(tokens, &mut caches))
+    }
+}
+
+/// Run a step of `rows` rows on a pool worker: the per-linear fan-outs then start from a worker
+/// that takes part, instead of a caller that waits. Decode-sized steps (fewer rows than
+/// attention's blocked path takes, where every fan-out is small) also keep the other workers
+/// spinning between fan-outs ([`par::with_team`](crate::kernels::par::with_team)).
+fn on_pool<R: Send>(rows: usize, f: impl FnOnce() -> R + Send) -> R {
+    if rows < crate::model::block::BLOCKED_MIN_ROWS {
+        crate::kernels::par::with_team(f)
+    } else {
+        rayon::scope(|_| f())
     }
 }
 

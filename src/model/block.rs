@@ -212,7 +212,7 @@ pub struct Segment<'c> {
 
 /// From this many query rows on, attention runs block by block as GEMMs
 /// ([`kernels::attention::attend_rows`]).
-const BLOCKED_MIN_ROWS: usize = 16;
+pub const BLOCKED_MIN_ROWS: usize = 16;
 
 /// Causal attention for `m` new queries at positions `start..start+m`. Keys before `start` come
 /// from the cache, the rest from this call's `k`/`v`; sliding layers see the last
@@ -293,26 +293,27 @@ fn attention(
     // Decode and short calls: one job per (query row, KV head): the `group` query heads sharing
     // a KV head stream its keys and values once, and decode (one row) still spreads over the KV
     // heads (`kernels::attention`: the same math on every tier, sums in another order on AVX-512).
-    out.par_chunks_mut(group * hd)
-        .enumerate()
-        .for_each(|(c, out_g)| {
-            let (i, kvh) = (c / kv_heads, c % kv_heads);
-            let (p, lo) = (start + i, lo_of(i));
-            let q0 = i * q_dim + kvh * group * hd;
-            let kv = kernels::attention::Window {
-                key: |pos| key(pos, kvh),
-                value: |pos| value(pos, kvh),
-                lo,
-                hi: p,
-            };
-            kernels::attention::attend(
-                &q[q0..q0 + group * hd],
-                &kv,
-                (hd, scale),
-                &mut Vec::new(),
-                out_g,
-            );
-        });
+    let dst = ColumnsOut::new(out, m, q_dim);
+    kernels::par::for_each(m * kv_heads, |c| {
+        let (i, kvh) = (c / kv_heads, c % kv_heads);
+        // SAFETY: job c alone writes row i's query columns of KV head kvh.
+        let out_g = unsafe { dst.row_mut(i, kvh * group * hd..(kvh + 1) * group * hd) };
+        let (p, lo) = (start + i, lo_of(i));
+        let q0 = i * q_dim + kvh * group * hd;
+        let kv = kernels::attention::Window {
+            key: |pos| key(pos, kvh),
+            value: |pos| value(pos, kvh),
+            lo,
+            hi: p,
+        };
+        kernels::attention::attend(
+            &q[q0..q0 + group * hd],
+            &kv,
+            (hd, scale),
+            &mut Vec::new(),
+            out_g,
+        );
+    });
 }
 
 /// `down_proj(gelu(gate_proj(h)) ⊙ up_proj(h))`, GELU with erf.
