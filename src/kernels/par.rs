@@ -230,6 +230,11 @@ impl ColumnsOut {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r * self.cols + c.start), c.len()) }
     }
 
+    /// Elements per row.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
     /// Raw pointer to element (r, c), for kernels that store through it.
     ///
     /// # Safety

@@ -65,6 +65,30 @@ impl TiledRows {
         }
     }
 
+    /// The tiles of aᵀ for a row-major `a` (`[t, k]`) of bf16 values — a Gram's left operand:
+    /// rows are a's k columns, the reduction its t tokens padded with zero tokens to whole steps.
+    /// `None` when a value is not a bf16 value.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    pub(super) unsafe fn from_columns(a: &[f32], t: usize, k: usize) -> Option<Self> {
+        use rayon::prelude::*;
+        assert_eq!(a.len(), t * k);
+        let t2 = t.next_multiple_of(DEPTH);
+        let mut tiles = Aligned::new(k.next_multiple_of(ROWS) * t2);
+        let stray = tiles
+            .par_chunks_mut(16 * t2)
+            .enumerate()
+            // SAFETY: AVX-512F is the caller's promise; each block is whole steps.
+            .map(|(rb, block)| unsafe { super::avx512::tile_columns(a, t, k, 16 * rb, block) })
+            .reduce(|| 0, |x, y| x | y);
+        (stray == 0).then_some(TiledRows {
+            tiles,
+            steps: t2 / DEPTH,
+            rows: k,
+        })
+    }
+
     /// The real rows.
     pub(super) fn rows(&self) -> usize {
         self.rows
@@ -153,11 +177,35 @@ pub(super) unsafe fn bf16_gemm_slices(
                     );
                 }
             }
+            if kept == ROWS && (si + 1) * GEMM_SLICE <= cols {
+                // A whole 32 × 32 block: the tiles go straight to the output.
+                // SAFETY: rows r0..r0 + 32 and columns c0 + 32·si… (32 of them) lie inside `out`
+                // and belong to this job; tiles 0–3 are configured.
+                unsafe {
+                    let c = c0 + si * GEMM_SLICE;
+                    asm!(
+                        "tilestored [{p0} + {s} * 1], tmm0",
+                        "tilestored [{p1} + {s} * 1], tmm1",
+                        "tilestored [{p2} + {s} * 1], tmm2",
+                        "tilestored [{p3} + {s} * 1], tmm3",
+                        p0 = in(reg) out.ptr_at(r0, c),
+                        p1 = in(reg) out.ptr_at(r0, c + 16),
+                        p2 = in(reg) out.ptr_at(r0 + 16, c),
+                        p3 = in(reg) out.ptr_at(r0 + 16, c + 16),
+                        s = in(reg) 4 * out.cols(),
+                        options(nostack)
+                    );
+                }
+                continue;
+            }
             // SAFETY: `acc` holds this slice's four tiles (4 KiB); tiles 0–3 are configured.
             unsafe { amx::store_accumulators(acc[si * 1024..].as_mut_ptr() as *mut u8) };
         }
         // Tile 2·h + j of a slice holds rows r0 + 16·h…, its columns 16·j….
         for (si, tiles) in acc[..group * 1024].chunks_exact(1024).enumerate() {
+            if kept == ROWS && (si + 1) * GEMM_SLICE <= cols {
+                continue; // stored above
+            }
             for (t, tile) in tiles.chunks_exact(256).enumerate() {
                 let (h, j) = (t / 2, t % 2);
                 let first = si * GEMM_SLICE + 16 * j;

@@ -245,6 +245,118 @@ pub(super) unsafe fn pack_bf16_slice(w: &[u16], cols: usize, k: usize, out: &mut
     }
 }
 
+/// Pairs of consecutive rows as the tiles read them: per lane, the bf16 bits of `lo` in the low
+/// half and those of `hi` in the high half (both bf16 values: their low 16 bits are dropped).
+#[inline(always)]
+fn pair_rows(lo: __m512i, hi: __m512i) -> __m512i {
+    // SAFETY: AVX-512F is enabled in every caller.
+    unsafe {
+        _mm512_or_si512(
+            _mm512_and_si512(hi, _mm512_set1_epi32(0xFFFF_0000u32 as i32)),
+            _mm512_srli_epi32::<16>(lo),
+        )
+    }
+}
+
+/// Up to 16 values of row `r` of `x` (`[t, k]`), columns `c…` by `mask`; zero for `r ≥ t`.
+///
+/// # Safety
+/// AVX-512F; columns `c…` under `mask` lie inside row `r`.
+#[inline(always)]
+unsafe fn row_lanes(x: &[f32], t: usize, k: usize, r: usize, c: usize, mask: __mmask16) -> __m512i {
+    if r < t {
+        // SAFETY: the caller's promise; masked lanes are not read.
+        unsafe { _mm512_maskz_loadu_epi32(mask, x.as_ptr().add(r * k + c) as *const i32) }
+    } else {
+        _mm512_setzero_si512()
+    }
+}
+
+/// The AMX tiles of columns `i0…i0 + 16` of `a` (`[t, k]`, bf16 values) transposed — a Gram's
+/// left operand: `block[(st·16 + i)·32 + tt] = a[32·st + tt][i0 + i]` (tokens ≥ t and columns ≥ k
+/// zero) for every 32-token step of `block`. Returns the OR of the low 16 bits of every value read
+/// (non-zero: a value is not a bf16 value).
+///
+/// # Safety
+/// AVX-512F; `block` holds whole 512-value steps.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn tile_columns(
+    a: &[f32],
+    t: usize,
+    k: usize,
+    i0: usize,
+    block: &mut [u16],
+) -> u32 {
+    assert!(a.len() == t * k && block.len().is_multiple_of(512));
+    let lanes = k.saturating_sub(i0).min(16);
+    if lanes == 0 {
+        return 0;
+    }
+    let mask = ((1u32 << lanes) - 1) as __mmask16;
+    let idx = transpose_indices();
+    let mut stray = _mm512_setzero_si512();
+    for (st, tile) in block.chunks_exact_mut(512).enumerate() {
+        let mut x = [_mm512_setzero_si512(); 16];
+        for (q, x) in x.iter_mut().enumerate() {
+            let r = 32 * st + 2 * q;
+            // SAFETY: columns i0… (lanes of them) lie inside each row.
+            let (lo, hi) = unsafe {
+                (
+                    row_lanes(a, t, k, r, i0, mask),
+                    row_lanes(a, t, k, r + 1, i0, mask),
+                )
+            };
+            stray = _mm512_or_si512(stray, _mm512_or_si512(lo, hi));
+            *x = pair_rows(lo, hi);
+        }
+        transpose16(&mut x, &idx);
+        for (i, x) in x.iter().enumerate() {
+            // SAFETY: row i of this tile: 32 values inside `tile`.
+            unsafe { _mm512_storeu_si512(tile.as_mut_ptr().add(32 * i) as *mut _, *x) };
+        }
+    }
+    _mm512_reduce_or_epi32(_mm512_and_si512(stray, _mm512_set1_epi32(0xFFFF))) as u32
+}
+
+/// [`pack_bf16_slice`]'s layout for `t2` inputs (tokens) made from columns `c0…c0 + cols` of the
+/// row-major `b` (`[t, k]`, bf16 values; tokens ≥ t zero) — a Gram's right operand, with no
+/// transposition: each 64-byte row of the slice is two token rows' 16 columns interleaved.
+///
+/// # Safety
+/// AVX-512F; `t2 ≥ t` is even and `out` holds `GEMM_SLICE × t2` values.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn pack_slice_of_rows(
+    b: &[f32],
+    t: usize,
+    k: usize,
+    (c0, cols): (usize, usize),
+    t2: usize,
+    out: &mut [u16],
+) {
+    assert!(b.len() == t * k && t2 >= t && t2.is_multiple_of(2));
+    assert!(out.len() == GEMM_SLICE * t2 && cols <= GEMM_SLICE && c0 + cols <= k);
+    let half = t2 / 2;
+    for (s, tile) in out.chunks_exact_mut(half * 32).enumerate() {
+        let valid = cols.saturating_sub(16 * s).min(16);
+        if valid == 0 {
+            tile.fill(0);
+            continue;
+        }
+        let mask = ((1u32 << valid) - 1) as __mmask16;
+        let c = c0 + 16 * s;
+        for (p, row) in tile.chunks_exact_mut(32).enumerate() {
+            // SAFETY: columns c… (valid of them) lie inside each row; the slice row is 64 bytes.
+            unsafe {
+                let (lo, hi) = (
+                    row_lanes(b, t, k, 2 * p, c, mask),
+                    row_lanes(b, t, k, 2 * p + 1, c, mask),
+                );
+                _mm512_storeu_si512(row.as_mut_ptr() as *mut _, pair_rows(lo, hi));
+            }
+        }
+    }
+}
+
 /// For each bit b of a lane index, the `vpermt2d` indices that swap that bit between the register
 /// number and the lane number of a pair of registers (i, i + 2^b): the low one keeps its lanes with
 /// bit b clear and takes the high one's, and the high one the reverse. All four bits swapped make

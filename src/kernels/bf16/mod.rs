@@ -258,9 +258,13 @@ pub fn gram_bf16_with(
         if isa < Isa::Avx512Bf16 || t == 0 || k == 0 {
             return false;
         }
-        // Both operands transposed to [k, t2] bits, t2 = t rounded up to whole tile steps with
-        // zero tokens (they add nothing): the slice kernels reduce over pairs, the tiles over 32.
+        // t2 = t rounded up to whole tile steps with zero tokens (they add nothing): the slice
+        // kernels reduce over pairs, the tiles over 32.
         let t2 = t.next_multiple_of(32);
+        if isa >= Isa::Amx {
+            return gram_amx(a, b, t, k, t2, out);
+        }
+        // Both operands transposed to [k, t2] bits.
         let Some(at) = transposed_bits(a, t, k, t2) else {
             return false;
         };
@@ -275,14 +279,17 @@ pub fn gram_bf16_with(
         let tiled = tiled_rows(isa, &at, k, t2);
         let dst = ColumnsOut::new(out, k, k);
         let slices = k.div_ceil(avx512::GEMM_SLICE);
-        // The tile kernel takes one slice per call; the row-blocked one a group, small enough
-        // that the triangle's unequal groups still balance over the threads.
+        // Both kernels reuse each block of activation rows over a group of slices (the tiles
+        // otherwise stream all k rows from memory for every 32 columns), small enough that the
+        // triangle's unequal groups still balance over the threads.
+        let balance = slices.div_ceil(4 * rayon::current_num_threads());
         let group = if tiled.is_some() {
-            1
+            amx::slices_per_group(t2)
         } else {
-            let balance = slices.div_ceil(4 * rayon::current_num_threads());
-            avx512::slices_per_group(t2).min(balance).max(1)
-        };
+            avx512::slices_per_group(t2)
+        }
+        .min(balance)
+        .max(1);
         let groups = slices.div_ceil(group);
         let per_slice = avx512::GEMM_SLICE * t2;
         // Largest jobs first: the upper triangle's slices grow with their column.
@@ -333,6 +340,69 @@ pub fn gram_bf16_with(
         let _ = (isa, b);
         false
     }
+}
+
+/// [`gram_bf16`] on AMX tiles: the left operand tiled straight from `a`'s columns, the right
+/// one packed slice by slice from `b`'s rows (no transposed copies).
+#[cfg(target_arch = "x86_64")]
+fn gram_amx(a: &[f32], b: Option<&[f32]>, t: usize, k: usize, t2: usize, out: &mut [f32]) -> bool {
+    use rayon::prelude::*;
+    let stray = |x: &[f32]| {
+        x.par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u32, |o, v| o | (v.to_bits() & 0xFFFF)))
+            .reduce(|| 0, |x, y| x | y)
+    };
+    if b.is_some_and(|b| stray(b) != 0) {
+        return false;
+    }
+    // SAFETY: the AMX tier implies AVX-512F.
+    let Some(tiled) = (unsafe { amx::TiledRows::from_columns(a, t, k) }) else {
+        return false;
+    };
+    let cols_of = b.unwrap_or(a);
+    let dst = ColumnsOut::new(out, k, k);
+    let slice = avx512::GEMM_SLICE;
+    let slices = k.div_ceil(slice);
+    // Each block of 32 rows (`a`'s tiles) is reused over a group of slices held in L2, small
+    // enough that the triangle's unequal groups still balance over the threads.
+    let balance = slices.div_ceil(4 * rayon::current_num_threads());
+    let group = amx::slices_per_group(t2).min(balance).max(1);
+    let per_slice = slice * t2;
+    // Largest jobs first: the upper triangle's slices grow with their column.
+    (0..slices.div_ceil(group))
+        .into_par_iter()
+        .rev()
+        .for_each_init(
+            || {
+                let packed = super::amx::Aligned::new(group * per_slice);
+                (packed, super::amx::Aligned::new(0))
+            },
+            |(packed, scratch), gi| {
+                let c0 = gi * group * slice;
+                let c = (k - c0).min(group * slice);
+                let used = c.div_ceil(slice);
+                for (i, p) in packed.chunks_exact_mut(per_slice).take(used).enumerate() {
+                    let s0 = c0 + i * slice;
+                    let sc = (c0 + c - s0).min(slice);
+                    // SAFETY: the AMX tier implies AVX-512F; columns s0… lie inside the rows.
+                    unsafe { avx512::pack_slice_of_rows(cols_of, t, k, (s0, sc), t2, p) };
+                }
+                let rows = if b.is_none() { 0..c0 + c } else { 0..k };
+                // SAFETY: the tier was checked by the caller; this job alone writes columns c0..c0 + c.
+                unsafe {
+                    amx::bf16_gemm_slices(
+                        &tiled,
+                        &packed[..used * per_slice],
+                        rows,
+                        c0,
+                        c,
+                        &dst,
+                        scratch,
+                    )
+                };
+            },
+        );
+    true
 }
 
 /// `x` (`[t, w]`) as bf16 bits transposed to `[w, t2]`, tokens `t..t2` zero, in one parallel pass;
@@ -622,6 +692,17 @@ mod tests {
                 let mut got = vec![f32::NAN; k * k];
                 assert!(!gram_bf16_with(isa, &a, Some(&f32_only), t, k, &mut got));
                 assert!(!gram_bf16_with(isa, &f32_only, None, t, k, &mut got));
+                // One such value alone, first or last, in either operand.
+                for at in [0, t * k - 1] {
+                    let mut one = a.clone();
+                    one[at] = f32::from_bits(one[at].to_bits() | 1);
+                    assert!(
+                        !gram_bf16_with(isa, &one, None, t, k, &mut got),
+                        "{t}×{k} at {at}"
+                    );
+                    assert!(!gram_bf16_with(isa, &a, Some(&one), t, k, &mut got));
+                    assert!(!gram_bf16_with(isa, &one, Some(&b), t, k, &mut got));
+                }
                 assert!(got.iter().all(|v| v.is_nan()));
             }
         }
