@@ -1389,6 +1389,29 @@ impl QuantizeError {
     }
 }
 
+/// A layer's state being written beside the next layer's solve.
+struct LayerSave<'scope> {
+    layer: usize,
+    handle: std::thread::ScopedJoinHandle<'scope, Result<(), QuantizeError>>,
+}
+
+/// Wait for the save in flight, if any (the wait counts as [`Phase::Save`]); once it has
+/// succeeded its layer counts as done.
+fn finish_save(
+    saving: &mut Option<LayerSave<'_>>,
+    phases: &mut Phases,
+    done: &mut Option<usize>,
+) -> Result<(), QuantizeError> {
+    let Some(save) = saving.take() else {
+        return Ok(());
+    };
+    phases
+        .time(Phase::Save, || save.handle.join())
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+    *done = Some(save.layer + 1);
+    Ok(())
+}
+
 /// Everything after the output is planned; `done` counts the layers whose state is saved.
 fn run(
     opts: &QuantizeOptions,
@@ -1518,45 +1541,67 @@ fn run(
     } else {
         Vec::new()
     };
-    for (li, mut layer) in all_layers.into_iter().enumerate().skip(first) {
-        let x_in = opts.block_tune.is_some().then(|| x.clone());
-        // A layer allocates its stages' activations (up to `rows` × 6656 f32) anew each time.
-        let heap = crate::resources::HeapReuse::new();
-        let (mut res, rep) = quantize_layer(
-            &model,
-            &mut layer,
-            li,
-            &mut x,
-            xf.as_deref_mut(),
-            &windows,
-            opts,
-            &bar,
-            &mut phases,
-        )?;
-        drop(heap);
-        if let (Some(bt), Some(mut x_in), Some(y)) = (&opts.block_tune, x_in, xf.as_deref()) {
-            let r = phases.time(Phase::BlockTune, || {
-                tune_layer(
-                    &model, &mut layer, li, &mut res, &mut x_in, y, &windows, bt, opts, &bar,
-                )
-            })?;
-            x = x_in;
-            res.tune = Some(r);
+    // Each layer's state is written for `--resume` while the next layer is solved. One save is
+    // in flight at a time, with its own copy of the streams (planned in `plan::MemoryPlan`);
+    // `done` advances only once a save has finished.
+    std::thread::scope(|scope| -> Result<(), QuantizeError> {
+        let mut saving: Option<LayerSave<'_>> = None;
+        let solved = (|| -> Result<(), QuantizeError> {
+            for (li, mut layer) in all_layers.into_iter().enumerate().skip(first) {
+                let x_in = opts.block_tune.is_some().then(|| x.clone());
+                // A layer allocates its stages' activations (up to `rows` × 6656 f32) anew each time.
+                let heap = crate::resources::HeapReuse::new();
+                let (mut res, rep) = quantize_layer(
+                    &model,
+                    &mut layer,
+                    li,
+                    &mut x,
+                    xf.as_deref_mut(),
+                    &windows,
+                    opts,
+                    &bar,
+                    &mut phases,
+                )?;
+                drop(heap);
+                if let (Some(bt), Some(mut x_in), Some(y)) = (&opts.block_tune, x_in, xf.as_deref())
+                {
+                    let r = phases.time(Phase::BlockTune, || {
+                        tune_layer(
+                            &model, &mut layer, li, &mut res, &mut x_in, y, &windows, bt, opts,
+                            &bar,
+                        )
+                    })?;
+                    x = x_in;
+                    res.tune = Some(r);
+                }
+                drop(layer);
+                finish_save(&mut saving, &mut phases, done)?;
+                let streams = phases.time(Phase::Save, || (x.clone(), xf.clone()));
+                tuned.extend(res.tune.clone());
+                let (out, settings, saved_rep) = (out, &settings, rep.clone());
+                saving = Some(LayerSave {
+                    layer: li,
+                    handle: scope.spawn(move || {
+                        let (xs, xfs) = streams;
+                        out.save_layer(li, &res, &saved_rep, &xs, xfs.as_deref(), settings)
+                    }),
+                });
+                reports.extend(rep);
+                bar.inc(1);
+                if opts.stop_after_layers == Some(li + 1) && li + 1 < layers {
+                    finish_save(&mut saving, &mut phases, done)?;
+                    bar.finish_and_clear();
+                    return Err(QuantizeError::Interrupted(li + 1));
+                }
+            }
+            finish_save(&mut saving, &mut phases, done)
+        })();
+        if solved.is_err() {
+            // The failure is reported; a save in flight still counts towards what is kept.
+            let _ = finish_save(&mut saving, &mut phases, done);
         }
-        drop(layer);
-        phases.time(Phase::Save, || {
-            out.save_layer(li, &res, &rep, &x, xf.as_deref(), &settings)
-        })?;
-        tuned.extend(res.tune.take());
-        drop(res);
-        *done = Some(li + 1);
-        reports.extend(rep);
-        bar.inc(1);
-        if opts.stop_after_layers == Some(li + 1) && li + 1 < layers {
-            bar.finish_and_clear();
-            return Err(QuantizeError::Interrupted(li + 1));
-        }
-    }
+        solved
+    })?;
     let model_tune_result = match (&opts.model_tune, xf.as_deref()) {
         (Some(mt), Some(teacher)) => Some(phases.time(Phase::ModelTune, || {
             tune_model(&model, out, &aux, teacher, &windows, mt, &bar)

@@ -70,6 +70,9 @@ impl MemoryPlan {
             activations +=
                 rows_u * f * (hidden + (hidden + q_dim + hidden).max(hidden + inter + hidden));
         }
+        // The previous layer's save for `--resume` runs beside the layer with its own copy of
+        // the stream(s).
+        activations += rows_u * hidden * f * if float_output { 2 } else { 1 };
         // Σxxᵀ in f64 with either the f32 factor and inverse or the f32 copy the error is
         // measured against beside U (16 bytes per entry). For W*, beside Σxxᵀ and the damped f32
         // factor: the f64 cross moment and its f32 copy for the linears of the narrow inputs, and
@@ -84,9 +87,9 @@ impl MemoryPlan {
             16 * k * k
         };
         // One chunk of calibration tokens in flight beside them (`hessian::CHUNK`): the Gram's
-        // operands as transposed bf16 bits (2 bytes per value) with, on AMX, the tiled copy of
-        // the first (2 more), and the cross moment's f32 difference x − x̃ (4), or the output
-        // moment's transposed f32 output.
+        // operands as transposed bf16 bits (2 bytes per value; on AMX only the first, tiled),
+        // and the cross moment's f32 difference x − x̃ (4), or the output moment's transposed
+        // f32 output.
         let chunk = rows.min(crate::quant::hessian::CHUNK) as u128;
         let hessian = hessian
             + chunk
