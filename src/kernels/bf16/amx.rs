@@ -100,10 +100,14 @@ impl TiledRows {
     }
 }
 
+/// Tile steps of one pass of [`bf16_gemm_slices`] over the rows (2048 inputs): a longer
+/// reduction goes in passes, so the group's slices for one pass fit L2 however long k is.
+const PASS_STEPS: usize = 64;
+
 /// Slices per call of [`bf16_gemm_slices`] for a reduction of `k`: as many as keep their packed
-/// weights (64·k bytes each) within 1 MiB of L2, at most 8.
+/// weights for one pass (64·min(k, 2048) bytes each) within 1 MiB of L2, at most 8.
 pub(super) fn slices_per_group(k: usize) -> usize {
-    ((1 << 20) / (64 * k.max(1))).clamp(1, 8)
+    ((1 << 20) / (64 * k.clamp(1, PASS_STEPS * DEPTH))).clamp(1, 8)
 }
 
 /// `y[r, c0..c0 + cols] = x[r] · slices` for rows `rows` of `a` (starting at a 32-row block):
@@ -114,7 +118,9 @@ pub(super) fn slices_per_group(k: usize) -> usize {
 /// Loops: 32-row blocks (outer), then the slices, each accumulating over all of k in tiles:
 /// the row block's activations stay in L2 while every slice of the group passes over them, and
 /// the group's weights stay in L2 from one row block to the next. (Reloading the accumulators
-/// per k-chunk of 8 or 32 steps, to keep a chunk in L1, measured no faster.)
+/// per k-chunk of 8 or 32 steps, to keep a chunk in L1, measured no faster.) Whole 32 × 32 blocks
+/// are stored straight to `out`; a reduction longer than [`PASS_STEPS`] over whole blocks goes in
+/// [`passes`].
 ///
 /// # Safety
 /// The CPU has AMX-BF16 and the OS granted this process tile state
@@ -146,6 +152,13 @@ pub(super) unsafe fn bf16_gemm_slices(
     }
     // SAFETY: the caller checked AMX and the grant.
     unsafe { amx::configure() };
+    if steps > PASS_STEPS && rows.len().is_multiple_of(ROWS) && cols == group * GEMM_SLICE {
+        // SAFETY: as this function's; every block is whole.
+        unsafe { passes(a, slices, rows, c0, group, out) };
+        // SAFETY: releases the tile state configured above.
+        unsafe { amx::release() };
+        return;
+    }
     for r0 in rows.clone().step_by(ROWS) {
         let rb = r0 / 16;
         // Rows r0..r0 + 32 are computed (padding included); these are kept.
@@ -227,4 +240,104 @@ pub(super) unsafe fn bf16_gemm_slices(
     }
     // SAFETY: releases the tile state this function configured.
     unsafe { amx::release() };
+}
+
+/// [`bf16_gemm_slices`] for a long reduction whose blocks are all whole (32 rows by the group's
+/// 32-column slices): the reduction in passes of [`PASS_STEPS`], each over every row block, the
+/// accumulators kept in the output between passes (stored and reloaded exactly, so the sums are
+/// those of one pass). One pass's slices stay in L2 for all the rows, where whole slices of a long
+/// reduction (426 KiB each at k = 6656) would let only two share L2 and the rows be read again
+/// for every two.
+///
+/// # Safety
+/// As [`bf16_gemm_slices`], with tiles configured; rows `rows` and columns `c0…c0 + 32·group` are
+/// whole blocks inside `out`.
+#[target_feature(enable = "avx512f")]
+unsafe fn passes(
+    a: &TiledRows,
+    slices: &[u16],
+    rows: Range<usize>,
+    c0: usize,
+    group: usize,
+    out: &ColumnsOut,
+) {
+    let (steps, k) = (a.steps, a.steps * DEPTH);
+    let (per_slice, half) = (GEMM_SLICE * k, k / 2);
+    let stride = 4 * out.cols();
+    for s0 in (0..steps).step_by(PASS_STEPS) {
+        let s1 = (s0 + PASS_STEPS).min(steps);
+        for r0 in rows.clone().step_by(ROWS) {
+            let rb = r0 / 16;
+            for (si, slice) in slices.chunks_exact(per_slice).take(group).enumerate() {
+                let c = c0 + si * GEMM_SLICE;
+                // SAFETY: the block (rows r0…r0 + 32, columns c…c + 32) lies inside `out` and
+                // belongs to this job.
+                let p = unsafe {
+                    [
+                        out.ptr_at(r0, c),
+                        out.ptr_at(r0, c + 16),
+                        out.ptr_at(r0 + 16, c),
+                        out.ptr_at(r0 + 16, c + 16),
+                    ]
+                };
+                // SAFETY: tiles 0–3 are configured; the first pass wrote the block the later
+                // ones reload.
+                unsafe {
+                    if s0 == 0 {
+                        amx::zero_accumulators();
+                    } else {
+                        asm!(
+                            "tileloadd tmm0, [{p0} + {s} * 1]",
+                            "tileloadd tmm1, [{p1} + {s} * 1]",
+                            "tileloadd tmm2, [{p2} + {s} * 1]",
+                            "tileloadd tmm3, [{p3} + {s} * 1]",
+                            p0 = in(reg) p[0],
+                            p1 = in(reg) p[1],
+                            p2 = in(reg) p[2],
+                            p3 = in(reg) p[3],
+                            s = in(reg) stride,
+                            options(nostack, readonly)
+                        );
+                    }
+                }
+                for st in s0..s1 {
+                    // SAFETY: as in `bf16_gemm_slices`.
+                    unsafe {
+                        let b0 = slice.as_ptr().add(16 * st * 32);
+                        asm!(
+                            "tileloadd tmm4, [{a0} + {s} * 1]",
+                            "tileloadd tmm6, [{b0} + {s} * 1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tileloadd tmm7, [{b1} + {s} * 1]",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tileloadd tmm5, [{a1} + {s} * 1]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            a0 = in(reg) a.tile(rb, st),
+                            a1 = in(reg) a.tile(rb + 1, st),
+                            b0 = in(reg) b0,
+                            b1 = in(reg) b0.add(half * 32),
+                            s = in(reg) 64usize,
+                            options(nostack, readonly)
+                        );
+                    }
+                }
+                // SAFETY: as the load above.
+                unsafe {
+                    asm!(
+                        "tilestored [{p0} + {s} * 1], tmm0",
+                        "tilestored [{p1} + {s} * 1], tmm1",
+                        "tilestored [{p2} + {s} * 1], tmm2",
+                        "tilestored [{p3} + {s} * 1], tmm3",
+                        p0 = in(reg) p[0],
+                        p1 = in(reg) p[1],
+                        p2 = in(reg) p[2],
+                        p3 = in(reg) p[3],
+                        s = in(reg) stride,
+                        options(nostack)
+                    );
+                }
+            }
+        }
+    }
 }

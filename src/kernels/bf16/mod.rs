@@ -532,6 +532,28 @@ mod tests {
     use crate::kernels::test_util::assert_close_sum_order;
     use rand::{Rng, SeedableRng};
 
+    /// Rows are independent: a row's bits do not depend on how many rows share the call, so the
+    /// tile kernel's passes over a long reduction (whole blocks only) give the bits of its one
+    /// pass (taken when the last block is partial).
+    #[test]
+    fn a_long_reduction_in_passes_gives_the_bits_of_one_pass() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+        let (k, n) = (6656, 64);
+        let x: Vec<f32> = (0..65 * k)
+            .map(|_| half::bf16::from_f32(rng.random::<f32>() * 2.0 - 1.0).to_f32())
+            .collect();
+        let w: Vec<u16> = (0..n * k)
+            .map(|_| half::bf16::from_f32(rng.random::<f32>() * 2.0 - 1.0).to_bits())
+            .collect();
+        for isa in Isa::tested() {
+            let (mut whole, mut partial) = (vec![0f32; 64 * n], vec![0f32; 65 * n]);
+            matmul_nt_with(isa, &x[..64 * k], 64, k, &w, n, &mut whole);
+            matmul_nt_with(isa, &x, 65, k, &w, n, &mut partial);
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&whole), bits(&partial[..64 * n]), "{isa:?}");
+        }
+    }
+
     #[test]
     fn every_tier_matches_the_reference_on_odd_shapes() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
@@ -552,6 +574,8 @@ mod tests {
             (64, 2048, 40),
             (96, 320, 65),
             (70, 6656, 17),
+            // Whole blocks over a reduction of three tile passes, the last one partial.
+            (64, 4160, 64),
             // Several row blocks of the row-blocked slice kernel, jobs of two slices.
             (200, 1024, 300),
         ] {
