@@ -230,6 +230,11 @@ impl ColumnsOut {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r * self.cols + c.start), c.len()) }
     }
 
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
     /// Elements per row.
     pub fn cols(&self) -> usize {
         self.cols

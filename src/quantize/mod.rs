@@ -1596,11 +1596,14 @@ fn run(
             }
             finish_save(&mut saving, &mut phases, done)
         })();
-        if solved.is_err() {
-            // The failure is reported; a save in flight still counts towards what is kept.
-            let _ = finish_save(&mut saving, &mut phases, done);
+        match solved {
+            // A save in flight still counts towards what is kept; if it failed, its failure came
+            // first and is the one reported (as it was when saves ran in line).
+            Err(e) => Err(finish_save(&mut saving, &mut phases, done)
+                .err()
+                .unwrap_or(e)),
+            ok => ok,
         }
-        solved
     })?;
     let model_tune_result = match (&opts.model_tune, xf.as_deref()) {
         (Some(mt), Some(teacher)) => Some(phases.time(Phase::ModelTune, || {

@@ -521,11 +521,31 @@ impl Output {
         // The residual stream after layer `li`, under its own name: state.json, written last, is
         // the one commit point, so a kill between the files never pairs a count with another
         // layer's stream.
-        let mut streams = vec![OwnedTensor::f32("x", vec![x.len()], x)];
+        // Written from the streams in 1 MiB pieces: no second whole copy of each in bytes.
+        let mut streams = vec![("x", x)];
         if let Some(xf) = x_float {
-            streams.push(OwnedTensor::f32("x_float", vec![xf.len()], xf));
+            streams.push(("x_float", xf));
         }
-        write_safetensors_atomic(&self.x_path(li + 1), &streams, None)?;
+        let specs = streams
+            .iter()
+            .map(|(name, v)| TensorSpec {
+                name: name.to_string(),
+                dtype: Dtype::F32,
+                shape: vec![v.len()],
+            })
+            .collect();
+        let path = self.x_path(li + 1);
+        write_safetensors_streamed(&path, specs, None, |spec, w| {
+            let (_, v) = streams
+                .iter()
+                .find(|(name, _)| *name == spec.name)
+                .expect("a spec per stream");
+            for piece in v.chunks(1 << 18) {
+                let bytes: Vec<u8> = piece.iter().flat_map(|v| v.to_le_bytes()).collect();
+                w.write_all(&bytes).map_err(io_err(&path))?;
+            }
+            Ok::<(), QuantizeError>(())
+        })?;
         self.commit_layer(li, r, reports, settings)
     }
 

@@ -119,6 +119,9 @@ impl MemoryPlan {
             // W·C and its solve beside one linear's W*.
             weights += linear * 2 * f;
         }
+        // The previous layer's codes and scales, and its save's copy of them, while that save
+        // runs beside this layer (a byte per weight, scales at most 1/8 byte per weight).
+        weights += layer * 9 / 4;
         if quantize_head {
             let vocab = cfg.vocab_size as u128;
             let chunk = vocab.min(HEAD_ROWS as u128) * hidden;

@@ -113,14 +113,11 @@ pub(super) fn slices_per_group(k: usize) -> usize {
 /// `y[r, c0..c0 + cols] = x[r] · slices` for rows `rows` of `a` (starting at a 32-row block):
 /// `slices` holds consecutive packed slices
 /// ([`pack_bf16_slice`](super::avx512::pack_bf16_slice)), the first for columns `c0…`; `acc`
-/// is the job's scratch the accumulator tiles are stored to.
+/// is the job's scratch the accumulator tiles of partial blocks are stored to.
 ///
-/// Loops: 32-row blocks (outer), then the slices, each accumulating over all of k in tiles:
-/// the row block's activations stay in L2 while every slice of the group passes over them, and
-/// the group's weights stay in L2 from one row block to the next. (Reloading the accumulators
-/// per k-chunk of 8 or 32 steps, to keep a chunk in L1, measured no faster.) Whole 32 × 32 blocks
-/// are stored straight to `out`; a reduction longer than [`PASS_STEPS`] over whole blocks goes in
-/// [`passes`].
+/// A reduction longer than [`PASS_STEPS`] goes in [`passes`] over the whole 32 × 32 blocks, the
+/// last partial row block and partial slice in [`one_pass`]. Rows and columns are independent,
+/// so which loop computes a block does not change its bits.
 ///
 /// # Safety
 /// The CPU has AMX-BF16 and the OS granted this process tile state
@@ -136,28 +133,79 @@ pub(super) unsafe fn bf16_gemm_slices(
     out: &ColumnsOut,
     acc: &mut Aligned<f32>,
 ) {
-    let (steps, k) = (a.steps, a.steps * DEPTH);
-    let per_slice = GEMM_SLICE * k;
+    let per_slice = GEMM_SLICE * a.steps * DEPTH;
     assert!(slices.len().is_multiple_of(per_slice));
     let group = slices.len() / per_slice;
     assert!(cols <= group * GEMM_SLICE);
     assert!(rows.start.is_multiple_of(ROWS) && rows.end <= a.rows);
-    if rows.is_empty() || group == 0 {
+    // Every tile store and load below stays inside `out`.
+    assert!(rows.end <= out.rows() && c0 + cols <= out.cols());
+    if rows.is_empty() || cols == 0 {
         return;
     }
+    // SAFETY: the caller checked AMX and the grant.
+    unsafe { amx::configure() };
+    if a.steps > PASS_STEPS {
+        let whole_rows = rows.start..rows.start + rows.len() / ROWS * ROWS;
+        let whole = cols / GEMM_SLICE;
+        let head = &slices[..whole * per_slice];
+        // SAFETY: as this function's, tiles configured; the blocks handed on lie inside the
+        // job's rows and columns, whole for `passes`.
+        unsafe {
+            if whole > 0 && !whole_rows.is_empty() {
+                passes(a, head, whole_rows.clone(), c0, whole, out);
+            }
+            if whole > 0 && whole_rows.end < rows.end {
+                one_pass(
+                    a,
+                    head,
+                    whole_rows.end..rows.end,
+                    c0,
+                    whole * GEMM_SLICE,
+                    out,
+                    acc,
+                );
+            }
+            if whole * GEMM_SLICE < cols {
+                let tail = &slices[whole * per_slice..(whole + 1) * per_slice];
+                let (c, n) = (c0 + whole * GEMM_SLICE, cols - whole * GEMM_SLICE);
+                one_pass(a, tail, rows, c, n, out, acc);
+            }
+        }
+    } else {
+        // SAFETY: as above.
+        unsafe { one_pass(a, slices, rows, c0, cols, out, acc) };
+    }
+    // SAFETY: releases the tile state configured above.
+    unsafe { amx::release() };
+}
+
+/// [`bf16_gemm_slices`] with the whole reduction per block. Loops: 32-row blocks (outer), then
+/// the slices, each accumulating over all of k in tiles: the row block's activations stay in L2
+/// while every slice of the group passes over them, and the group's weights stay in L2 from one
+/// row block to the next. (Reloading the accumulators per k-chunk of 8 or 32 steps, to keep a
+/// chunk in L1, measured no faster.) Whole 32 × 32 blocks are stored straight to `out`.
+///
+/// # Safety
+/// As [`bf16_gemm_slices`], with tiles configured and the arguments checked there.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn one_pass(
+    a: &TiledRows,
+    slices: &[u16],
+    rows: Range<usize>,
+    c0: usize,
+    cols: usize,
+    out: &ColumnsOut,
+    acc: &mut Aligned<f32>,
+) {
+    let (steps, k) = (a.steps, a.steps * DEPTH);
+    let per_slice = GEMM_SLICE * k;
+    let group = slices.len() / per_slice;
     let half = k / 2;
     // Per slice four 16 × 16 f32 tiles, rows 64 bytes apart.
     if acc.len() < group * 1024 {
         *acc = Aligned::new(group * 1024);
-    }
-    // SAFETY: the caller checked AMX and the grant.
-    unsafe { amx::configure() };
-    if steps > PASS_STEPS && rows.len().is_multiple_of(ROWS) && cols == group * GEMM_SLICE {
-        // SAFETY: as this function's; every block is whole.
-        unsafe { passes(a, slices, rows, c0, group, out) };
-        // SAFETY: releases the tile state configured above.
-        unsafe { amx::release() };
-        return;
     }
     for r0 in rows.clone().step_by(ROWS) {
         let rb = r0 / 16;
@@ -238,15 +286,13 @@ pub(super) unsafe fn bf16_gemm_slices(
             }
         }
     }
-    // SAFETY: releases the tile state this function configured.
-    unsafe { amx::release() };
 }
 
 /// [`bf16_gemm_slices`] for a long reduction whose blocks are all whole (32 rows by the group's
 /// 32-column slices): the reduction in passes of [`PASS_STEPS`], each over every row block, the
 /// accumulators kept in the output between passes (stored and reloaded exactly, so the sums are
 /// those of one pass). One pass's slices stay in L2 for all the rows, where whole slices of a long
-/// reduction (426 KiB each at k = 6656) would let only two share L2 and the rows be read again
+/// reduction (416 KiB each at k = 6656) would let only two share L2 and the rows be read again
 /// for every two.
 ///
 /// # Safety

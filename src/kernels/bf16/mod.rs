@@ -276,47 +276,38 @@ pub fn gram_bf16_with(
             None => None,
         };
         let cols_of = bt.as_deref().unwrap_or(&at);
-        let tiled = tiled_rows(isa, &at, k, t2);
         let dst = ColumnsOut::new(out, k, k);
         let slices = k.div_ceil(avx512::GEMM_SLICE);
-        // Both kernels reuse each block of activation rows over a group of slices (the tiles
-        // otherwise stream all k rows from memory for every 32 columns), small enough that the
-        // triangle's unequal groups still balance over the threads.
+        // The row-blocked kernel reuses each block of rows over a group of slices, small enough
+        // that the triangle's unequal groups still balance over the threads.
         let balance = slices.div_ceil(4 * rayon::current_num_threads());
-        let group = if tiled.is_some() {
-            amx::slices_per_group(t2)
-        } else {
-            avx512::slices_per_group(t2)
-        }
-        .min(balance)
-        .max(1);
-        let groups = slices.div_ceil(group);
+        let group = avx512::slices_per_group(t2).min(balance).max(1);
         let per_slice = avx512::GEMM_SLICE * t2;
         // Largest jobs first: the upper triangle's slices grow with their column.
-        (0..groups).into_par_iter().rev().for_each_init(
-            || {
-                let packed = super::amx::Aligned::new(group * per_slice);
-                (packed, super::amx::Aligned::new(0))
-            },
-            |(packed, scratch), gi| {
-                let c0 = gi * group * avx512::GEMM_SLICE;
-                let c = (k - c0).min(group * avx512::GEMM_SLICE);
-                for (i, dst) in packed.chunks_exact_mut(per_slice).enumerate() {
-                    let s0 = c0 + i * avx512::GEMM_SLICE;
-                    let sc = (c0 + c).saturating_sub(s0).min(avx512::GEMM_SLICE);
-                    if sc > 0 {
-                        // SAFETY: the tier was checked above.
-                        unsafe {
-                            avx512::pack_bf16_slice(&cols_of[s0 * t2..(s0 + sc) * t2], sc, t2, dst)
-                        };
+        (0..slices.div_ceil(group))
+            .into_par_iter()
+            .rev()
+            .for_each_init(
+                || super::amx::Aligned::new(group * per_slice),
+                |packed, gi| {
+                    let c0 = gi * group * avx512::GEMM_SLICE;
+                    let c = (k - c0).min(group * avx512::GEMM_SLICE);
+                    for (i, dst) in packed.chunks_exact_mut(per_slice).enumerate() {
+                        let s0 = c0 + i * avx512::GEMM_SLICE;
+                        let sc = (c0 + c).saturating_sub(s0).min(avx512::GEMM_SLICE);
+                        if sc > 0 {
+                            // SAFETY: the tier was checked above.
+                            unsafe {
+                                avx512::pack_bf16_slice(
+                                    &cols_of[s0 * t2..(s0 + sc) * t2],
+                                    sc,
+                                    t2,
+                                    dst,
+                                )
+                            };
+                        }
                     }
-                }
-                let packed = &packed[..c.div_ceil(avx512::GEMM_SLICE) * per_slice];
-                if let Some(t) = tiled.as_ref() {
-                    let rows = if b.is_none() { 0..c0 + c } else { 0..k };
-                    // SAFETY: the tier was checked above; this job alone writes columns c0..c0 + c.
-                    unsafe { gemm_slices(Some(t), &at, t2, packed, rows, c0, c, &dst, scratch) };
-                } else {
+                    let packed = &packed[..c.div_ceil(avx512::GEMM_SLICE) * per_slice];
                     // Slice i of the group ends its rows at the diagonal when only the upper
                     // triangle is asked for.
                     let row_end = |i: usize| {
@@ -326,13 +317,12 @@ pub fn gram_bf16_with(
                             k
                         }
                     };
-                    // SAFETY: as above.
+                    // SAFETY: as above; this job alone writes columns c0..c0 + c.
                     unsafe {
                         avx512::bf16_gemm_slices(&at, t2, packed, 0..k, c0, c, &row_end, &dst)
                     };
-                }
-            },
-        );
+                },
+            );
         true
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -532,25 +522,35 @@ mod tests {
     use crate::kernels::test_util::assert_close_sum_order;
     use rand::{Rng, SeedableRng};
 
-    /// Rows are independent: a row's bits do not depend on how many rows share the call, so the
-    /// tile kernel's passes over a long reduction (whole blocks only) give the bits of its one
-    /// pass (taken when the last block is partial).
+    /// Rows and columns are independent: an output's bits do not depend on how many rows or
+    /// columns share the call, so the tile kernel's passes over a long reduction (whole 32 × 32
+    /// blocks) give the bits of its one-pass loop (the last partial row block and slice).
     #[test]
     fn a_long_reduction_in_passes_gives_the_bits_of_one_pass() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
-        let (k, n) = (6656, 64);
-        let x: Vec<f32> = (0..65 * k)
+        let k = 6656;
+        let x: Vec<f32> = (0..96 * k)
             .map(|_| half::bf16::from_f32(rng.random::<f32>() * 2.0 - 1.0).to_f32())
             .collect();
-        let w: Vec<u16> = (0..n * k)
+        let w: Vec<u16> = (0..64 * k)
             .map(|_| half::bf16::from_f32(rng.random::<f32>() * 2.0 - 1.0).to_bits())
             .collect();
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for isa in Isa::tested() {
-            let (mut whole, mut partial) = (vec![0f32; 64 * n], vec![0f32; 65 * n]);
-            matmul_nt_with(isa, &x[..64 * k], 64, k, &w, n, &mut whole);
-            matmul_nt_with(isa, &x, 65, k, &w, n, &mut partial);
-            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&whole), bits(&partial[..64 * n]), "{isa:?}");
+            // Row 64: in a whole block of 96 rows, in the partial block of 65.
+            let (mut all, mut partial) = (vec![0f32; 96 * 64], vec![0f32; 65 * 64]);
+            matmul_nt_with(isa, &x, 96, k, &w, 64, &mut all);
+            matmul_nt_with(isa, &x[..65 * k], 65, k, &w, 64, &mut partial);
+            assert_eq!(bits(&all[..65 * 64]), bits(&partial), "{isa:?} rows");
+            // Column 32: in a whole slice of 64 columns, in the partial slice of 33 (the slice
+            // kernels; the portable panels' f32 GEMM blocks by the column count).
+            if isa < Isa::Avx512Bf16 {
+                continue;
+            }
+            let mut narrow = vec![0f32; 96 * 33];
+            matmul_nt_with(isa, &x, 96, k, &w[..33 * k], 33, &mut narrow);
+            let wide: Vec<f32> = all.chunks(64).flat_map(|r| r[..33].to_vec()).collect();
+            assert_eq!(bits(&wide), bits(&narrow), "{isa:?} columns");
         }
     }
 
@@ -671,6 +671,8 @@ mod tests {
             (300, 97),
             (40, 130),
             (4100, 330),
+            // Whole blocks over a reduction of more than one tile pass (t2 = 4128).
+            (4100, 320),
         ] {
             let a = activations(&mut rng, t, k);
             let b = activations(&mut rng, t, k);
