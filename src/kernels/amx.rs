@@ -112,3 +112,49 @@ pub(super) unsafe fn store_accumulators(c: *mut u8) {
         )
     };
 }
+
+/// Stores accumulator tile t (0–3) at `p[t]`, its 16 rows `stride` bytes apart.
+///
+/// # Safety
+/// Tiles configured by [`configure`]; each `p[t]` is valid for 16 rows of 64 bytes at `stride`.
+#[inline(always)]
+pub(super) unsafe fn store_accumulators_at(p: [*mut u8; 4], stride: usize) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        asm!(
+            "tilestored [{p0} + {s} * 1], tmm0",
+            "tilestored [{p1} + {s} * 1], tmm1",
+            "tilestored [{p2} + {s} * 1], tmm2",
+            "tilestored [{p3} + {s} * 1], tmm3",
+            p0 = in(reg) p[0],
+            p1 = in(reg) p[1],
+            p2 = in(reg) p[2],
+            p3 = in(reg) p[3],
+            s = in(reg) stride,
+            options(nostack)
+        )
+    };
+}
+
+/// Loads accumulator tile t (0–3) from `p[t]`, its 16 rows `stride` bytes apart.
+///
+/// # Safety
+/// As [`store_accumulators_at`], for reads.
+#[inline(always)]
+pub(super) unsafe fn load_accumulators_at(p: [*const u8; 4], stride: usize) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        asm!(
+            "tileloadd tmm0, [{p0} + {s} * 1]",
+            "tileloadd tmm1, [{p1} + {s} * 1]",
+            "tileloadd tmm2, [{p2} + {s} * 1]",
+            "tileloadd tmm3, [{p3} + {s} * 1]",
+            p0 = in(reg) p[0],
+            p1 = in(reg) p[1],
+            p2 = in(reg) p[2],
+            p3 = in(reg) p[3],
+            s = in(reg) stride,
+            options(nostack, readonly)
+        )
+    };
+}

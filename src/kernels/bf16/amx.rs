@@ -202,7 +202,6 @@ unsafe fn one_pass(
     let (steps, k) = (a.steps, a.steps * DEPTH);
     let per_slice = GEMM_SLICE * k;
     let group = slices.len() / per_slice;
-    let half = k / 2;
     // Per slice four 16 × 16 f32 tiles, rows 64 bytes apart.
     if acc.len() < group * 1024 {
         *acc = Aligned::new(group * 1024);
@@ -214,48 +213,15 @@ unsafe fn one_pass(
         for (si, slice) in slices.chunks_exact(per_slice).enumerate() {
             // SAFETY: tiles 0–3 are configured.
             unsafe { amx::zero_accumulators() };
-            for st in 0..steps {
-                // SAFETY: row blocks rb, rb + 1 (padded) and step st < steps: tiles of `a`; B
-                // tiles are slice rows (pairs) 16·st… of each 16-column half, 64 bytes apart,
-                // inside the slice.
-                unsafe {
-                    let b0 = slice.as_ptr().add(16 * st * 32);
-                    asm!(
-                        "tileloadd tmm4, [{a0} + {s} * 1]",
-                        "tileloadd tmm6, [{b0} + {s} * 1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tileloadd tmm7, [{b1} + {s} * 1]",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tileloadd tmm5, [{a1} + {s} * 1]",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        a0 = in(reg) a.tile(rb, st),
-                        a1 = in(reg) a.tile(rb + 1, st),
-                        b0 = in(reg) b0,
-                        b1 = in(reg) b0.add(half * 32),
-                        s = in(reg) 64usize,
-                        options(nostack, readonly)
-                    );
-                }
-            }
+            // SAFETY: tiles configured; row blocks rb, rb + 1 (padded) of `a`, all its steps.
+            unsafe { block_steps(a, rb, slice, 0..steps) };
             if kept == ROWS && (si + 1) * GEMM_SLICE <= cols {
                 // A whole 32 × 32 block: the tiles go straight to the output.
                 // SAFETY: rows r0..r0 + 32 and columns c0 + 32·si… (32 of them) lie inside `out`
                 // and belong to this job; tiles 0–3 are configured.
                 unsafe {
                     let c = c0 + si * GEMM_SLICE;
-                    asm!(
-                        "tilestored [{p0} + {s} * 1], tmm0",
-                        "tilestored [{p1} + {s} * 1], tmm1",
-                        "tilestored [{p2} + {s} * 1], tmm2",
-                        "tilestored [{p3} + {s} * 1], tmm3",
-                        p0 = in(reg) out.ptr_at(r0, c),
-                        p1 = in(reg) out.ptr_at(r0, c + 16),
-                        p2 = in(reg) out.ptr_at(r0 + 16, c),
-                        p3 = in(reg) out.ptr_at(r0 + 16, c + 16),
-                        s = in(reg) 4 * out.cols(),
-                        options(nostack)
-                    );
+                    amx::store_accumulators_at(block_at(out, r0, c), 4 * out.cols());
                 }
                 continue;
             }
@@ -308,7 +274,7 @@ unsafe fn passes(
     out: &ColumnsOut,
 ) {
     let (steps, k) = (a.steps, a.steps * DEPTH);
-    let (per_slice, half) = (GEMM_SLICE * k, k / 2);
+    let per_slice = GEMM_SLICE * k;
     let stride = 4 * out.cols();
     for s0 in (0..steps).step_by(PASS_STEPS) {
         let s1 = (s0 + PASS_STEPS).min(steps);
@@ -318,72 +284,73 @@ unsafe fn passes(
                 let c = c0 + si * GEMM_SLICE;
                 // SAFETY: the block (rows r0…r0 + 32, columns c…c + 32) lies inside `out` and
                 // belongs to this job.
-                let p = unsafe {
-                    [
-                        out.ptr_at(r0, c),
-                        out.ptr_at(r0, c + 16),
-                        out.ptr_at(r0 + 16, c),
-                        out.ptr_at(r0 + 16, c + 16),
-                    ]
-                };
+                let p = unsafe { block_at(out, r0, c) };
                 // SAFETY: tiles 0–3 are configured; the first pass wrote the block the later
-                // ones reload.
+                // ones reload; row blocks rb, rb + 1 and steps s0..s1 lie inside `a`.
                 unsafe {
                     if s0 == 0 {
                         amx::zero_accumulators();
                     } else {
-                        asm!(
-                            "tileloadd tmm0, [{p0} + {s} * 1]",
-                            "tileloadd tmm1, [{p1} + {s} * 1]",
-                            "tileloadd tmm2, [{p2} + {s} * 1]",
-                            "tileloadd tmm3, [{p3} + {s} * 1]",
-                            p0 = in(reg) p[0],
-                            p1 = in(reg) p[1],
-                            p2 = in(reg) p[2],
-                            p3 = in(reg) p[3],
-                            s = in(reg) stride,
-                            options(nostack, readonly)
-                        );
+                        amx::load_accumulators_at(p.map(|p| p as *const u8), stride);
                     }
-                }
-                for st in s0..s1 {
-                    // SAFETY: as in `bf16_gemm_slices`.
-                    unsafe {
-                        let b0 = slice.as_ptr().add(16 * st * 32);
-                        asm!(
-                            "tileloadd tmm4, [{a0} + {s} * 1]",
-                            "tileloadd tmm6, [{b0} + {s} * 1]",
-                            "tdpbf16ps tmm0, tmm4, tmm6",
-                            "tileloadd tmm7, [{b1} + {s} * 1]",
-                            "tdpbf16ps tmm1, tmm4, tmm7",
-                            "tileloadd tmm5, [{a1} + {s} * 1]",
-                            "tdpbf16ps tmm2, tmm5, tmm6",
-                            "tdpbf16ps tmm3, tmm5, tmm7",
-                            a0 = in(reg) a.tile(rb, st),
-                            a1 = in(reg) a.tile(rb + 1, st),
-                            b0 = in(reg) b0,
-                            b1 = in(reg) b0.add(half * 32),
-                            s = in(reg) 64usize,
-                            options(nostack, readonly)
-                        );
-                    }
-                }
-                // SAFETY: as the load above.
-                unsafe {
-                    asm!(
-                        "tilestored [{p0} + {s} * 1], tmm0",
-                        "tilestored [{p1} + {s} * 1], tmm1",
-                        "tilestored [{p2} + {s} * 1], tmm2",
-                        "tilestored [{p3} + {s} * 1], tmm3",
-                        p0 = in(reg) p[0],
-                        p1 = in(reg) p[1],
-                        p2 = in(reg) p[2],
-                        p3 = in(reg) p[3],
-                        s = in(reg) stride,
-                        options(nostack)
-                    );
+                    block_steps(a, rb, slice, s0..s1);
+                    amx::store_accumulators_at(p, stride);
                 }
             }
+        }
+    }
+}
+
+/// The four tiles' places in `out` of the 32 × 32 block at (r0, c): rows 0–15 / 16–31 by columns
+/// 0–15 / 16–31, in accumulator order (tile 2·h + j).
+///
+/// # Safety
+/// The block lies inside `out` and belongs to the caller's job.
+#[inline(always)]
+unsafe fn block_at(out: &ColumnsOut, r0: usize, c: usize) -> [*mut u8; 4] {
+    // SAFETY: the caller's promise.
+    unsafe {
+        [
+            out.ptr_at(r0, c),
+            out.ptr_at(r0, c + 16),
+            out.ptr_at(r0 + 16, c),
+            out.ptr_at(r0 + 16, c + 16),
+        ]
+        .map(|p| p as *mut u8)
+    }
+}
+
+/// Tile steps `steps` of one 2 × 2 step block into tiles 0–3: row blocks `rb`, `rb + 1` of `a`
+/// (tiles 4–5) by the two 16-column halves of `slice` (tiles 6–7), 32 inputs a step.
+///
+/// # Safety
+/// Tiles configured ([`amx::configure`]); row blocks `rb`, `rb + 1` (padding included) and the
+/// steps lie inside `a`; `slice` is one whole packed slice of `a`'s depth.
+#[inline(always)]
+unsafe fn block_steps(a: &TiledRows, rb: usize, slice: &[u16], steps: Range<usize>) {
+    let half = a.steps * DEPTH / 2;
+    debug_assert!(slice.len() == GEMM_SLICE * 2 * half && steps.end <= a.steps);
+    for st in steps {
+        // SAFETY: the caller's promise: B tiles are slice rows (pairs) 16·st… of each 16-column
+        // half, 64 bytes apart, inside the slice.
+        unsafe {
+            let b0 = slice.as_ptr().add(16 * st * 32);
+            asm!(
+                "tileloadd tmm4, [{a0} + {s} * 1]",
+                "tileloadd tmm6, [{b0} + {s} * 1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{b1} + {s} * 1]",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a1} + {s} * 1]",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                a0 = in(reg) a.tile(rb, st),
+                a1 = in(reg) a.tile(rb + 1, st),
+                b0 = in(reg) b0,
+                b1 = in(reg) b0.add(half * 32),
+                s = in(reg) 64usize,
+                options(nostack, readonly)
+            );
         }
     }
 }
