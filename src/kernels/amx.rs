@@ -99,18 +99,8 @@ pub(super) unsafe fn zero_accumulators() {
 /// Tiles configured by [`configure`]; `c` is valid for 4 KiB of writes.
 #[inline(always)]
 pub(super) unsafe fn store_accumulators(c: *mut u8) {
-    // SAFETY: the caller's promise.
-    unsafe {
-        asm!(
-            "tilestored [{c} + {s} * 1 + 0], tmm0",
-            "tilestored [{c} + {s} * 1 + 1024], tmm1",
-            "tilestored [{c} + {s} * 1 + 2048], tmm2",
-            "tilestored [{c} + {s} * 1 + 3072], tmm3",
-            c = in(reg) c,
-            s = in(reg) 64usize,
-            options(nostack)
-        )
-    };
+    // SAFETY: the caller's promise: tile t lies at c + 1024·t, rows 64 bytes apart.
+    unsafe { store_accumulators_at([0, 1, 2, 3].map(|t| c.add(1024 * t)), 64) };
 }
 
 /// Stores accumulator tile t (0–3) at `p[t]`, its 16 rows `stride` bytes apart.

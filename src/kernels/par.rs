@@ -45,8 +45,9 @@ pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
 /// Run `f` (one step of a forward with few rows) on a pool worker, with the other workers
 /// joined in a team for its fan-outs: between fan-outs they spin (then yield), where idle
 /// rayon workers fall asleep after some 30 µs and take 20–100 µs to wake on the 2-vCPU VMs of
-/// docs/BENCHMARKS.md ("Decode fan-outs on a team"), as long as a small linear itself. A decode step has about eight fan-outs per layer. The helpers spin only
-/// while `f` runs; rayon work that `f` starts itself runs on its own thread meanwhile.
+/// docs/BENCHMARKS.md ("Decode fan-outs on a team"), as long as a small linear itself. A decode
+/// step has about eight fan-outs per layer. The helpers spin only while `f` runs; rayon work
+/// that `f` starts itself runs on its own thread meanwhile.
 pub fn with_team<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let threads = rayon::current_num_threads();
     if threads <= 1 || IN_TEAM.with(Cell::get) {
