@@ -1544,13 +1544,14 @@ fn run(
     // Each layer's state is written for `--resume` while the next layer is solved. One save is
     // in flight at a time, with its own copy of the streams (planned in `plan::MemoryPlan`);
     // `done` advances only once a save has finished.
-    std::thread::scope(|scope| -> Result<(), QuantizeError> {
+    // Every layer allocates its stages' activations (up to `rows` × 6656 f32) anew, in the same
+    // pattern: freed blocks stay in the heap for the next layer instead of fresh pages.
+    let heap = crate::resources::HeapReuse::new();
+    let layers_solved = std::thread::scope(|scope| -> Result<(), QuantizeError> {
         let mut saving: Option<LayerSave<'_>> = None;
         let solved = (|| -> Result<(), QuantizeError> {
             for (li, mut layer) in all_layers.into_iter().enumerate().skip(first) {
                 let x_in = opts.block_tune.is_some().then(|| x.clone());
-                // A layer allocates its stages' activations (up to `rows` × 6656 f32) anew each time.
-                let heap = crate::resources::HeapReuse::new();
                 let (mut res, rep) = quantize_layer(
                     &model,
                     &mut layer,
@@ -1562,7 +1563,6 @@ fn run(
                     &bar,
                     &mut phases,
                 )?;
-                drop(heap);
                 if let (Some(bt), Some(mut x_in), Some(y)) = (&opts.block_tune, x_in, xf.as_deref())
                 {
                     let r = phases.time(Phase::BlockTune, || {
@@ -1604,7 +1604,10 @@ fn run(
                 .unwrap_or(e)),
             ok => ok,
         }
-    })?;
+    });
+    // The last layer's blocks go back to the system before the head and the write.
+    drop(heap);
+    layers_solved?;
     let model_tune_result = match (&opts.model_tune, xf.as_deref()) {
         (Some(mt), Some(teacher)) => Some(phases.time(Phase::ModelTune, || {
             tune_model(&model, out, &aux, teacher, &windows, mt, &bar)
