@@ -1541,12 +1541,12 @@ fn run(
     } else {
         Vec::new()
     };
-    // Each layer's state is written for `--resume` while the next layer is solved. One save is
-    // in flight at a time, with its own copy of the streams (planned in `plan::MemoryPlan`);
-    // `done` advances only once a save has finished.
     // Every layer allocates its stages' activations (up to `rows` × 6656 f32) anew, in the same
     // pattern: freed blocks stay in the heap for the next layer instead of fresh pages.
     let heap = crate::resources::HeapReuse::new();
+    // Each layer's state is written for `--resume` while the next layer is solved. One save is
+    // in flight at a time, with its own copy of the streams (planned in `plan::MemoryPlan`);
+    // `done` advances only once a save has finished.
     let layers_solved = std::thread::scope(|scope| -> Result<(), QuantizeError> {
         let mut saving: Option<LayerSave<'_>> = None;
         let solved = (|| -> Result<(), QuantizeError> {
