@@ -10,7 +10,7 @@ use super::profile::{Stage, StageTimers};
 use super::rope::Rope;
 use super::Linear;
 use crate::checkpoint::{CheckpointError, LayerType, Proj, SparkConfig};
-use crate::kernels::attention::{RowsScratch, BLOCK_ROWS};
+use crate::kernels::attention::{KvBits, RowsScratch, BLOCK_ROWS};
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4a8::PackedW4A8;
 use crate::kernels::{self, gelu::gelu_mul, rms_norm, sigmoid};
@@ -23,6 +23,9 @@ pub struct Ctx<'a> {
     pub kind: LayerType,
     pub rope: &'a Rope,
     pub timers: &'a StageTimers,
+    /// Activations are bf16 values (a GPTQ artifact, or `--act-dtype bf16`): attention takes
+    /// bf16 operands as a bf16 model does ([`kernels::attention::Heads`]).
+    pub bf16: bool,
 }
 
 pub struct RmsNorm {
@@ -162,15 +165,33 @@ impl SelfAttention {
             let mut a = vec![0f32; m * q_dim];
             for seg in segs.iter_mut() {
                 let r = seg.rows.clone();
-                // q, k = RoPE(q, k) at each row's position
-                for (j, i) in r.clone().enumerate() {
-                    let (cos, sin) = ctx.rope.angles(seg.start + j);
-                    for head in q[i * q_dim..(i + 1) * q_dim].chunks_exact_mut(hd) {
-                        ctx.rope.apply(head, &cos, &sin);
+                // q, k = RoPE(q, k) at each row's position (a bf16 model's rotated q and k are
+                // bf16, so is the cache it keeps); rows in parallel for a prefill.
+                let (rope, bf16, start) = (ctx.rope, ctx.bf16, seg.start);
+                let rotate = |(j, (qr, kr)): (usize, (&mut [f32], &mut [f32]))| {
+                    let (cos, sin) = rope.angles(start + j);
+                    for head in qr.chunks_exact_mut(hd).chain(kr.chunks_exact_mut(hd)) {
+                        rope.apply(head, &cos, &sin);
                     }
-                    for head in k[i * kv_dim..(i + 1) * kv_dim].chunks_exact_mut(hd) {
-                        ctx.rope.apply(head, &cos, &sin);
+                    if bf16 {
+                        kernels::convert::round_bf16_in_place(qr);
+                        kernels::convert::round_bf16_in_place(kr);
                     }
+                };
+                let (qs, ks) = (
+                    &mut q[r.start * q_dim..r.end * q_dim],
+                    &mut k[r.start * kv_dim..r.end * kv_dim],
+                );
+                if r.len() >= BLOCKED_MIN_ROWS {
+                    qs.par_chunks_mut(q_dim)
+                        .zip(ks.par_chunks_mut(kv_dim))
+                        .enumerate()
+                        .for_each(rotate);
+                } else {
+                    qs.chunks_mut(q_dim)
+                        .zip(ks.chunks_mut(kv_dim))
+                        .enumerate()
+                        .for_each(rotate);
                 }
                 // a = softmax(q·kᵀ/√d over the visible keys)·v
                 let (qs, ks, vs) = (
@@ -191,11 +212,18 @@ impl SelfAttention {
                 seg.cache.append(ks, vs);
             }
             // a_head *= sigmoid(g_head)
-            for (i, row) in a.chunks_exact_mut(q_dim).enumerate() {
-                for (hh, head) in row.chunks_exact_mut(hd).enumerate() {
-                    let s = sigmoid(g[i * heads + hh]);
+            let gate = |(row, g): (&mut [f32], &[f32])| {
+                for (head, g) in row.chunks_exact_mut(hd).zip(g) {
+                    let s = sigmoid(*g);
                     head.iter_mut().for_each(|x| *x *= s);
                 }
+            };
+            if m >= BLOCKED_MIN_ROWS {
+                a.par_chunks_mut(q_dim)
+                    .zip(g.par_chunks(heads))
+                    .for_each(gate);
+            } else {
+                a.chunks_mut(q_dim).zip(g.chunks(heads)).for_each(gate);
             }
             a
         })
@@ -228,7 +256,11 @@ fn attention(
 ) {
     let cfg = ctx.cfg;
     let (hd, q_dim, kv_dim, group) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim(), cfg.gqa_group());
-    let scale = 1.0 / (hd as f32).sqrt();
+    let heads = kernels::attention::Heads {
+        dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        bf16: ctx.bf16,
+    };
     let window = cfg.sliding_window;
     let kind = ctx.kind;
     // KV head h's row at `pos`: this call's rows are `[m, kv_dim]`, the cache's per head.
@@ -259,6 +291,17 @@ fn attention(
         // Largest blocks (latest rows, most keys) first.
         let blocks = m.div_ceil(BLOCK_ROWS);
         let dst = ColumnsOut::new(out, m, q_dim);
+        // bf16 operands: every KV head's keys and values as bits once, for all of its blocks.
+        let bits: Vec<KvBits> = if heads.bf16 && kernels::attention::bf16_rows_run() {
+            (0..kv_heads)
+                .into_par_iter()
+                .map(|h| {
+                    KvBits::gather(|p| key(p, h), |p| value(p, h), lo_of(0)..=start + m - 1, hd)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         (0..blocks * kv_heads).into_par_iter().rev().for_each_init(
             || (RowsScratch::default(), Vec::new(), Vec::new()),
             |(scratch, qb, ob), job| {
@@ -270,18 +313,24 @@ fn attention(
                     qb.extend_from_slice(&q[i * q_dim + cols.start..i * q_dim + cols.end]);
                 }
                 ob.resize(qb.len(), 0.0);
-                kernels::attention::attend_rows(
-                    qb,
-                    rows,
-                    |pos| key(pos, kvh),
-                    |pos| value(pos, kvh),
-                    |r| lo_of(r0 + r),
-                    start + r0,
-                    hd,
-                    scale,
-                    scratch,
-                    ob,
-                );
+                let lo = |r| lo_of(r0 + r);
+                let p0 = start + r0;
+                let done = bits.get(kvh).is_some_and(|kv| {
+                    kernels::attention::attend_rows_bf16(qb, rows, kv, lo, p0, heads, scratch, ob)
+                });
+                if !done {
+                    kernels::attention::attend_rows(
+                        qb,
+                        rows,
+                        |pos| key(pos, kvh),
+                        |pos| value(pos, kvh),
+                        lo,
+                        p0,
+                        heads,
+                        scratch,
+                        ob,
+                    );
+                }
                 for (r, o) in ob.chunks_exact(group * hd).enumerate() {
                     // SAFETY: this job alone writes rows r0.. of KV head kvh's query columns.
                     unsafe { dst.row_mut(r0 + r, cols.clone()) }.copy_from_slice(o);
@@ -306,13 +355,7 @@ fn attention(
             lo,
             hi: p,
         };
-        kernels::attention::attend(
-            &q[q0..q0 + group * hd],
-            &kv,
-            (hd, scale),
-            &mut Vec::new(),
-            out_g,
-        );
+        kernels::attention::attend(&q[q0..q0 + group * hd], &kv, heads, &mut Vec::new(), out_g);
     });
 }
 

@@ -68,6 +68,8 @@ pub struct SparkModel {
     lm_head: Box<dyn Linear>,
     ropes: BTreeMap<LayerType, Rope>,
     timers: StageTimers,
+    /// Activations between linears are bf16 values ([`QuantExec::act_bf16`]).
+    act_bf16: bool,
 }
 
 fn dense(w: DenseWeight, out: usize, inp: usize) -> Box<dyn Linear> {
@@ -205,7 +207,14 @@ impl SparkModel {
         };
         bar.inc(1);
         bar.finish_and_clear();
-        Ok(Self::assemble(cfg, embedding, layers, norm, lm_head))
+        Ok(Self::assemble(
+            cfg,
+            embedding,
+            layers,
+            norm,
+            lm_head,
+            opts.exec.act_bf16,
+        ))
     }
 
     /// Build the model from a Spark GGUF file (llama.cpp's, or ours): every tensor dequantized to
@@ -330,7 +339,7 @@ impl SparkModel {
             linear::GgmlActivations::wrap(Box::new(l), act_of("token_embd.weight"))
         };
         bar.finish_and_clear();
-        Ok(Self::assemble(cfg, embedding, layers, norm, lm_head))
+        Ok(Self::assemble(cfg, embedding, layers, norm, lm_head, false))
     }
 
     fn assemble(
@@ -339,6 +348,7 @@ impl SparkModel {
         layers: Vec<DecoderLayer>,
         norm: RmsNorm,
         lm_head: Box<dyn Linear>,
+        act_bf16: bool,
     ) -> Self {
         let ropes = cfg.rope.iter().map(|(t, s)| (*t, Rope::new(*s))).collect();
         SparkModel {
@@ -349,6 +359,7 @@ impl SparkModel {
             lm_head,
             ropes,
             timers: StageTimers::default(),
+            act_bf16,
         }
     }
 
@@ -464,6 +475,7 @@ impl SparkModel {
             kind,
             rope: &self.ropes[&kind],
             timers: &self.timers,
+            bf16: self.act_bf16,
         }
     }
 
@@ -583,6 +595,7 @@ mod tests {
             ropes: cfg.rope.iter().map(|(t, s)| (*t, Rope::new(*s))).collect(),
             timers: StageTimers::default(),
             config: cfg,
+            act_bf16: false,
         }
     }
 

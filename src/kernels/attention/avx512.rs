@@ -32,7 +32,11 @@ pub(super) unsafe fn attend<'a, K, V>(
         lo,
         hi,
     }: &super::Window<K, V>,
-    (hd, scale): (usize, f32),
+    super::Heads {
+        dim: hd,
+        scale,
+        bf16,
+    }: super::Heads,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) where
@@ -68,6 +72,9 @@ pub(super) unsafe fn attend<'a, K, V>(
     }
     for sh in scores.chunks_exact_mut(n) {
         super::super::softmax(sh);
+        if bf16 {
+            super::round_probs(sh);
+        }
     }
     out.fill(0.0);
     let mut rows = [std::ptr::null::<f32>(); BLOCK];

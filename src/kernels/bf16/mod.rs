@@ -136,46 +136,96 @@ pub(super) fn bf16_act_panel_matmul(
     assert_eq!((x.len(), y.len()), (m * k, m * n));
     let out = ColumnsOut::new(y, m, n);
     let tiled = tiled_rows(isa, &xb, m, k);
-    // Both kernels reuse each block of activation rows over a group of slices.
+    super::par::for_ranges(n.div_ceil(GEMM_SLICE), m * n * k, |slices| {
+        // SAFETY: the tier was checked above; this job owns the columns of `slices`.
+        unsafe { panel_slices(tiled.as_ref(), &xb, k, n, slices, &expand_bits, &out) }
+    });
+    true
+}
+
+/// `y[m, n] = x[m, k] · w[n, k]ᵀ` on this thread alone, for `xb` (`x` as bits) and the rows of
+/// `w` that `expand_bits(cols, out)` writes as bits: the kernels of [`bf16_act_panel_matmul`]
+/// (AMX tiles where the CPU has them, `vdpbf16ps` otherwise; exact products, f32 sums) for a
+/// caller that is already one job of a parallel loop (attention's blocks of query rows).
+/// Returns false (nothing done) where the CPU lacks AVX512-BF16 or `k` is odd.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn matmul_bits_serial(
+    isa: Isa,
+    xb: &[u16],
+    m: usize,
+    k: usize,
+    n: usize,
+    y: &mut [f32],
+    expand_bits: impl Fn(std::ops::Range<usize>, &mut [u16]),
+) -> bool {
+    if isa < Isa::Avx512Bf16 || !k.is_multiple_of(2) {
+        return false;
+    }
+    assert_eq!((xb.len(), y.len()), (m * k, m * n));
+    if m == 0 || n == 0 {
+        return true;
+    }
+    let out = ColumnsOut::new(y, m, n);
+    let tiled = tiled_rows(isa, xb, m, k);
+    let slices = 0..n.div_ceil(avx512::GEMM_SLICE);
+    // SAFETY: the tier was checked above; this call writes every column.
+    unsafe { panel_slices(tiled.as_ref(), xb, k, n, slices, &expand_bits, &out) };
+    true
+}
+
+/// One job of [`bf16_act_panel_matmul`]: the 32-column slices `slices` of `w` (of `n` columns)
+/// expanded, packed a group at a time and multiplied by all rows, each row block reused over
+/// the group's slices.
+///
+/// # Safety
+/// The CPU has AVX512-BF16 (and AMX where `tiled` exists); the job owns the slices' columns.
+#[cfg(target_arch = "x86_64")]
+unsafe fn panel_slices(
+    tiled: Option<&amx::TiledRows>,
+    xb: &[u16],
+    k: usize,
+    n: usize,
+    slices: std::ops::Range<usize>,
+    expand_bits: &impl Fn(std::ops::Range<usize>, &mut [u16]),
+    out: &ColumnsOut,
+) {
+    use avx512::GEMM_SLICE;
+    let m = xb.len() / k;
     let group = if tiled.is_some() {
         amx::slices_per_group(k)
     } else {
         avx512::slices_per_group(k)
     };
-    super::par::for_ranges(n.div_ceil(GEMM_SLICE), m * n * k, |slices| {
-        let mut wb = vec![0u16; GEMM_SLICE * k];
-        let mut packed = super::amx::Aligned::new(group * GEMM_SLICE * k);
-        let mut scratch = super::amx::Aligned::new(0);
-        for g0 in slices.clone().step_by(group) {
-            let g1 = (g0 + group).min(slices.end);
-            for si in g0..g1 {
-                let cols = si * GEMM_SLICE..((si + 1) * GEMM_SLICE).min(n);
-                let c = cols.len();
-                expand_bits(cols, &mut wb[..c * k]);
-                let dst = &mut packed[(si - g0) * GEMM_SLICE * k..][..GEMM_SLICE * k];
-                // SAFETY: the tier was checked above.
-                unsafe { avx512::pack_bf16_slice(&wb[..c * k], c, k, dst) };
-            }
-            let cols = g0 * GEMM_SLICE..(g1 * GEMM_SLICE).min(n);
-            let slices = &packed[..(g1 - g0) * GEMM_SLICE * k];
-            let t = tiled.as_ref();
-            // SAFETY: the tier was checked above; this job owns columns `cols`.
-            unsafe {
-                gemm_slices(
-                    t,
-                    &xb,
-                    k,
-                    slices,
-                    0..m,
-                    cols.start,
-                    cols.len(),
-                    &out,
-                    &mut scratch,
-                )
-            };
+    let mut wb = vec![0u16; GEMM_SLICE * k];
+    let mut packed = super::amx::Aligned::new(group * GEMM_SLICE * k);
+    let mut scratch = super::amx::Aligned::new(0);
+    for g0 in slices.clone().step_by(group) {
+        let g1 = (g0 + group).min(slices.end);
+        for si in g0..g1 {
+            let cols = si * GEMM_SLICE..((si + 1) * GEMM_SLICE).min(n);
+            let c = cols.len();
+            expand_bits(cols, &mut wb[..c * k]);
+            let dst = &mut packed[(si - g0) * GEMM_SLICE * k..][..GEMM_SLICE * k];
+            // SAFETY: the caller guarantees the tier.
+            unsafe { avx512::pack_bf16_slice(&wb[..c * k], c, k, dst) };
         }
-    });
-    true
+        let cols = g0 * GEMM_SLICE..(g1 * GEMM_SLICE).min(n);
+        let slices = &packed[..(g1 - g0) * GEMM_SLICE * k];
+        // SAFETY: the caller guarantees the tier and owns columns `cols`.
+        unsafe {
+            gemm_slices(
+                tiled,
+                xb,
+                k,
+                slices,
+                0..m,
+                cols.start,
+                cols.len(),
+                out,
+                &mut scratch,
+            )
+        };
+    }
 }
 
 /// The GEMM of consecutive packed slices (`slices`, the first for columns `c0…`, `cols`
