@@ -128,6 +128,9 @@ pub struct RowsScratch {
     s: Vec<f32>,
     /// Bits of the bf16 operands (queries, then probabilities) for the bf16 kernels.
     bits: Vec<u16>,
+    /// The bf16 kernels' packed keys and values.
+    #[cfg(target_arch = "x86_64")]
+    panel: super::bf16::PanelScratch,
 }
 
 /// [`attend`] for `rows` consecutive query rows at once, as two GEMMs: row r sits at position
@@ -227,8 +230,15 @@ impl KvBits {
         let mut vt = vec![0u16; hd * stride];
         for (j, kr) in k.chunks_exact_mut(hd).enumerate() {
             to_bits(key(first + j), kr);
-            for (d, x) in value(first + j).iter().enumerate() {
-                vt[d * stride + j] = bf16_bits(*x);
+        }
+        // Vᵀ 32 positions at a time: each dimension's 32 values are one 64-byte run of `vt`,
+        // read from 32 value rows that stay in L1.
+        for j0 in (0..n).step_by(32) {
+            let rows: Vec<&[f32]> = (j0..(j0 + 32).min(n)).map(|j| value(first + j)).collect();
+            for (d, run) in vt.chunks_exact_mut(stride).enumerate() {
+                for (o, row) in run[j0..].iter_mut().zip(&rows) {
+                    *o = bf16_bits(row[d]);
+                }
             }
         }
         KvBits {
@@ -277,7 +287,7 @@ pub fn attend_rows_bf16(
         let (n, off) = (last + 1 - first, first - kv.first);
         let n2 = n.next_multiple_of(32);
         let m = q.len() / hd;
-        let RowsScratch { s, bits, .. } = scratch;
+        let RowsScratch { s, bits, panel, .. } = scratch;
         bits.resize(q.len(), 0);
         to_bits(q, bits);
         s.clear();
@@ -289,7 +299,7 @@ pub fn attend_rows_bf16(
             o[..have * hd].copy_from_slice(src);
             o[have * hd..].fill(0);
         };
-        if !super::bf16::matmul_bits_serial(isa, bits, m, hd, n2, s, keys) {
+        if !super::bf16::matmul_bits_serial(isa, bits, m, hd, n2, s, keys, panel) {
             return false;
         }
         probabilities(s, n2, rows, |r| lo(r) - first..=p0 + r - first, heads);
@@ -302,7 +312,7 @@ pub fn attend_rows_bf16(
                 o[n..].fill(0);
             }
         };
-        let done = super::bf16::matmul_bits_serial(isa, bits, m, n2, hd, out, values);
+        let done = super::bf16::matmul_bits_serial(isa, bits, m, n2, hd, out, values, panel);
         assert!(done, "the first product ran on this tier");
         true
     }

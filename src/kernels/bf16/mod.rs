@@ -137,10 +137,41 @@ pub(super) fn bf16_act_panel_matmul(
     let out = ColumnsOut::new(y, m, n);
     let tiled = tiled_rows(isa, &xb, m, k);
     super::par::for_ranges(n.div_ceil(GEMM_SLICE), m * n * k, |slices| {
+        let mut buffers = PanelScratch::default();
         // SAFETY: the tier was checked above; this job owns the columns of `slices`.
-        unsafe { panel_slices(tiled.as_ref(), &xb, k, n, slices, &expand_bits, &out) }
+        unsafe {
+            panel_slices(
+                tiled.as_ref(),
+                &xb,
+                k,
+                n,
+                slices,
+                &expand_bits,
+                &out,
+                &mut buffers,
+            )
+        }
     });
     true
+}
+
+/// The buffers [`matmul_bits_serial`] packs weights into, kept by a caller that makes many calls.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct PanelScratch {
+    wb: Vec<u16>,
+    packed: super::amx::Aligned<u16>,
+    acc: super::amx::Aligned<f32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Default for PanelScratch {
+    fn default() -> Self {
+        PanelScratch {
+            wb: Vec::new(),
+            packed: super::amx::Aligned::new(0),
+            acc: super::amx::Aligned::new(0),
+        }
+    }
 }
 
 /// `y[m, n] = x[m, k] · w[n, k]ᵀ` on this thread alone, for `xb` (`x` as bits) and the rows of
@@ -149,6 +180,7 @@ pub(super) fn bf16_act_panel_matmul(
 /// caller that is already one job of a parallel loop (attention's blocks of query rows).
 /// Returns false (nothing done) where the CPU lacks AVX512-BF16 or `k` is odd.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_bits_serial(
     isa: Isa,
     xb: &[u16],
@@ -157,6 +189,7 @@ pub(crate) fn matmul_bits_serial(
     n: usize,
     y: &mut [f32],
     expand_bits: impl Fn(std::ops::Range<usize>, &mut [u16]),
+    buffers: &mut PanelScratch,
 ) -> bool {
     if isa < Isa::Avx512Bf16 || !k.is_multiple_of(2) {
         return false;
@@ -169,7 +202,18 @@ pub(crate) fn matmul_bits_serial(
     let tiled = tiled_rows(isa, xb, m, k);
     let slices = 0..n.div_ceil(avx512::GEMM_SLICE);
     // SAFETY: the tier was checked above; this call writes every column.
-    unsafe { panel_slices(tiled.as_ref(), xb, k, n, slices, &expand_bits, &out) };
+    unsafe {
+        panel_slices(
+            tiled.as_ref(),
+            xb,
+            k,
+            n,
+            slices,
+            &expand_bits,
+            &out,
+            buffers,
+        )
+    };
     true
 }
 
@@ -180,6 +224,7 @@ pub(crate) fn matmul_bits_serial(
 /// # Safety
 /// The CPU has AVX512-BF16 (and AMX where `tiled` exists); the job owns the slices' columns.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn panel_slices(
     tiled: Option<&amx::TiledRows>,
     xb: &[u16],
@@ -188,6 +233,7 @@ unsafe fn panel_slices(
     slices: std::ops::Range<usize>,
     expand_bits: &impl Fn(std::ops::Range<usize>, &mut [u16]),
     out: &ColumnsOut,
+    buffers: &mut PanelScratch,
 ) {
     use avx512::GEMM_SLICE;
     let m = xb.len() / k;
@@ -196,9 +242,17 @@ unsafe fn panel_slices(
     } else {
         avx512::slices_per_group(k)
     };
-    let mut wb = vec![0u16; GEMM_SLICE * k];
-    let mut packed = super::amx::Aligned::new(group * GEMM_SLICE * k);
-    let mut scratch = super::amx::Aligned::new(0);
+    let PanelScratch {
+        wb,
+        packed,
+        acc: scratch,
+    } = buffers;
+    if wb.len() < GEMM_SLICE * k {
+        wb.resize(GEMM_SLICE * k, 0);
+    }
+    if packed.len() < group * GEMM_SLICE * k {
+        *packed = super::amx::Aligned::new(group * GEMM_SLICE * k);
+    }
     for g0 in slices.clone().step_by(group) {
         let g1 = (g0 + group).min(slices.end);
         for si in g0..g1 {
@@ -222,7 +276,7 @@ unsafe fn panel_slices(
                 cols.start,
                 cols.len(),
                 out,
-                &mut scratch,
+                scratch,
             )
         };
     }
