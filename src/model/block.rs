@@ -157,8 +157,21 @@ impl SelfAttention {
             cfg.kv_dim(),
             cfg.num_attention_heads,
         );
-        // q, k, v, g = h·W{q,k,v,g}ᵀ
+        // q, k, v, g = h·W{q,k,v,g}ᵀ; three W4A8 linears of a prefill share the quantized rows.
         let [mut q, mut k, v, g] = ctx.timers.time(Stage::QkvgProj, || {
+            let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
+            if let ([Some(wq), Some(wk), Some(wv)], true) =
+                (qkv.map(|l| l.w4a8_rounding(false)), m > 1)
+            {
+                let [mut q, mut k, mut v] = qkv.map(|l| vec![0f32; m * l.out_features()]);
+                PackedW4A8::matmul_rounding_shared(
+                    &[wq, wk, wv],
+                    h,
+                    m,
+                    &mut [&mut q, &mut k, &mut v],
+                );
+                return [q, k, v, self.g_proj.project(h, m)];
+            }
             [&self.q_proj, &self.k_proj, &self.v_proj, &self.g_proj].map(|l| l.project(h, m))
         });
         ctx.timers.time(Stage::Attention, || {

@@ -280,6 +280,71 @@ impl PackedW4A8 {
         crate::kernels::gelu::gelu_mul(y, &u);
     }
 
+    /// `ys[i] = x · ws[i]ᵀ` for `x` rounded to bf16, weights that share their input (q, k and v
+    /// of a layer): the bits of [`matmul_rounding`](Self::matmul_rounding) by each weight. On AMX
+    /// from 32 rows the rows are quantized once for all of them and one fan-out spreads every
+    /// weight's column tiles over the threads; one call per weight otherwise.
+    pub fn matmul_rounding_shared(ws: &[&Self], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
+        Self::matmul_shared_with(isa(), ws, x, m, ys);
+    }
+
+    /// [`matmul_rounding_shared`](Self::matmul_rounding_shared) on an explicit tier.
+    pub fn matmul_shared_with(isa: Isa, ws: &[&Self], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
+        assert_eq!(ws.len(), ys.len(), "one output per weight");
+        #[cfg(target_arch = "x86_64")]
+        if isa >= Isa::Amx
+            && m >= amx::ROWS
+            && ws
+                .iter()
+                .all(|w| amx::takes(w) && w.k == ws[0].k && w.n > 0)
+        {
+            let k = ws[0].k;
+            assert_eq!(x.len(), m * k);
+            // SAFETY: as in `matmul_impl`.
+            let ar = unsafe { amx::TiledRows::quantize(x, m, k, true) };
+            let outs: Vec<ColumnsOut> = ws
+                .iter()
+                .zip(ys.iter_mut())
+                .map(|(w, y)| {
+                    assert_eq!(y.len(), m * w.n);
+                    ColumnsOut::new(y, m, w.n)
+                })
+                .collect();
+            // Weight i's pairs are units `ends[i - 1]..ends[i]` of one range.
+            let ends: Vec<usize> = ws
+                .iter()
+                .scan(0, |end, w| {
+                    *end += amx::Pairs::Adjacent(w).count();
+                    Some(*end)
+                })
+                .collect();
+            let total = ends.last().copied().unwrap_or(0);
+            let work = ws.iter().map(|w| w.n * w.k).sum();
+            for_ranges(total, work, |range| {
+                for (i, w) in ws.iter().enumerate() {
+                    let base = if i == 0 { 0 } else { ends[i - 1] };
+                    let (a, b) = (range.start.max(base), range.end.min(ends[i]));
+                    if a < b {
+                        // SAFETY: the tier was detected on this CPU; takes() holds for every
+                        // weight; jobs own disjoint pairs of each weight.
+                        unsafe {
+                            amx::w4a8_tiles(
+                                amx::Pairs::Adjacent(w),
+                                &ar,
+                                a - base..b - base,
+                                &outs[i],
+                            )
+                        }
+                    }
+                }
+            });
+            return;
+        }
+        for (w, y) in ws.iter().zip(ys.iter_mut()) {
+            w.matmul_impl(isa, x, m, y, true);
+        }
+    }
+
     /// [`matmul`](Self::matmul) on an explicit tier (tests run every available one).
     pub fn matmul_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) {
         self.matmul_impl(isa, x, m, y, false);
@@ -581,6 +646,36 @@ mod tests {
                     PackedW4A8::gelu_mul_with(isa, &gate, &up, &x, m, &mut got);
                     let bad = differing_bits(&got, &want);
                     assert_eq!(bad, 0, "{isa:?} ({n}, {k}, g{g}) m {m}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weights_sharing_their_input_give_each_ones_bits() {
+        use rand::Rng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(29);
+        // q, k, v-like widths: whole and partial tile pairs, one tile; groups of 128 and 64.
+        for (ns, k, g) in [([96, 32, 48], 256, 128), ([40, 16, 70], 384, 64)] {
+            let ws = ns.map(|n| PackedW4A8::pack(Case::random(&mut rng, n, k, g, true).nibbles()));
+            for m in [5, 32, 45, 70] {
+                let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+                for isa in Isa::tested() {
+                    let mut got = ns.map(|n| vec![f32::NAN; m * n]);
+                    let [a, b, c] = &mut got;
+                    PackedW4A8::matmul_shared_with(
+                        isa,
+                        &[&ws[0], &ws[1], &ws[2]],
+                        &x,
+                        m,
+                        &mut [a, b, c],
+                    );
+                    for ((w, got), n) in ws.iter().zip(&got).zip(ns) {
+                        let mut want = vec![f32::NAN; m * n];
+                        w.matmul_impl(isa, &x, m, &mut want, true);
+                        let bad = differing_bits(got, &want);
+                        assert_eq!(bad, 0, "{isa:?} n {n}, k {k}, g{g}, m {m}");
+                    }
                 }
             }
         }
