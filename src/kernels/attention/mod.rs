@@ -355,6 +355,55 @@ fn prefetch<const HINT: i32>(row: &[f32]) {
 mod tests {
     use super::*;
 
+    /// Uniform values in [−0.5, 0.5) from a 32-bit LCG.
+    fn lcg(seed: u32) -> impl FnMut() -> f32 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        }
+    }
+
+    /// Attention of the query heads in `q` over positions `lo..=hi` of `k` and `v`
+    /// (`[positions][hd]`), from the definition in f64; with `round`, every probability rounded
+    /// to bf16 before it weights the values.
+    fn definition(
+        q: &[f32],
+        (k, v): (&[f32], &[f32]),
+        hd: usize,
+        (lo, hi): (usize, usize),
+        scale: f64,
+        round: bool,
+    ) -> Vec<f64> {
+        let mut out = Vec::with_capacity(q.len());
+        for qh in q.chunks_exact(hd) {
+            let logits: Vec<f64> = (lo..=hi)
+                .map(|p| {
+                    let kr = &k[p * hd..(p + 1) * hd];
+                    scale
+                        * qh.iter()
+                            .zip(kr)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let mx = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let w: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
+            let z: f64 = w.iter().sum();
+            let p: Vec<f64> = w
+                .iter()
+                .map(|w| match round {
+                    true => crate::kernels::w4::round_bf16((w / z) as f32) as f64,
+                    false => w / z,
+                })
+                .collect();
+            for d in 0..hd {
+                out.push((lo..=hi).map(|j| p[j - lo] * v[j * hd + d] as f64).sum());
+            }
+        }
+        out
+    }
+
     fn f32_heads(dim: usize, scale: f32) -> Heads {
         Heads {
             dim,
@@ -383,44 +432,17 @@ mod tests {
     fn matches_the_definition() {
         // hd 24 takes the portable body everywhere, hd 32 the AVX-512 kernel where there is one.
         for (hd, group, n) in [(24, 3, 37), (32, 5, 37)] {
-            let mut s = 7u32;
-            let mut rnd = || {
-                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            };
+            let mut rnd = lcg(7);
             let q: Vec<f32> = (0..group * hd).map(|_| rnd()).collect();
             let k: Vec<f32> = (0..(n + 5) * hd).map(|_| rnd()).collect();
             let v: Vec<f32> = (0..(n + 5) * hd).map(|_| rnd()).collect();
             let (lo, hi) = (5, n + 4);
             let mut out = vec![0f32; group * hd];
-            fn row(m: &[f32], hd: usize, p: usize) -> &[f32] {
-                &m[p * hd..(p + 1) * hd]
-            }
             let kv = kv_rows(&k, &v, hd, (lo, hi));
             attend(&q, &kv, f32_heads(hd, 0.3), &mut vec![], &mut out);
-            for h in 0..group {
-                let qh = &q[h * hd..(h + 1) * hd];
-                let logits: Vec<f64> = (lo..=hi)
-                    .map(|p| {
-                        0.3 * qh
-                            .iter()
-                            .zip(row(&k, hd, p))
-                            .map(|(a, b)| (a * b) as f64)
-                            .sum::<f64>()
-                    })
-                    .collect();
-                let mx = logits.iter().cloned().fold(f64::MIN, f64::max);
-                let w: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
-                let z: f64 = w.iter().sum();
-                for d in 0..hd {
-                    let want: f64 = (lo..=hi)
-                        .map(|p| w[p - lo] / z * row(&v, hd, p)[d] as f64)
-                        .sum();
-                    assert!(
-                        (out[h * hd + d] as f64 - want).abs() < 1e-5,
-                        "head {h} dim {d}"
-                    );
-                }
+            let want = definition(&q, (&k, &v), hd, (lo, hi), 0.3, false);
+            for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+                assert!((*g as f64 - w).abs() < 1e-5, "value {i}: {g} vs {w}");
             }
         }
     }
@@ -429,11 +451,7 @@ mod tests {
     /// start before the block (a cache) and a block not starting at position 0.
     #[test]
     fn rows_as_gemms_match_row_by_row() {
-        let mut s = 3u32;
-        let mut rnd = || {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        };
+        let mut rnd = lcg(3);
         let (hd, heads) = (16, 3);
         let total = 90;
         let k: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
@@ -488,11 +506,7 @@ mod tests {
             .last()
             .is_some_and(|t| t.avx512())
         {
-            let mut s = 9u32;
-            let mut rnd = || {
-                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            };
+            let mut rnd = lcg(9);
             for &(hd, group, lo, hi) in &[
                 (256, 4, 0, 299),
                 (64, 2, 3, 40),
@@ -536,11 +550,8 @@ mod tests {
     /// softmax of the scaled scores rounded to bf16, and they weight the values exactly.
     #[test]
     fn bf16_operands_round_the_probabilities() {
-        let mut s = 5u32;
-        let mut rnd = || {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            crate::kernels::w4::round_bf16((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
-        };
+        let mut gen = lcg(5);
+        let mut rnd = || crate::kernels::w4::round_bf16(gen());
         // Three keys: each probability's bf16 step moves the output by ~1e-3, far above the
         // f32 sums' error, so the rounding (and only it) is visible.
         for hd in [32, 24] {
@@ -556,33 +567,15 @@ mod tests {
             let kv = kv_rows(&k, &v, hd, (0, n - 1));
             let mut got = vec![0f32; group * hd];
             attend(&q, &kv, heads, &mut vec![], &mut got);
+            let want = definition(&q, (&k, &v), hd, (0, n - 1), 0.25, true);
+            let unrounded = definition(&q, (&k, &v), hd, (0, n - 1), 0.25, false);
             let mut moved = 0f64;
-            for h in 0..group {
-                let logits: Vec<f64> = (0..n)
-                    .map(|p| {
-                        let qk: f64 = (0..hd)
-                            .map(|d| q[h * hd + d] as f64 * k[p * hd + d] as f64)
-                            .sum();
-                        0.25 * qk
-                    })
-                    .collect();
-                let mx = logits.iter().cloned().fold(f64::MIN, f64::max);
-                let w: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
-                let z: f64 = w.iter().sum();
-                let p: Vec<f64> = w
-                    .iter()
-                    .map(|w| crate::kernels::w4::round_bf16((w / z) as f32) as f64)
-                    .collect();
-                for d in 0..hd {
-                    let want: f64 = (0..n).map(|j| p[j] * v[j * hd + d] as f64).sum();
-                    let unrounded: f64 = (0..n).map(|j| w[j] / z * v[j * hd + d] as f64).sum();
-                    let g = got[h * hd + d] as f64;
-                    assert!(
-                        (g - want).abs() < 1e-5,
-                        "hd {hd} head {h} dim {d}: {g} vs {want}"
-                    );
-                    moved = moved.max((want - unrounded).abs());
-                }
+            for (i, ((g, w), u)) in got.iter().zip(&want).zip(&unrounded).enumerate() {
+                assert!(
+                    (*g as f64 - w).abs() < 1e-5,
+                    "hd {hd} value {i}: {g} vs {w}"
+                );
+                moved = moved.max((w - u).abs());
             }
             assert!(moved > 2e-4, "the rounding shows: {moved}");
         }
@@ -594,11 +587,8 @@ mod tests {
     /// steps, head dims on and off the tiles' 32-value steps.
     #[test]
     fn bf16_rows_match_row_by_row() {
-        let mut s = 11u32;
-        let mut rnd = || {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            crate::kernels::w4::round_bf16((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
-        };
+        let mut gen = lcg(11);
+        let mut rnd = || crate::kernels::w4::round_bf16(gen());
         let total = 120;
         let mut scratch = RowsScratch::default();
         for &(hd, group) in &[(64, 3), (16, 2), (256, 4)] {
