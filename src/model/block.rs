@@ -392,8 +392,11 @@ impl Mlp {
 
     pub fn forward(&self, h: &[f32], m: usize, ctx: &Ctx) -> Vec<f32> {
         let act = self.act(h, m, ctx);
-        ctx.timers
-            .time(Stage::DownProj, || self.down_proj.project(&act, m))
+        let d = ctx
+            .timers
+            .time(Stage::DownProj, || self.down_proj.project(&act, m));
+        crate::resources::keep_spare(act);
+        d
     }
 
     /// `gelu(gate_proj(h)) ⊙ up_proj(h)`: the input of `down_proj`.
@@ -402,7 +405,8 @@ impl Mlp {
         let w4a8 = [&self.gate_proj, &self.up_proj].map(|l| l.w4a8_rounding(false));
         if let ([Some(gate), Some(up)], true) = (w4a8, m > 1) {
             return ctx.timers.time(Stage::GateUpProj, || {
-                let mut y = vec![0f32; m * self.gate_proj.out_features()];
+                // Written in full by the fused kernel: the last layer's buffer will do.
+                let mut y = crate::resources::spare(m * self.gate_proj.out_features());
                 PackedW4A8::gelu_mul_rounding(gate, up, h, m, &mut y);
                 y
             });
