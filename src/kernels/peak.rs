@@ -4,6 +4,7 @@
 //! these (`spark-tool bench --kernels`), so the ratios hold on any machine, not on a quoted
 //! datasheet figure.
 
+#[cfg(target_arch = "x86_64")]
 use std::time::Instant;
 
 use serde::Serialize;
@@ -108,6 +109,7 @@ pub fn of<'a>(peaks: &'a [Peak], name: &str) -> Option<&'a Peak> {
 }
 
 /// Instructions per timed call: long enough (tens of ms) that timer and wake-up costs vanish.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const CALLS: u64 = 1 << 21;
 
 #[cfg(target_arch = "x86_64")]

@@ -127,6 +127,7 @@ pub struct RowsScratch {
     v: Vec<f32>,
     s: Vec<f32>,
     /// Bits of the bf16 operands (queries, then probabilities) for the bf16 kernels.
+    #[cfg(target_arch = "x86_64")]
     bits: Vec<u16>,
     /// The bf16 kernels' packed keys and values.
     #[cfg(target_arch = "x86_64")]
@@ -206,6 +207,7 @@ fn probabilities(
 /// [`attend_rows_bf16`]: keys `[n][hd]`, values transposed (`[hd][stride]`, stride = n rounded
 /// up to 32, zero past n), so a block's operands are copies of contiguous runs. Built once per
 /// call and KV head, shared by all its blocks of query rows.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct KvBits {
     first: usize,
     n: usize,
@@ -337,6 +339,7 @@ fn to_bits(x: &[f32], out: &mut [u16]) {
 
 /// Prefetch hints of [`prefetch`] (x86's `_MM_HINT_T0` and `_MM_HINT_T1`).
 const L1: i32 = 3;
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const L2: i32 = 2;
 
 /// Hint the cache lines of `row` into the cache level `HINT` names ([`L1`], [`L2`]; never faults).

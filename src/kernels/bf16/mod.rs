@@ -496,6 +496,7 @@ fn gram_amx(a: &[f32], b: Option<&[f32]>, t: usize, k: usize, t2: usize, out: &m
 
 /// `x` (`[t, w]`) as bf16 bits transposed to `[w, t2]`, tokens `t..t2` zero, in one parallel pass;
 /// `None` when a value is not a bf16 value (its low 16 bits not zero).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn transposed_bits(x: &[f32], t: usize, w: usize, t2: usize) -> Option<Vec<u16>> {
     use rayon::prelude::*;
     assert!(x.len() == t * w && t2 >= t);
@@ -545,6 +546,7 @@ pub fn all_bf16(x: &[f32]) -> bool {
 
 /// `x` as bf16 bits when every value is a bf16 value (the low 16 bits
 /// zero), for the `vdpbf16ps` kernels; `None` otherwise.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) fn bf16_bits(x: &[f32]) -> Option<Vec<u16>> {
     use rayon::prelude::*;
     // Threaded only where the pass is long enough to pay for the fan-out (prefill's rows, the
