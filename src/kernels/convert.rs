@@ -45,6 +45,26 @@ pub fn f32_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
     convert::<4>(bytes, out, f32::from_le_bytes);
 }
 
+/// `half::bf16::from_f32(x).to_bits()`: round to nearest even on the bit pattern, NaN made
+/// quiet; branch-free, so loops over it vectorise.
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    (rounded_bits(x.to_bits()) >> 16) as u16
+}
+
+/// The f32 bits of `bits` rounded to bf16 (low half zero): the arithmetic of [`bf16_bits`].
+#[inline(always)]
+fn rounded_bits(bits: u32) -> u32 {
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000;
+    let quiet = (bits | 0x0040_0000) & 0xFFFF_0000;
+    let nan = bits & 0x7FFF_FFFF > 0x7F80_0000;
+    if nan {
+        quiet
+    } else {
+        rounded
+    }
+}
+
 /// `half::bf16::from_f32(v).to_f32()` for every value, in place: round to nearest even on the
 /// bit pattern, NaN made quiet. Branch-free so that it vectorises (half's conversion does not;
 /// over a prefill's activations it was 12 % of the time), and spread over threads for long
@@ -52,11 +72,7 @@ pub fn f32_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
 pub fn round_bf16_in_place(x: &mut [f32]) {
     let run = |x: &mut [f32]| {
         for v in x.iter_mut() {
-            let bits = v.to_bits();
-            let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000;
-            let quiet = (bits | 0x0040_0000) & 0xFFFF_0000;
-            let nan = bits & 0x7FFF_FFFF > 0x7F80_0000;
-            *v = f32::from_bits(if nan { quiet } else { rounded });
+            *v = f32::from_bits(rounded_bits(v.to_bits()));
         }
     };
     if x.len() <= CHUNK {

@@ -73,7 +73,7 @@ pub(super) unsafe fn attend<'a, K, V>(
     for sh in scores.chunks_exact_mut(n) {
         super::super::softmax(sh);
         if bf16 {
-            super::round_probs(sh);
+            super::super::convert::round_bf16_in_place(sh);
         }
     }
     out.fill(0.0);

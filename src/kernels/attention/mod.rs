@@ -6,6 +6,7 @@
 //! query heads of a KV head score each key in one pass and the values are accumulated in
 //! registers over blocks of positions: the same math, sums in another order.
 
+use super::convert::bf16_bits;
 use super::{dot, softmax};
 
 #[cfg(target_arch = "x86_64")]
@@ -51,14 +52,6 @@ pub struct Heads {
     pub bf16: bool,
 }
 
-/// Probabilities rounded to bf16 values in place (round to nearest even; they are finite).
-fn round_probs(p: &mut [f32]) {
-    for v in p.iter_mut() {
-        let b = v.to_bits();
-        *v = f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000);
-    }
-}
-
 /// The portable reference of [`attend`].
 fn attend_body<'a, K, V>(
     q: &[f32],
@@ -96,7 +89,7 @@ fn attend_body<'a, K, V>(
     for sh in scores.chunks_exact_mut(n) {
         softmax(sh);
         if bf16 {
-            round_probs(sh);
+            super::convert::round_bf16_in_place(sh);
         }
     }
     out.fill(0.0);
@@ -195,7 +188,7 @@ fn probabilities(
             seen.iter_mut().for_each(|x| *x *= heads.scale);
             super::softmax(seen);
             if heads.bf16 {
-                round_probs(seen);
+                super::convert::round_bf16_in_place(seen);
             }
             row[..a].fill(0.0);
             row[b + 1..].fill(0.0);
@@ -304,7 +297,12 @@ pub fn attend_rows_bf16(
         if !super::bf16::matmul_bits_serial(isa, bits, m, hd, n2, s, keys, panel) {
             return false;
         }
-        probabilities(s, n2, rows, |r| lo(r) - first..=p0 + r - first, heads);
+        // Rounded to bf16 by the conversion to bits (the same rounding, one pass fewer).
+        let unrounded = Heads {
+            bf16: false,
+            ..heads
+        };
+        probabilities(s, n2, rows, |r| lo(r) - first..=p0 + r - first, unrounded);
         bits.resize(s.len(), 0);
         to_bits(s, bits);
         // O[m, hd] = P · V: Vᵀ's row d is dimension d of the block's keys' values.
@@ -323,13 +321,6 @@ pub fn attend_rows_bf16(
         let _ = (q, rows, kv, lo, p0, heads, scratch, out);
         false
     }
-}
-
-/// The bf16 bits of `x` rounded to nearest even (of a bf16 value, exactly its top half).
-#[inline]
-fn bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16
 }
 
 /// [`bf16_bits`] of every value (a loop the compiler vectorises).
@@ -407,6 +398,44 @@ mod tests {
         out
     }
 
+    /// `rows` query rows of `q` at positions `p0..` (`lo(r)` the first key row r sees) over `k`
+    /// and `v` (`[positions][hd]`): through [`attend_rows`], and row by row through [`attend`].
+    #[allow(clippy::too_many_arguments)]
+    fn block_and_row_by_row(
+        q: &[f32],
+        rows: usize,
+        (k, v): (&[f32], &[f32]),
+        lo: impl Fn(usize) -> usize,
+        p0: usize,
+        heads: Heads,
+        scratch: &mut RowsScratch,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let hd = heads.dim;
+        let mut block = vec![f32::NAN; q.len()];
+        attend_rows(
+            q,
+            rows,
+            |p| &k[p * hd..(p + 1) * hd],
+            |p| &v[p * hd..(p + 1) * hd],
+            &lo,
+            p0,
+            heads,
+            scratch,
+            &mut block,
+        );
+        let per_row = q.len() / rows;
+        let mut single = vec![0f32; q.len()];
+        for (r, (qr, out)) in q
+            .chunks_exact(per_row)
+            .zip(single.chunks_exact_mut(per_row))
+            .enumerate()
+        {
+            let kv = kv_rows(k, v, hd, (lo(r), p0 + r));
+            attend(qr, &kv, heads, &mut vec![], out);
+        }
+        (block, single)
+    }
+
     fn f32_heads(dim: usize, scale: f32) -> Heads {
         Heads {
             dim,
@@ -459,9 +488,6 @@ mod tests {
         let total = 90;
         let k: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
         let v: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
-        fn row(m: &[f32], hd: usize, p: usize) -> &[f32] {
-            &m[p * hd..(p + 1) * hd]
-        }
         let mut scratch = RowsScratch::default();
         // (rows, first position, sliding window or none)
         for &(rows, p0, window) in &[
@@ -472,29 +498,13 @@ mod tests {
         ] {
             let q: Vec<f32> = (0..rows * heads * hd).map(|_| 4.0 * rnd()).collect();
             let lo = |r: usize| window.map_or(0, |w: usize| (p0 + r + 1).saturating_sub(w));
-            let mut got = vec![f32::NAN; q.len()];
-            attend_rows(
-                &q,
-                rows,
-                |p| row(&k, hd, p),
-                |p| row(&v, hd, p),
-                lo,
-                p0,
-                f32_heads(hd, 0.25),
-                &mut scratch,
-                &mut got,
-            );
-            for r in 0..rows {
-                let mut want = vec![0f32; heads * hd];
-                let qr = &q[r * heads * hd..(r + 1) * heads * hd];
-                let kv = kv_rows(&k, &v, hd, (lo(r), p0 + r));
-                attend(qr, &kv, f32_heads(hd, 0.25), &mut vec![], &mut want);
-                for (g, w) in got[r * heads * hd..(r + 1) * heads * hd].iter().zip(&want) {
-                    assert!(
-                        (g - w).abs() <= 1e-5,
-                        "rows {rows} at {p0}, row {r}: {g} vs {w}"
-                    );
-                }
+            let heads = f32_heads(hd, 0.25);
+            let (got, want) = block_and_row_by_row(&q, rows, (&k, &v), lo, p0, heads, &mut scratch);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-5,
+                    "rows {rows} at {p0}, value {i}: {g} vs {w}"
+                );
             }
         }
     }
@@ -597,9 +607,6 @@ mod tests {
         for &(hd, group) in &[(64, 3), (16, 2), (256, 4)] {
             let k: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
             let v: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
-            fn row(m: &[f32], hd: usize, p: usize) -> &[f32] {
-                &m[p * hd..(p + 1) * hd]
-            }
             let heads = Heads {
                 dim: hd,
                 scale: 1.0 / (hd as f32).sqrt(),
@@ -617,49 +624,25 @@ mod tests {
                 let q: Vec<f32> = (0..rows * group * hd).map(|_| 4.0 * rnd()).collect();
                 let lo = |r: usize| window.map_or(0, |w: usize| (p0 + r + 1).saturating_sub(w));
                 let kv = KvBits::gather(
-                    |p| row(&k, hd, p),
-                    |p| row(&v, hd, p),
+                    |p| &k[p * hd..(p + 1) * hd],
+                    |p| &v[p * hd..(p + 1) * hd],
                     from..=p0 + rows - 1,
                     hd,
                 );
                 let mut tiled = vec![f32::NAN; q.len()];
                 let ran = attend_rows_bf16(&q, rows, &kv, lo, p0, heads, &mut scratch, &mut tiled);
                 assert_eq!(ran, bf16_rows_run());
-                let mut gemm = vec![f32::NAN; q.len()];
-                attend_rows(
-                    &q,
-                    rows,
-                    |p| row(&k, hd, p),
-                    |p| row(&v, hd, p),
-                    lo,
-                    p0,
-                    heads,
-                    &mut scratch,
-                    &mut gemm,
-                );
-                for r in 0..rows {
-                    let mut want = vec![0f32; group * hd];
-                    let qr = &q[r * group * hd..(r + 1) * group * hd];
-                    let kv = kv_rows(&k, &v, hd, (lo(r), p0 + r));
-                    attend(qr, &kv, heads, &mut vec![], &mut want);
-                    let at = r * group * hd..(r + 1) * group * hd;
-                    // Three keys per row: tight (see `bf16_operands_round_the_probabilities`);
-                    // many: a probability's rounding may flip with the sums' order.
-                    let tol = if window == Some(3) { 2e-5 } else { 2e-3 };
-                    for (i, w) in want.iter().enumerate() {
-                        let g = gemm[at.start + i];
-                        assert!(
-                            (g - w).abs() <= tol,
-                            "hd {hd}, rows {rows} at {p0}, row {r}: {g} vs {w}"
-                        );
-                        if ran {
-                            let t = tiled[at.start + i];
-                            assert!(
-                                (t - w).abs() <= tol,
-                                "hd {hd}, rows {rows} at {p0}, row {r}: {t} vs {w}"
-                            );
-                        }
-                    }
+                let (gemm, want) =
+                    block_and_row_by_row(&q, rows, (&k, &v), lo, p0, heads, &mut scratch);
+                // Three keys per row: tight (see `bf16_operands_round_the_probabilities`); many: a
+                // probability's rounding may flip with the sums' order.
+                let tol = if window == Some(3) { 2e-5 } else { 2e-3 };
+                for (i, w) in want.iter().enumerate() {
+                    let r = i / (group * hd);
+                    let (g, t) = (gemm[i], tiled[i]);
+                    let at = format!("hd {hd}, rows {rows} at {p0}, row {r}");
+                    assert!((g - w).abs() <= tol, "{at}: {g} vs {w}");
+                    assert!(!ran || (t - w).abs() <= tol, "{at}: {t} vs {w}");
                 }
             }
         }
