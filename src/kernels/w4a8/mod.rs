@@ -292,57 +292,69 @@ impl PackedW4A8 {
     pub fn matmul_shared_with(isa: Isa, ws: &[&Self], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
         assert_eq!(ws.len(), ys.len(), "one output per weight");
         #[cfg(target_arch = "x86_64")]
-        if isa >= Isa::Amx
-            && m >= amx::ROWS
-            && ws
-                .iter()
-                .all(|w| amx::takes(w) && w.k == ws[0].k && w.n > 0)
-        {
-            let k = ws[0].k;
-            assert_eq!(x.len(), m * k);
-            // SAFETY: as in `matmul_impl`.
-            let ar = unsafe { amx::TiledRows::quantize(x, m, k, true) };
-            let outs: Vec<ColumnsOut> = ws
-                .iter()
-                .zip(ys.iter_mut())
-                .map(|(w, y)| {
-                    assert_eq!(y.len(), m * w.n);
-                    ColumnsOut::new(y, m, w.n)
-                })
-                .collect();
-            // Weight i's pairs are units `ends[i - 1]..ends[i]` of one range.
-            let ends: Vec<usize> = ws
-                .iter()
-                .scan(0, |end, w| {
-                    *end += amx::Pairs::Adjacent(w).count();
-                    Some(*end)
-                })
-                .collect();
-            let total = ends.last().copied().unwrap_or(0);
-            let work = ws.iter().map(|w| w.n * w.k).sum();
-            for_ranges(total, work, |range| {
-                for (i, w) in ws.iter().enumerate() {
-                    let base = if i == 0 { 0 } else { ends[i - 1] };
-                    let (a, b) = (range.start.max(base), range.end.min(ends[i]));
-                    if a < b {
-                        // SAFETY: the tier was detected on this CPU; takes() holds for every
-                        // weight; jobs own disjoint pairs of each weight.
-                        unsafe {
-                            amx::w4a8_tiles(
-                                amx::Pairs::Adjacent(w),
-                                &ar,
-                                a - base..b - base,
-                                &outs[i],
-                            )
-                        }
-                    }
-                }
-            });
+        if Self::amx_shared(isa, ws, x, m, ys, true) {
             return;
         }
         for (w, y) in ws.iter().zip(ys.iter_mut()) {
             w.matmul_impl(isa, x, m, y, true);
         }
+    }
+
+    /// `ys[i] = x · ws[i]ᵀ` on AMX tiles, the rows quantized once (`round`: `x` rounded to bf16
+    /// as it is) and every weight's column tile pairs in one fan-out. Returns false (nothing
+    /// done) where the tier, the row count or a weight's shape does not take tiles.
+    #[cfg(target_arch = "x86_64")]
+    fn amx_shared(
+        isa: Isa,
+        ws: &[&Self],
+        x: &[f32],
+        m: usize,
+        ys: &mut [&mut [f32]],
+        round: bool,
+    ) -> bool {
+        let Some(k) = ws.first().map(|w| w.k) else {
+            return false;
+        };
+        if isa < Isa::Amx || m < amx::ROWS || !ws.iter().all(|w| amx::takes(w) && w.k == k) {
+            return false;
+        }
+        assert_eq!(x.len(), m * k);
+        // SAFETY: the tier (AMX, AVX-512) was detected on this CPU; takes() means k is whole
+        // tile steps.
+        let ar = unsafe { amx::TiledRows::quantize(x, m, k, round) };
+        let outs: Vec<ColumnsOut> = ws
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(w, y)| {
+                assert_eq!(y.len(), m * w.n);
+                ColumnsOut::new(y, m, w.n)
+            })
+            .collect();
+        // Jobs of whole tile pairs (the kernel steps over two column tiles at a time); weight
+        // i's pairs are units `ends[i - 1]..ends[i]` of one range.
+        let ends: Vec<usize> = ws
+            .iter()
+            .scan(0, |end, w| {
+                *end += amx::Pairs::Adjacent(w).count();
+                Some(*end)
+            })
+            .collect();
+        let total = ends.last().copied().unwrap_or(0);
+        let work = ws.iter().map(|w| w.n * w.k).sum();
+        for_ranges(total, work, |range| {
+            for (i, w) in ws.iter().enumerate() {
+                let base = if i == 0 { 0 } else { ends[i - 1] };
+                let (a, b) = (range.start.max(base), range.end.min(ends[i]));
+                if a < b {
+                    // SAFETY: the tier was detected on this CPU; takes() holds for every weight;
+                    // jobs own disjoint pairs of each weight.
+                    unsafe {
+                        amx::w4a8_tiles(amx::Pairs::Adjacent(w), &ar, a - base..b - base, &outs[i])
+                    }
+                }
+            }
+        });
+        true
     }
 
     /// [`matmul`](Self::matmul) on an explicit tier (tests run every available one).
@@ -357,18 +369,7 @@ impl PackedW4A8 {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        if isa >= Isa::Amx && m >= amx::ROWS && amx::takes(self) {
-            // SAFETY: the tier (AMX, AVX-512) was detected on this CPU; takes() means k is
-            // whole tile steps.
-            let ar = unsafe { amx::TiledRows::quantize(x, m, self.k, round) };
-            let out = ColumnsOut::new(y, m, self.n);
-            // Jobs of whole tile pairs: the kernel steps over two column tiles at a time.
-            let pairs = amx::Pairs::Adjacent(self);
-            for_ranges(pairs.count(), self.n * self.k, |range| {
-                // SAFETY: the tier (AMX granted, AVX-512) was detected on this CPU; jobs own
-                // disjoint tiles.
-                unsafe { amx::w4a8_tiles(pairs, &ar, range, &out) }
-            });
+        if Self::amx_shared(isa, &[self], x, m, &mut [&mut *y], round) {
             return;
         }
         let acts = self.quantize_acts(isa, x, m, round);
