@@ -12,9 +12,7 @@ pub trait Engine: Sync {
     fn describe(&self) -> String;
 
     /// Bytes one sequence of `context` positions holds (its KV cache), for memory plans.
-    fn sequence_bytes(&self, context: usize) -> u128 {
-        crate::resources::kv_cache_bytes(self.config(), context)
-    }
+    fn sequence_bytes(&self, context: usize) -> u128;
 
     /// One decode step of several sequences of this engine: `tokens[i]` goes to `seqs[i]`;
     /// the logits `[n, vocab]`, row i for sequence i. Engines that can batch read their
@@ -73,6 +71,9 @@ impl Engine for SparkModel {
     }
     fn describe(&self) -> String {
         "spark-tool engine".into()
+    }
+    fn sequence_bytes(&self, context: usize) -> u128 {
+        crate::resources::kv_cache_bytes(self.config(), context, self.kv_precision())
     }
     fn step_many(
         &self,

@@ -2,6 +2,7 @@
 //! refused with both figures instead of ending in an allocation abort (SIGABRT, no message).
 
 use crate::checkpoint::{LayerType, SparkConfig};
+use crate::model::KvPrecision;
 use crate::setting::Setting;
 
 #[derive(Debug, thiserror::Error)]
@@ -184,9 +185,9 @@ impl Drop for PrivatePeak {
     }
 }
 
-/// f32 K and V the engine keeps for `context` positions (sliding layers hold at most a window).
-pub fn kv_cache_bytes(cfg: &SparkConfig, context: usize) -> u128 {
-    let per_pos = 2 * cfg.kv_dim() as u128 * 4;
+/// K and V the engine keeps for `context` positions (sliding layers hold at most a window).
+pub fn kv_cache_bytes(cfg: &SparkConfig, context: usize, precision: KvPrecision) -> u128 {
+    let per_pos = 2 * cfg.kv_dim() as u128 * precision.bytes() as u128;
     let sliding = cfg.sliding_window.min(context) as u128;
     cfg.layer_types
         .iter()
@@ -197,7 +198,8 @@ pub fn kv_cache_bytes(cfg: &SparkConfig, context: usize) -> u128 {
         .sum()
 }
 
-/// Peak bytes of one forward over `tokens` positions with `context` cached: the KV cache, the
+/// Peak bytes of one forward over `tokens` positions with `context` cached: the KV cache (planned
+/// as f32, the larger precision: these plans run before the artifact's numerics are settled), the
 /// f32 activations a layer holds at once (residual, normed input, q/k/v/gate, attention output,
 /// the MLP's gate/up/act) and the logits (`all_logits`: every position, else the last).
 pub fn forward_bytes(cfg: &SparkConfig, tokens: usize, context: usize, all_logits: bool) -> u128 {
@@ -208,7 +210,7 @@ pub fn forward_bytes(cfg: &SparkConfig, tokens: usize, context: usize, all_logit
         + 3 * cfg.intermediate_size) as u128
         * 4;
     let logit_rows = if all_logits { tokens } else { 1 } as u128;
-    kv_cache_bytes(cfg, context)
+    kv_cache_bytes(cfg, context, KvPrecision::F32)
         + tokens as u128 * (row + 4)
         + logit_rows * cfg.vocab_size as u128 * 4
 }

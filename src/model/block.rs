@@ -3,14 +3,15 @@
 //! the same blocks step by step (`layer.self_attn.attend`, then `out_proj`, …), so what it
 //! calibrates on is exactly what the forward computes.
 
+use half::bf16;
 use rayon::prelude::*;
 
-use super::kv_cache::LayerKvCache;
+use super::kv_cache::{KvRows, LayerKvCache, Rows};
 use super::profile::{Stage, StageTimers};
 use super::rope::Rope;
 use super::Linear;
 use crate::checkpoint::{CheckpointError, LayerType, Proj, SparkConfig};
-use crate::kernels::attention::{KvBits, RowsScratch, BLOCK_ROWS};
+use crate::kernels::attention::{KvBits, KvElem, RowsScratch, BLOCK_ROWS};
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4a8::PackedW4A8;
 use crate::kernels::{self, gelu::gelu_mul, rms_norm, sigmoid};
@@ -267,6 +268,32 @@ fn attention(
     cache: &LayerKvCache,
     out: &mut [f32],
 ) {
+    match cache.rows() {
+        KvRows::F32(rows) => attention_over(ctx, q, k, v, start, rows, out),
+        KvRows::Bf16(rows) => {
+            // A bf16 cache holds bf16 values (ctx.bf16): this call's rows are such values too.
+            let bits = |x: &[f32]| -> Vec<bf16> {
+                let to = |x: &f32| <bf16 as KvElem>::from_f32(*x);
+                match x.len() >= 1 << 16 {
+                    true => x.par_iter().map(to).collect(),
+                    false => x.iter().map(to).collect(),
+                }
+            };
+            attention_over(ctx, q, &bits(k), &bits(v), start, rows, out)
+        }
+    }
+}
+
+/// [`attention`] over keys and values stored as `T`.
+fn attention_over<T: KvElem>(
+    ctx: &Ctx,
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    start: usize,
+    cache: Rows<'_, T>,
+    out: &mut [f32],
+) {
     let cfg = ctx.cfg;
     let (hd, q_dim, kv_dim, group) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim(), cfg.gqa_group());
     let heads = kernels::attention::Heads {
@@ -277,7 +304,7 @@ fn attention(
     let window = cfg.sliding_window;
     let kind = ctx.kind;
     // KV head h's row at `pos`: this call's rows are `[m, kv_dim]`, the cache's per head.
-    let key = |pos: usize, h: usize| -> &[f32] {
+    let key = |pos: usize, h: usize| -> &[T] {
         if pos >= start {
             let o = (pos - start) * kv_dim + h * hd;
             &k[o..o + hd]
@@ -285,7 +312,7 @@ fn attention(
             cache.key(pos, h)
         }
     };
-    let value = |pos: usize, h: usize| -> &[f32] {
+    let value = |pos: usize, h: usize| -> &[T] {
         if pos >= start {
             let o = (pos - start) * kv_dim + h * hd;
             &v[o..o + hd]

@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use crate::checkpoint::layout::layer_prefix;
 use crate::checkpoint::{Checkpoint, CheckpointError, LayerType, SparkConfig};
 pub use block::{Ctx, DecoderLayer, Mlp, RmsNorm, Segment, SelfAttention};
-pub use kv_cache::{CacheError, KvCache};
+pub use kv_cache::{CacheError, KvCache, KvPrecision};
 pub use linear::{Bf16Data, DenseLinear, DenseWeight, Linear};
 use profile::{Stage, StageTimers};
 pub use quantized::{QuantExec, W4Numerics};
@@ -373,7 +373,12 @@ impl SparkModel {
     }
 
     pub fn new_cache(&self, context: usize) -> KvCache {
-        KvCache::new(&self.config, context)
+        KvCache::new(&self.config, context, self.kv_precision())
+    }
+
+    /// How this model's caches store keys and values.
+    pub fn kv_precision(&self) -> KvPrecision {
+        KvPrecision::for_activations(self.act_bf16)
     }
 
     /// Run `tokens` at positions `cache.pos()..` and append their K/V to the
@@ -643,7 +648,12 @@ mod tests {
         let h: Vec<f32> = (0..cfg.hidden_size)
             .map(|i| (i as f32 * 0.37).sin())
             .collect();
-        let mut cache = kv_cache::LayerKvCache::new(cfg, LayerType::Full, 4);
+        let mut cache = kv_cache::LayerKvCache::new(
+            cfg,
+            LayerType::Full,
+            4,
+            KvPrecision::for_activations(ctx.bf16),
+        );
         let a = layer.self_attn.attend(&h, 1, 0, &mut cache, &ctx);
         // softmax over one key is 1: each query head returns its KV head's value, gated.
         let v = layer.self_attn.v_proj.project(&h, 1);

@@ -697,7 +697,12 @@ pub(super) mod testing {
         let w = SEQ * ctx.cfg.hidden_size;
         let mut y = x.to_vec();
         for win in y.chunks_mut(w) {
-            let mut cache = LayerKvCache::new(ctx.cfg, layer.kind, SEQ);
+            let mut cache = LayerKvCache::new(
+                ctx.cfg,
+                layer.kind,
+                SEQ,
+                crate::model::KvPrecision::for_activations(ctx.bf16),
+            );
             layer.forward(win, SEQ, 0, &mut cache, ctx);
         }
         y

@@ -853,7 +853,12 @@ fn attend_samples(
     let (hidden, q_dim) = (cfg.hidden_size, cfg.q_dim());
     let mut attn = vec![0f32; samples * seq_len * q_dim];
     for s in 0..samples {
-        let mut cache = crate::model::kv_cache::LayerKvCache::new(cfg, layer.kind, seq_len);
+        let mut cache = crate::model::kv_cache::LayerKvCache::new(
+            cfg,
+            layer.kind,
+            seq_len,
+            crate::model::KvPrecision::for_activations(ctx.bf16),
+        );
         let a = layer.self_attn.attend(
             &h[s * seq_len * hidden..(s + 1) * seq_len * hidden],
             seq_len,

@@ -2,12 +2,13 @@
 //! score each key in one pass over it (16-lane partial sums in registers, two per head), and
 //! the values are accumulated 64 dimensions × up to 4 heads at a time in registers over blocks
 //! of positions, so each value row is read once per block and the outputs are loaded and stored
-//! once per block instead of once per position. The portable body in `mod.rs` is the reference:
-//! the same math, sums in another order.
+//! once per block instead of once per position. bf16 rows are widened 16 values at a time by a
+//! shift (exact). The portable body in `mod.rs` is the reference: the same math, sums in another
+//! order.
 
 use std::arch::x86_64::*;
 
-use super::{prefetch, L2};
+use super::{prefetch, KvElem, L2};
 
 /// Positions per value block: 16 rows of one KV head (16 KiB at hd 256) stay in L1 across the
 /// block's passes over its dimension chunks.
@@ -24,7 +25,7 @@ const AHEAD: usize = 8;
 /// # Safety
 /// The CPU has AVX-512F (checked by the caller).
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn attend<'a, K, V>(
+pub(super) unsafe fn attend<'a, T, K, V>(
     q: &[f32],
     &super::Window {
         ref key,
@@ -40,8 +41,9 @@ pub(super) unsafe fn attend<'a, K, V>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) where
-    K: Fn(usize) -> &'a [f32],
-    V: Fn(usize) -> &'a [f32],
+    T: KvElem,
+    K: Fn(usize) -> &'a [T],
+    V: Fn(usize) -> &'a [T],
 {
     assert!(hd.is_multiple_of(16) && hd > 0 && out.len().is_multiple_of(hd));
     let group = out.len() / hd;
@@ -61,10 +63,10 @@ pub(super) unsafe fn attend<'a, K, V>(
             // SAFETY: heads h0.. of q and the key row hold hd values each (asserted).
             unsafe {
                 match left {
-                    4.. => score::<4>(q, kr, hd, h0, j, n, scale, scores),
-                    3 => score::<3>(q, kr, hd, h0, j, n, scale, scores),
-                    2 => score::<2>(q, kr, hd, h0, j, n, scale, scores),
-                    _ => score::<1>(q, kr, hd, h0, j, n, scale, scores),
+                    4.. => score::<T, 4>(q, kr, hd, h0, j, n, scale, scores),
+                    3 => score::<T, 3>(q, kr, hd, h0, j, n, scale, scores),
+                    2 => score::<T, 2>(q, kr, hd, h0, j, n, scale, scores),
+                    _ => score::<T, 1>(q, kr, hd, h0, j, n, scale, scores),
                 }
             }
             h0 += left.min(4);
@@ -77,7 +79,7 @@ pub(super) unsafe fn attend<'a, K, V>(
         }
     }
     out.fill(0.0);
-    let mut rows = [std::ptr::null::<f32>(); BLOCK];
+    let mut rows = [std::ptr::null::<T>(); BLOCK];
     let mut b0 = lo;
     while b0 <= hi {
         let b1 = (b0 + BLOCK - 1).min(hi);
@@ -101,10 +103,10 @@ pub(super) unsafe fn attend<'a, K, V>(
             // SAFETY: the block's rows point at hd values each; scores holds its positions.
             unsafe {
                 match left {
-                    4.. => accumulate::<4>(&block, h0, hd, out),
-                    3 => accumulate::<3>(&block, h0, hd, out),
-                    2 => accumulate::<2>(&block, h0, hd, out),
-                    _ => accumulate::<1>(&block, h0, hd, out),
+                    4.. => accumulate::<T, 4>(&block, h0, hd, out),
+                    3 => accumulate::<T, 3>(&block, h0, hd, out),
+                    2 => accumulate::<T, 2>(&block, h0, hd, out),
+                    _ => accumulate::<T, 1>(&block, h0, hd, out),
                 }
             }
             h0 += left.min(4);
@@ -119,9 +121,9 @@ pub(super) unsafe fn attend<'a, K, V>(
 #[inline]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn score<const G: usize>(
+unsafe fn score<T: KvElem, const G: usize>(
     q: &[f32],
-    k: &[f32],
+    k: &[T],
     hd: usize,
     h0: usize,
     j: usize,
@@ -138,9 +140,9 @@ unsafe fn score<const G: usize>(
         let pair = c + 32 <= hd;
         // SAFETY: c + 16 (c + 32 when `pair`) ≤ hd; head h0 + h's row lies inside q (asserted).
         unsafe {
-            let k0 = _mm512_loadu_ps(kp.add(c));
+            let k0 = load16(kp.add(c));
             let k1 = if pair {
-                _mm512_loadu_ps(kp.add(c + 16))
+                load16(kp.add(c + 16))
             } else {
                 _mm512_setzero_ps()
             };
@@ -161,8 +163,8 @@ unsafe fn score<const G: usize>(
 
 /// A block of value rows: `rows[r]` is position `j0 + r` of the window, whose score for head h
 /// is `scores[h·n + j0 + r]`.
-struct Block<'s> {
-    rows: &'s [*const f32],
+struct Block<'s, T> {
+    rows: &'s [*const T],
     scores: &'s [f32],
     n: usize,
     j0: usize,
@@ -176,26 +178,31 @@ struct Block<'s> {
 /// Every row of `b` points at `hd` readable values.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn accumulate<const G: usize>(b: &Block, h0: usize, hd: usize, out: &mut [f32]) {
+unsafe fn accumulate<T: KvElem, const G: usize>(
+    b: &Block<T>,
+    h0: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
     assert!(out.len() >= (h0 + G) * hd && b.scores.len() >= (h0 + G) * b.n);
     assert!(b.j0 + b.rows.len() <= b.n && hd.is_multiple_of(16));
     let op = out.as_mut_ptr();
     let mut d = 0;
     while d + 64 <= hd {
         // SAFETY: d + 64 ≤ hd for every row and every head's output.
-        unsafe { accumulate_chunk::<G, 4>(b, h0, hd, op, d) };
+        unsafe { accumulate_chunk::<T, G, 4>(b, h0, hd, op, d) };
         d += 64;
     }
     while d < hd {
         // SAFETY: d + 16 ≤ hd (hd is a multiple of 16).
-        unsafe { accumulate_chunk::<G, 1>(b, h0, hd, op, d) };
+        unsafe { accumulate_chunk::<T, G, 1>(b, h0, hd, op, d) };
         d += 16;
     }
 }
 
 #[inline(always)]
-unsafe fn accumulate_chunk<const G: usize, const C: usize>(
-    b: &Block,
+unsafe fn accumulate_chunk<T: KvElem, const G: usize, const C: usize>(
+    b: &Block<T>,
     h0: usize,
     hd: usize,
     op: *mut f32,
@@ -213,7 +220,7 @@ unsafe fn accumulate_chunk<const G: usize, const C: usize>(
         for (r, &row) in b.rows.iter().enumerate() {
             let mut v = [_mm512_setzero_ps(); C];
             for (i, v) in v.iter_mut().enumerate() {
-                *v = _mm512_loadu_ps(row.add(d + 16 * i));
+                *v = load16(row.add(d + 16 * i));
             }
             for (h, acc) in acc.iter_mut().enumerate() {
                 let s = _mm512_set1_ps(*b.scores.get_unchecked((h0 + h) * b.n + b.j0 + r));
@@ -226,6 +233,24 @@ unsafe fn accumulate_chunk<const G: usize, const C: usize>(
             for (i, a) in acc.iter().enumerate() {
                 _mm512_storeu_ps(op.add((h0 + h) * hd + d + 16 * i), *a);
             }
+        }
+    }
+}
+
+/// 16 values from `p` as f32: loaded, or bf16 widened by a shift (exact).
+///
+/// # Safety
+/// 16 values are readable at `p`; the CPU has AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load16<T: KvElem>(p: *const T) -> __m512 {
+    // SAFETY: the caller's bounds.
+    unsafe {
+        if T::BF16 {
+            let bits = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+        } else {
+            _mm512_loadu_ps(p as *const f32)
         }
     }
 }

@@ -6,11 +6,59 @@
 //! query heads of a KV head score each key in one pass and the values are accumulated in
 //! registers over blocks of positions: the same math, sums in another order.
 
+use half::bf16;
+
 use super::convert::bf16_bits;
 use super::{dot, softmax};
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+
+/// An element of stored keys and values: f32, or bf16 (a model whose keys and values are bf16
+/// values already stores them in half the bytes; docs/MODEL.md §8).
+pub trait KvElem: Copy + Default + Send + Sync + 'static {
+    /// Whether this is `bf16` (the AVX-512 kernel widens 16 of them by a shift).
+    const BF16: bool;
+    /// `x` in this type (bf16: rounded to nearest even, exact for a bf16 value).
+    fn from_f32(x: f32) -> Self;
+    /// The value (exact).
+    fn to_f32(self) -> f32;
+    /// The bits of the value rounded to bf16 (exact for a bf16 value).
+    fn bf16_bits(self) -> u16;
+}
+
+impl KvElem for f32 {
+    const BF16: bool = false;
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn bf16_bits(self) -> u16 {
+        bf16_bits(self)
+    }
+}
+
+impl KvElem for bf16 {
+    const BF16: bool = true;
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        // The rounding of every other bf16 conversion here (half's agrees, one home for ours).
+        bf16::from_bits(bf16_bits(x))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    #[inline(always)]
+    fn bf16_bits(self) -> u16 {
+        self.to_bits()
+    }
+}
 
 /// What one query row attends over: positions `lo..=hi`, and each position's key and value row
 /// of one KV head (`head_dim` values).
@@ -22,16 +70,17 @@ pub struct Window<K, V> {
 }
 
 /// `out[h] = Σ_pos softmax_pos(q[h]·k_pos · scale) v_pos` for the `out.len() / hd` query heads
-/// in `q`, over the positions of `kv`. `scores` is scratch (resized here).
-pub fn attend<'a, K, V>(
+/// in `q`, over the positions of `kv` (rows of f32 or bf16). `scores` is scratch (resized here).
+pub fn attend<'a, T, K, V>(
     q: &[f32],
     kv: &Window<K, V>,
     heads: Heads,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) where
-    K: Fn(usize) -> &'a [f32],
-    V: Fn(usize) -> &'a [f32],
+    T: KvElem,
+    K: Fn(usize) -> &'a [T],
+    V: Fn(usize) -> &'a [T],
 {
     #[cfg(target_arch = "x86_64")]
     if super::isa::isa().avx512() && heads.dim.is_multiple_of(16) {
@@ -53,7 +102,7 @@ pub struct Heads {
 }
 
 /// The portable reference of [`attend`].
-fn attend_body<'a, K, V>(
+fn attend_body<'a, T, K, V>(
     q: &[f32],
     &Window {
         ref key,
@@ -69,8 +118,9 @@ fn attend_body<'a, K, V>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) where
-    K: Fn(usize) -> &'a [f32],
-    V: Fn(usize) -> &'a [f32],
+    T: KvElem,
+    K: Fn(usize) -> &'a [T],
+    V: Fn(usize) -> &'a [T],
 {
     let group = out.len() / hd;
     let n = hi + 1 - lo;
@@ -101,7 +151,7 @@ fn attend_body<'a, K, V>(
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {
             let s = scores[h * n + j];
             for (a, b) in o.iter_mut().zip(vr) {
-                *a += s * b;
+                *a += s * b.to_f32();
             }
         }
     }
@@ -136,11 +186,11 @@ pub struct RowsScratch {
 /// probabilities rounded to bf16 first); the sums run in the GEMM's order, so results differ in
 /// the last bits.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_rows<'a>(
+pub fn attend_rows<'a, T: KvElem>(
     q: &[f32],
     rows: usize,
-    key: impl Fn(usize) -> &'a [f32],
-    value: impl Fn(usize) -> &'a [f32],
+    key: impl Fn(usize) -> &'a [T],
+    value: impl Fn(usize) -> &'a [T],
     lo: impl Fn(usize) -> usize,
     p0: usize,
     heads: Heads,
@@ -157,8 +207,8 @@ pub fn attend_rows<'a>(
     k.clear();
     v.clear();
     for pos in first..=last {
-        k.extend_from_slice(key(pos));
-        v.extend_from_slice(value(pos));
+        k.extend(key(pos).iter().map(|x| x.to_f32()));
+        v.extend(value(pos).iter().map(|x| x.to_f32()));
     }
     s.clear();
     s.resize(m * n, 0.0);
@@ -212,9 +262,9 @@ pub struct KvBits {
 
 impl KvBits {
     /// The keys and values of `positions` (bf16 values; rounded to nearest even otherwise).
-    pub fn gather<'a>(
-        key: impl Fn(usize) -> &'a [f32],
-        value: impl Fn(usize) -> &'a [f32],
+    pub fn gather<'a, T: KvElem>(
+        key: impl Fn(usize) -> &'a [T],
+        value: impl Fn(usize) -> &'a [T],
         positions: std::ops::RangeInclusive<usize>,
         hd: usize,
     ) -> Self {
@@ -224,15 +274,17 @@ impl KvBits {
         let mut k = vec![0u16; n * hd];
         let mut vt = vec![0u16; hd * stride];
         for (j, kr) in k.chunks_exact_mut(hd).enumerate() {
-            to_bits(key(first + j), kr);
+            kr.iter_mut()
+                .zip(key(first + j))
+                .for_each(|(o, x)| *o = x.bf16_bits());
         }
         // Vᵀ 32 positions at a time: each dimension's 32 values are one 64-byte run of `vt`,
         // read from 32 value rows that stay in L1.
         for j0 in (0..n).step_by(32) {
-            let rows: Vec<&[f32]> = (j0..(j0 + 32).min(n)).map(|j| value(first + j)).collect();
+            let rows: Vec<&[T]> = (j0..(j0 + 32).min(n)).map(|j| value(first + j)).collect();
             for (d, run) in vt.chunks_exact_mut(stride).enumerate() {
                 for (o, row) in run[j0..].iter_mut().zip(&rows) {
-                    *o = bf16_bits(row[d]);
+                    *o = row[d].bf16_bits();
                 }
             }
         }
@@ -335,11 +387,11 @@ const L2: i32 = 2;
 
 /// Hint the cache lines of `row` into the cache level `HINT` names ([`L1`], [`L2`]; never faults).
 #[inline(always)]
-fn prefetch<const HINT: i32>(row: &[f32]) {
+fn prefetch<const HINT: i32>(row: &[impl Sized]) {
     #[cfg(target_arch = "x86_64")]
-    for line in row.chunks(16) {
+    for off in (0..std::mem::size_of_val(row)).step_by(64) {
         // SAFETY: a prefetch of a valid address has no architectural effect.
-        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(line.as_ptr() as *const i8) };
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>((row.as_ptr() as *const i8).add(off)) };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = row;
@@ -445,12 +497,12 @@ mod tests {
     }
 
     /// Row p of `k` and `v` (`[positions][hd]`) at positions `lo..=hi`.
-    fn kv_rows<'a>(
-        k: &'a [f32],
-        v: &'a [f32],
+    fn kv_rows<'a, T>(
+        k: &'a [T],
+        v: &'a [T],
         hd: usize,
         (lo, hi): (usize, usize),
-    ) -> Window<impl Fn(usize) -> &'a [f32], impl Fn(usize) -> &'a [f32]> {
+    ) -> Window<impl Fn(usize) -> &'a [T], impl Fn(usize) -> &'a [T]> {
         Window {
             key: move |p| &k[p * hd..(p + 1) * hd],
             value: move |p| &v[p * hd..(p + 1) * hd],
@@ -646,5 +698,56 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Keys and values stored as bf16 give the bits of the same values stored as f32, on every
+    /// path: decode (the portable body and the AVX-512 kernel, which widens them by a shift), the
+    /// f32 block and the bf16 block's gathered bits.
+    #[test]
+    fn bf16_rows_give_the_bits_of_their_f32_values() {
+        let mut gen = lcg(13);
+        let mut rnd = || crate::kernels::w4::round_bf16(gen());
+        let (hd, group, total) = (64, 3, 77);
+        let k: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
+        let v: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
+        let to16 = |x: &[f32]| x.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+        let (k16, v16) = (to16(&k), to16(&v));
+        let q: Vec<f32> = (0..32 * group * hd).map(|_| 4.0 * rnd()).collect();
+        for bf16 in [false, true] {
+            let heads = Heads {
+                dim: hd,
+                scale: 0.125,
+                bf16,
+            };
+            // Decode: both bodies, a window that is not whole value blocks.
+            let (w32, w16) = (
+                kv_rows(&k, &v, hd, (3, 70)),
+                kv_rows(&k16, &v16, hd, (3, 70)),
+            );
+            let qr = &q[..group * hd];
+            let mut pair = [vec![0f32; group * hd], vec![1f32; group * hd]];
+            attend(qr, &w32, heads, &mut vec![], &mut pair[0]);
+            attend(qr, &w16, heads, &mut vec![], &mut pair[1]);
+            assert_eq!(pair[0], pair[1], "attend, bf16 {bf16}");
+            attend_body(qr, &w32, heads, &mut vec![], &mut pair[0]);
+            attend_body(qr, &w16, heads, &mut vec![], &mut pair[1]);
+            assert_eq!(pair[0], pair[1], "portable body, bf16 {bf16}");
+            // A block of 32 rows at positions 40.., causal over keys from 0.
+            let mut scratch = RowsScratch::default();
+            let w16 = kv_rows(&k16, &v16, hd, (0, total - 1));
+            let (key16, value16) = (&w16.key, &w16.value);
+            let w32 = kv_rows(&k, &v, hd, (0, total - 1));
+            let (key32, value32) = (&w32.key, &w32.value);
+            pair = [vec![0f32; q.len()], vec![1f32; q.len()]];
+            let out = &mut pair[0];
+            attend_rows(&q, 32, key32, value32, |_| 0, 40, heads, &mut scratch, out);
+            let out = &mut pair[1];
+            attend_rows(&q, 32, key16, value16, |_| 0, 40, heads, &mut scratch, out);
+            assert_eq!(pair[0], pair[1], "attend_rows, bf16 {bf16}");
+        }
+        let (w32, w16) = (kv_rows(&k, &v, hd, (0, 0)), kv_rows(&k16, &v16, hd, (0, 0)));
+        let a = KvBits::gather(&w32.key, &w32.value, 5..=71, hd);
+        let b = KvBits::gather(&w16.key, &w16.value, 5..=71, hd);
+        assert_eq!((a.k, a.vt), (b.k, b.vt));
     }
 }
