@@ -376,6 +376,7 @@ pub fn attend_rows_bf16(
 }
 
 /// [`bf16_bits`] of every value (a loop the compiler vectorises).
+#[cfg(target_arch = "x86_64")]
 fn to_bits(x: &[f32], out: &mut [u16]) {
     out.iter_mut().zip(x).for_each(|(o, x)| *o = bf16_bits(*x));
 }
