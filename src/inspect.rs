@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::checkpoint::{Checkpoint, LayerType, TensorClass};
+use crate::model::KvPrecision;
 use crate::tokenizer::SparkTokenizer;
 
 #[derive(Debug, Serialize)]
@@ -34,8 +35,11 @@ pub struct KvReport {
     pub sliding_bytes_16bit: u64,
     pub full_bytes_16bit: u64,
     pub total_bytes_16bit: u64,
-    /// What spark-tool's f32 CPU engine allocates.
+    /// What spark-tool's CPU engine allocates with f32 caches (a float checkpoint).
     pub total_bytes_f32: u64,
+    /// What spark-tool's engine allocates for this checkpoint by default: bf16 caches for a GPTQ
+    /// checkpoint (bf16 activations), f32 for a float one (docs/MODEL.md §8).
+    pub engine_bytes: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -217,6 +221,10 @@ pub fn inspect(ck: &Checkpoint, context: usize) -> InspectReport {
             full_bytes_16bit: full,
             total_bytes_16bit: sliding + full,
             total_bytes_f32: 2 * (sliding + full),
+            engine_bytes: match KvPrecision::for_activations(ck.config.gptq.is_some()) {
+                KvPrecision::Bf16 => sliding + full,
+                KvPrecision::F32 => 2 * (sliding + full),
+            },
         },
         tokenizer,
         warnings,
@@ -316,14 +324,14 @@ impl std::fmt::Display for InspectReport {
         let k = &self.kv_cache;
         writeln!(
             f,
-            "  KV cache at context {} (16-bit): sliding {} ({} entries/layer), full {}, total {} ({} per token per layer; f32 engine: {})",
+            "  KV cache at context {} (16-bit): sliding {} ({} entries/layer), full {}, total {} ({} per token per layer; spark-tool's engine: {})",
             k.context,
             human(k.sliding_bytes_16bit),
             k.sliding_entries,
             human(k.full_bytes_16bit),
             human(k.total_bytes_16bit),
             human(k.bytes_per_token_per_layer_16bit),
-            human(k.total_bytes_f32)
+            human(k.engine_bytes)
         )?;
         match &self.tokenizer {
             Some(t) => writeln!(f, "  tokenizer {t}")?,

@@ -33,6 +33,11 @@ fn inspect_json_reports_the_fixture() {
         v["kv_cache"]["total_bytes_16bit"],
         (3 * 16 + 2 * 1000) * 48 * 2 * 2
     );
+    // A float checkpoint runs on f32 caches (a GPTQ one on bf16: tests/quantize.rs).
+    assert_eq!(
+        v["kv_cache"]["engine_bytes"],
+        (3 * 16 + 2 * 1000) * 48 * 2 * 4
+    );
 }
 
 #[test]
