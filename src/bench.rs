@@ -95,7 +95,9 @@ pub fn plan(
             ),
         });
     }
-    let need = crate::resources::forward_bytes(cfg, prompt_len.max(1), positions, false);
+    // Before the load, so the cache is planned f32 (a GPTQ artifact's bf16 cache takes half).
+    let need = crate::resources::kv_cache_bytes(cfg, positions, 4)
+        + crate::resources::forward_bytes(cfg, prompt_len.max(1), false);
     crate::resources::check_fits(
         &format!("a {prompt_len}-token prefill"),
         need,

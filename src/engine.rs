@@ -73,7 +73,7 @@ impl Engine for SparkModel {
         "spark-tool engine".into()
     }
     fn sequence_bytes(&self, context: usize) -> u128 {
-        crate::resources::kv_cache_bytes(self.config(), context, self.kv_precision())
+        crate::resources::kv_cache_bytes(self.config(), context, self.kv_precision().bytes())
     }
     fn step_many(
         &self,

@@ -7,7 +7,6 @@ use serde::Serialize;
 
 use crate::artifact::ArtifactError;
 use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor, WriteError};
-use crate::checkpoint::SparkConfig;
 use crate::engine::Engine;
 use crate::model::{Logits, ModelError};
 use crate::sampling::{Sampler, SamplingParams};
@@ -72,10 +71,11 @@ pub enum BudgetError {
 /// maximum, so stopping early is what it promises). The KV cache, activations and captured logits
 /// must fit in the available memory. Returns the warnings.
 pub fn plan(
-    cfg: &SparkConfig,
+    engine: &dyn Engine,
     prompt_len: usize,
     opts: &mut GenerateOptions,
 ) -> Result<Vec<String>, BudgetError> {
+    let cfg = engine.config();
     let max = cfg.max_position_embeddings;
     if let Some(c) = opts.context {
         if c > max {
@@ -103,7 +103,8 @@ pub fn plan(
         opts.max_new_tokens = room;
     }
     let context = opts.context.unwrap_or(prompt_len + opts.max_new_tokens);
-    let mut need = crate::resources::forward_bytes(cfg, prompt_len, context, opts.capture_logits);
+    let mut need = engine.sequence_bytes(context)
+        + crate::resources::forward_bytes(cfg, prompt_len, opts.capture_logits);
     if opts.capture_logits {
         need += opts.max_new_tokens as u128 * cfg.vocab_size as u128 * 4;
     }

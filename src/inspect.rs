@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::checkpoint::{Checkpoint, LayerType, TensorClass};
-use crate::model::KvPrecision;
+use crate::model::{KvPrecision, LoadOptions};
 use crate::tokenizer::SparkTokenizer;
 
 #[derive(Debug, Serialize)]
@@ -221,9 +221,10 @@ pub fn inspect(ck: &Checkpoint, context: usize) -> InspectReport {
             full_bytes_16bit: full,
             total_bytes_16bit: sliding + full,
             total_bytes_f32: 2 * (sliding + full),
-            engine_bytes: match KvPrecision::for_activations(ck.config.gptq.is_some()) {
-                KvPrecision::Bf16 => sliding + full,
-                KvPrecision::F32 => 2 * (sliding + full),
+            engine_bytes: {
+                let exec = LoadOptions::for_checkpoint(ck, false).exec;
+                let precision = KvPrecision::for_activations(exec.act_bf16);
+                crate::resources::kv_cache_bytes(&ck.config, context, precision.bytes()) as u64
             },
         },
         tokenizer,

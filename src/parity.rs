@@ -592,8 +592,8 @@ pub fn run(
             };
             // Both sides get the same bound and hold the same rows of logits; a clamp is applied
             // alike, so its warning is not needed.
-            for cfg in [r.config(), c.config()] {
-                crate::generate::plan(cfg, ids.len(), &mut opts)?;
+            for engine in [r, c] {
+                crate::generate::plan(engine, ids.len(), &mut opts)?;
             }
             let context = ids.len() + opts.max_new_tokens;
             kv_bytes += r.sequence_bytes(context) + c.sequence_bytes(context);

@@ -2,7 +2,6 @@
 //! refused with both figures instead of ending in an allocation abort (SIGABRT, no message).
 
 use crate::checkpoint::{LayerType, SparkConfig};
-use crate::model::KvPrecision;
 use crate::setting::Setting;
 
 #[derive(Debug, thiserror::Error)]
@@ -185,9 +184,10 @@ impl Drop for PrivatePeak {
     }
 }
 
-/// K and V the engine keeps for `context` positions (sliding layers hold at most a window).
-pub fn kv_cache_bytes(cfg: &SparkConfig, context: usize, precision: KvPrecision) -> u128 {
-    let per_pos = 2 * cfg.kv_dim() as u128 * precision.bytes() as u128;
+/// K and V the engine keeps for `context` positions (sliding layers hold at most a window),
+/// `value_bytes` per stored value (4 for f32 caches, 2 for bf16: `KvPrecision::bytes`).
+pub fn kv_cache_bytes(cfg: &SparkConfig, context: usize, value_bytes: usize) -> u128 {
+    let per_pos = 2 * cfg.kv_dim() as u128 * value_bytes as u128;
     let sliding = cfg.sliding_window.min(context) as u128;
     cfg.layer_types
         .iter()
@@ -198,11 +198,11 @@ pub fn kv_cache_bytes(cfg: &SparkConfig, context: usize, precision: KvPrecision)
         .sum()
 }
 
-/// Peak bytes of one forward over `tokens` positions with `context` cached: the KV cache (planned
-/// as f32, the larger precision: these plans run before the artifact's numerics are settled), the
-/// f32 activations a layer holds at once (residual, normed input, q/k/v/gate, attention output,
-/// the MLP's gate/up/act) and the logits (`all_logits`: every position, else the last).
-pub fn forward_bytes(cfg: &SparkConfig, tokens: usize, context: usize, all_logits: bool) -> u128 {
+/// Peak bytes of one forward over `tokens` positions besides the KV cache (the engine's, or
+/// [`kv_cache_bytes`]): the f32 activations a layer holds at once (residual, normed input,
+/// q/k/v/gate, attention output, the MLP's gate/up/act) and the logits (`all_logits`: every
+/// position, else the last).
+pub fn forward_bytes(cfg: &SparkConfig, tokens: usize, all_logits: bool) -> u128 {
     let row = (3 * cfg.hidden_size
         + 3 * cfg.q_dim()
         + 2 * cfg.kv_dim()
@@ -210,9 +210,7 @@ pub fn forward_bytes(cfg: &SparkConfig, tokens: usize, context: usize, all_logit
         + 3 * cfg.intermediate_size) as u128
         * 4;
     let logit_rows = if all_logits { tokens } else { 1 } as u128;
-    kv_cache_bytes(cfg, context, KvPrecision::F32)
-        + tokens as u128 * (row + 4)
-        + logit_rows * cfg.vocab_size as u128 * 4
+    tokens as u128 * (row + 4) + logit_rows * cfg.vocab_size as u128 * 4
 }
 
 #[cfg(test)]

@@ -123,11 +123,15 @@ fn w4a8_g128_fused_checkpoint() {
         r.bits_per_weight
     );
     check_time_and_memory_are_reported(&r);
-    // Its KV cache on our engine is bf16 (bf16 activations): half a float checkpoint's.
+    // Its KV cache on our engine is bf16 (bf16 activations): half a float checkpoint's, as
+    // `inspect` reports and the engine plans.
+    use spark_tool::engine::Engine;
     let ck = spark_tool::checkpoint::Checkpoint::open(&out).unwrap();
     let kv = spark_tool::inspect::inspect(&ck, 1000).kv_cache;
     assert_eq!(kv.engine_bytes, kv.total_bytes_16bit);
     assert_eq!(kv.total_bytes_f32, 2 * kv.total_bytes_16bit);
+    let model = spark_tool::model::SparkModel::from_checkpoint(&ck, false).unwrap();
+    assert_eq!(model.sequence_bytes(1000), kv.engine_bytes as u128);
 }
 
 /// The phase split covers every phase once, adds up to no more than the wall time, and the

@@ -13,8 +13,8 @@ GPTQ format and vLLM's kernels are unchanged; the cost is the untied head's byte
 
     python3 tools/rotate_residual.py SRC DST [--seed N] [--identity]
 
-Written in float32 (exact to ~1e-7, KL ~1e-12 against SRC); `spark-tool quantize DST` then quantizes
-the rotated weights. `--identity` folds the gains and unties the head without rotating (the control).
+Written in float32 as one file (exact to ~1e-7, KL ~1e-12 against SRC); `spark-tool quantize DST` then
+quantizes the rotated weights. Holds the whole model in float64 while it works (≈ 14 GB for the 1.7B). `--identity` folds the gains and unties the head without rotating (the control).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def main() -> None:
         for w in ("self_attn.out_proj", "mlp.down_proj"):
             out[f"{p}{w}.weight"] = q.T @ t[f"{p}{w}.weight"]
     missing = set(t) - set(out)
+    if any(k.endswith("self_attn.q_proj.weight") for k in missing):
+        raise SystemExit("a split q/k/v checkpoint: this prototype folds into the fused q_k_v_proj only")
     if missing:
         raise SystemExit(f"tensors this prototype does not know: {sorted(missing)[:5]}")
     a.dst.mkdir(parents=True)
@@ -80,7 +82,9 @@ def main() -> None:
     cfg["dtype"] = "float32"
     (a.dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for f in a.src.iterdir():
-        if f.is_file() and f.name not in ("config.json", "model.safetensors") and not f.name.endswith(".json.index"):
+        # Everything but the weights (one file or shards and their index) and the config.
+        weights = f.name.endswith(".safetensors") or f.name == "model.safetensors.index.json"
+        if f.is_file() and not weights and f.name != "config.json":
             shutil.copy(f, a.dst / f.name)
     print(f"wrote {a.dst} (Q = {'I' if a.identity else f'randomized Hadamard, seed {a.seed}'})")
 

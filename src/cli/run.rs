@@ -213,7 +213,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         context: a.context,
         capture_logits: a.logits_out.is_some(),
     };
-    for w in spark_tool::generate::plan(cfg, prompt.len(), &mut opts)? {
+    for w in spark_tool::generate::plan(model.as_ref(), prompt.len(), &mut opts)? {
         eprintln!("warning: {w}");
     }
     let mut stdout = std::io::stdout().lock();

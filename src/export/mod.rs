@@ -27,7 +27,6 @@ use serde::Serialize;
 use crate::artifact::{self, io_err, ArtifactError, Staging};
 use crate::checkpoint::write::write_safetensors_atomic;
 use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::model::KvPrecision;
 use crate::phone::manifest::{self, Encoding, Io, QType};
 use graph::{PartPlan, StepBuilder, WeightSpec};
 use onnx::{Graph, TensorInfo};
@@ -193,7 +192,7 @@ fn plan_memory(
 ) -> Result<(), ExportError> {
     use crate::resources::human;
     let rot = cfg.rope.values().map(|r| r.rotary_dims).max().unwrap_or(0) as u128;
-    let host = 3 * crate::resources::kv_cache_bytes(cfg, opts.context, KvPrecision::F32)
+    let host = 3 * crate::resources::kv_cache_bytes(cfg, opts.context, 4)
         + opts.context as u128 * (2 * rot + 4) * 4 * 2;
     let (part, streams) = if opts.precision.quantized() {
         let calibrator = match opts.calibrator {

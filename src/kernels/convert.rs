@@ -82,6 +82,59 @@ pub fn round_bf16_in_place(x: &mut [f32]) {
     }
 }
 
+/// An element of stored keys and values: f32, or bf16 (a model whose keys and values are bf16
+/// values already stores them in half the bytes; docs/MODEL.md §8). Sealed: the attention
+/// kernels read 16 of them by their size, which only these two types promise.
+pub trait KvElem: sealed::Sealed + Copy + Default + Send + Sync + 'static {
+    /// Whether this is `bf16` (the AVX-512 kernel widens 16 of them by a shift).
+    const BF16: bool;
+    /// `x` stored as this type (bf16: rounded to nearest even by [`bf16_bits`], exact for a
+    /// bf16 value).
+    fn store(x: f32) -> Self;
+    /// The value (exact).
+    fn widen(self) -> f32;
+    /// The bits of the value rounded to bf16 (exact for a bf16 value).
+    fn bf16_bits(self) -> u16;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+impl KvElem for f32 {
+    const BF16: bool = false;
+    #[inline(always)]
+    fn store(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn bf16_bits(self) -> u16 {
+        bf16_bits(self)
+    }
+}
+
+impl KvElem for half::bf16 {
+    const BF16: bool = true;
+    #[inline(always)]
+    fn store(x: f32) -> Self {
+        half::bf16::from_bits(bf16_bits(x))
+    }
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        super::bf16::widen(self.to_bits())
+    }
+    #[inline(always)]
+    fn bf16_bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -243,19 +243,19 @@ pub fn transpose<T: Copy + Default + Send + Sync>(src: &[T], rows: usize, cols: 
 }
 
 #[inline]
-pub fn dot<T: attention::KvElem>(a: &[f32], b: &[T]) -> f32 {
+pub fn dot<T: convert::KvElem>(a: &[f32], b: &[T]) -> f32 {
     // Eight partial sums: lets the compiler vectorise and halves rounding drift.
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i].to_f32();
+            acc[i] += x[i] * y[i].widen();
         }
     }
     let mut s: f32 = acc.iter().sum();
     for (x, y) in ra.iter().zip(rb) {
-        s += x * y.to_f32();
+        s += x * y.widen();
     }
     s
 }

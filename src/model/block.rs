@@ -11,7 +11,8 @@ use super::profile::{Stage, StageTimers};
 use super::rope::Rope;
 use super::Linear;
 use crate::checkpoint::{CheckpointError, LayerType, Proj, SparkConfig};
-use crate::kernels::attention::{KvBits, KvElem, RowsScratch, BLOCK_ROWS};
+use crate::kernels::attention::{KvBits, RowsScratch, BLOCK_ROWS};
+use crate::kernels::convert::KvElem;
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4a8::PackedW4A8;
 use crate::kernels::{self, gelu::gelu_mul, rms_norm, sigmoid};
@@ -272,14 +273,15 @@ fn attention(
         KvRows::F32(rows) => attention_over(ctx, q, k, v, start, rows, out),
         KvRows::Bf16(rows) => {
             // A bf16 cache holds bf16 values (ctx.bf16): this call's rows are such values too.
-            let bits = |x: &[f32]| -> Vec<bf16> {
-                let to = |x: &f32| <bf16 as KvElem>::from_f32(*x);
+            debug_assert!(ctx.bf16, "a bf16 KV cache under f32 activations");
+            let stored = |x: &[f32]| -> Vec<bf16> {
+                // A prefill's rows over the threads (1 << 16: a few tens of µs on one).
                 match x.len() >= 1 << 16 {
-                    true => x.par_iter().map(to).collect(),
-                    false => x.iter().map(to).collect(),
+                    true => x.par_iter().map(|&x| bf16::store(x)).collect(),
+                    false => x.iter().map(|&x| bf16::store(x)).collect(),
                 }
             };
-            attention_over(ctx, q, &bits(k), &bits(v), start, rows, out)
+            attention_over(ctx, q, &stored(k), &stored(v), start, rows, out)
         }
     }
 }

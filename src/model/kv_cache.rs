@@ -15,7 +15,7 @@
 use half::bf16;
 
 use crate::checkpoint::{LayerType, SparkConfig};
-use crate::kernels::attention::KvElem;
+use crate::kernels::convert::KvElem;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
@@ -78,19 +78,15 @@ impl<T: KvElem> Planes<T> {
         for (h, (kp, vp)) in self.k.iter_mut().zip(&mut self.v).enumerate() {
             let (kr, vr) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
             if kp.len() == slot * hd {
-                kp.extend(kr.iter().map(|&x| T::from_f32(x)));
-                vp.extend(vr.iter().map(|&x| T::from_f32(x)));
+                kp.extend(kr.iter().map(|&x| T::store(x)));
+                vp.extend(vr.iter().map(|&x| T::store(x)));
             } else {
                 let (ko, vo) = (
                     &mut kp[slot * hd..(slot + 1) * hd],
                     &mut vp[slot * hd..(slot + 1) * hd],
                 );
-                ko.iter_mut()
-                    .zip(kr)
-                    .for_each(|(o, &x)| *o = T::from_f32(x));
-                vo.iter_mut()
-                    .zip(vr)
-                    .for_each(|(o, &x)| *o = T::from_f32(x));
+                ko.iter_mut().zip(kr).for_each(|(o, &x)| *o = T::store(x));
+                vo.iter_mut().zip(vr).for_each(|(o, &x)| *o = T::store(x));
             }
         }
     }
@@ -118,12 +114,18 @@ macro_rules! each_store {
 }
 
 impl Store {
-    fn new(precision: KvPrecision, heads: usize, hd: usize, slots: usize, ring: bool) -> Self {
-        match (precision, ring) {
-            (KvPrecision::F32, false) => Store::F32(Planes::new(heads, hd, slots)),
-            (KvPrecision::F32, true) => Store::F32(Planes::ring(heads, hd, slots)),
-            (KvPrecision::Bf16, false) => Store::Bf16(Planes::new(heads, hd, slots)),
-            (KvPrecision::Bf16, true) => Store::Bf16(Planes::ring(heads, hd, slots)),
+    /// Planes that grow, with room for `slots` rows.
+    fn growing(precision: KvPrecision, heads: usize, hd: usize, slots: usize) -> Self {
+        match precision {
+            KvPrecision::F32 => Store::F32(Planes::new(heads, hd, slots)),
+            KvPrecision::Bf16 => Store::Bf16(Planes::new(heads, hd, slots)),
+        }
+    }
+    /// A ring of `slots` zero rows.
+    fn ring(precision: KvPrecision, heads: usize, hd: usize, slots: usize) -> Self {
+        match precision {
+            KvPrecision::F32 => Store::F32(Planes::ring(heads, hd, slots)),
+            KvPrecision::Bf16 => Store::Bf16(Planes::ring(heads, hd, slots)),
         }
     }
     fn put(&mut self, slot: usize, k: &[f32], v: &[f32]) {
@@ -166,7 +168,7 @@ impl SlidingKvCache {
         // The whole ring up front: a bulk append longer than the window starts mid-ring.
         SlidingKvCache {
             window,
-            planes: Store::new(precision, heads, hd, window, true),
+            planes: Store::ring(precision, heads, hd, window),
             len: 0,
         }
     }
@@ -192,7 +194,7 @@ impl LayerKvCache {
                 precision,
             )),
             LayerType::Full => LayerKvCache::Full(FullKvCache {
-                planes: Store::new(precision, heads, hd, context.min(1 << 16), false),
+                planes: Store::growing(precision, heads, hd, context.min(1 << 16)),
             }),
         }
     }
@@ -272,13 +274,6 @@ pub struct Rows<'a, T> {
     /// A sliding ring's window and positions appended; `None` for a full cache.
     ring: Option<(usize, usize)>,
 }
-
-impl<T> Clone for Rows<'_, T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for Rows<'_, T> {}
 
 impl<'a, T> Rows<'a, T> {
     fn slot(&self, pos: usize) -> usize {
@@ -516,7 +511,7 @@ mod tests {
             };
             for p in first..n {
                 for h in 0..cfg.num_key_value_heads {
-                    let widen = |r: &[bf16]| r.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+                    let widen = |r: &[bf16]| r.iter().map(|x| x.widen()).collect::<Vec<_>>();
                     assert_eq!(
                         widen(r16.key(p, h)),
                         r32.key(p, h),
@@ -528,7 +523,7 @@ mod tests {
         }
         // Not a bf16 value: rounded to nearest, ties to even.
         let mut c = LayerKvCache::Full(FullKvCache {
-            planes: Store::new(KvPrecision::Bf16, 1, 2, 1, false),
+            planes: Store::growing(KvPrecision::Bf16, 1, 2, 1),
         });
         let (above_tie, tie) = (f32::from_bits(0x3F80_8001), f32::from_bits(0x3F80_8000));
         c.append(&[above_tie, tie], &[-above_tie, -tie]);

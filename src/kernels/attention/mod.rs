@@ -6,59 +6,11 @@
 //! query heads of a KV head score each key in one pass and the values are accumulated in
 //! registers over blocks of positions: the same math, sums in another order.
 
-use half::bf16;
-
-use super::convert::bf16_bits;
+use super::convert::{bf16_bits, KvElem};
 use super::{dot, softmax};
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-
-/// An element of stored keys and values: f32, or bf16 (a model whose keys and values are bf16
-/// values already stores them in half the bytes; docs/MODEL.md §8).
-pub trait KvElem: Copy + Default + Send + Sync + 'static {
-    /// Whether this is `bf16` (the AVX-512 kernel widens 16 of them by a shift).
-    const BF16: bool;
-    /// `x` in this type (bf16: rounded to nearest even, exact for a bf16 value).
-    fn from_f32(x: f32) -> Self;
-    /// The value (exact).
-    fn to_f32(self) -> f32;
-    /// The bits of the value rounded to bf16 (exact for a bf16 value).
-    fn bf16_bits(self) -> u16;
-}
-
-impl KvElem for f32 {
-    const BF16: bool = false;
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn bf16_bits(self) -> u16 {
-        bf16_bits(self)
-    }
-}
-
-impl KvElem for bf16 {
-    const BF16: bool = true;
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        // The rounding of every other bf16 conversion here (half's agrees, one home for ours).
-        bf16::from_bits(bf16_bits(x))
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f32::from_bits((self.to_bits() as u32) << 16)
-    }
-    #[inline(always)]
-    fn bf16_bits(self) -> u16 {
-        self.to_bits()
-    }
-}
 
 /// What one query row attends over: positions `lo..=hi`, and each position's key and value row
 /// of one KV head (`head_dim` values).
@@ -151,7 +103,7 @@ fn attend_body<'a, T, K, V>(
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {
             let s = scores[h * n + j];
             for (a, b) in o.iter_mut().zip(vr) {
-                *a += s * b.to_f32();
+                *a += s * b.widen();
             }
         }
     }
@@ -207,8 +159,8 @@ pub fn attend_rows<'a, T: KvElem>(
     k.clear();
     v.clear();
     for pos in first..=last {
-        k.extend(key(pos).iter().map(|x| x.to_f32()));
-        v.extend(value(pos).iter().map(|x| x.to_f32()));
+        k.extend(key(pos).iter().map(|x| x.widen()));
+        v.extend(value(pos).iter().map(|x| x.widen()));
     }
     s.clear();
     s.resize(m * n, 0.0);
@@ -711,7 +663,7 @@ mod tests {
         let (hd, group, total) = (64, 3, 77);
         let k: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
         let v: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
-        let to16 = |x: &[f32]| x.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+        let to16 = |x: &[f32]| x.iter().map(|&x| half::bf16::store(x)).collect::<Vec<_>>();
         let (k16, v16) = (to16(&k), to16(&v));
         let q: Vec<f32> = (0..32 * group * hd).map(|_| 4.0 * rnd()).collect();
         for bf16 in [false, true] {
