@@ -6,7 +6,7 @@
 //! query heads of a KV head score each key in one pass and the values are accumulated in
 //! registers over blocks of positions: the same math, sums in another order.
 
-use super::convert::{bf16_bits, KvElem};
+use super::convert::KvElem;
 use super::{dot, softmax};
 
 #[cfg(target_arch = "x86_64")]
@@ -327,10 +327,12 @@ pub fn attend_rows_bf16(
     }
 }
 
-/// [`bf16_bits`] of every value (a loop the compiler vectorises).
+/// [`bf16_bits`](super::convert::bf16_bits) of every value (a loop the compiler vectorises).
 #[cfg(target_arch = "x86_64")]
 fn to_bits(x: &[f32], out: &mut [u16]) {
-    out.iter_mut().zip(x).for_each(|(o, x)| *o = bf16_bits(*x));
+    out.iter_mut()
+        .zip(x)
+        .for_each(|(o, x)| *o = super::convert::bf16_bits(*x));
 }
 
 /// Prefetch hints of [`prefetch`] (x86's `_MM_HINT_T0` and `_MM_HINT_T1`).
