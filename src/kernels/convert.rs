@@ -88,9 +88,9 @@ pub fn round_bf16_in_place(x: &mut [f32]) {
 pub trait KvElem: sealed::Sealed + Copy + Default + Send + Sync + 'static {
     /// Whether this is `bf16` (the AVX-512 kernel widens 16 of them by a shift).
     const BF16: bool;
-    /// `x` stored as this type (bf16: rounded to nearest even by [`bf16_bits`], exact for a
-    /// bf16 value).
-    fn store(x: f32) -> Self;
+    /// `x` (f32 or already stored) as this type: exact, or for an f32 stored as bf16 rounded to
+    /// nearest even by [`bf16_bits`] (exact for a bf16 value).
+    fn store<S: KvElem>(x: S) -> Self;
     /// The value (exact).
     fn widen(self) -> f32;
     /// The bits of the value rounded to bf16 (exact for a bf16 value).
@@ -106,8 +106,8 @@ mod sealed {
 impl KvElem for f32 {
     const BF16: bool = false;
     #[inline(always)]
-    fn store(x: f32) -> Self {
-        x
+    fn store<S: KvElem>(x: S) -> Self {
+        x.widen()
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -122,8 +122,8 @@ impl KvElem for f32 {
 impl KvElem for half::bf16 {
     const BF16: bool = true;
     #[inline(always)]
-    fn store(x: f32) -> Self {
-        half::bf16::from_bits(bf16_bits(x))
+    fn store<S: KvElem>(x: S) -> Self {
+        half::bf16::from_bits(x.bf16_bits())
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -132,6 +132,15 @@ impl KvElem for half::bf16 {
     #[inline(always)]
     fn bf16_bits(self) -> u16 {
         self.to_bits()
+    }
+}
+
+/// `x` stored as `T` ([`KvElem::store`]), spread over threads for long slices.
+pub fn stored<T: KvElem>(x: &[f32]) -> Vec<T> {
+    if x.len() <= CHUNK {
+        x.iter().map(|&x| T::store(x)).collect()
+    } else {
+        x.par_iter().map(|&x| T::store(x)).collect()
     }
 }
 

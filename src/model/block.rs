@@ -223,8 +223,6 @@ impl SelfAttention {
                     seg.cache,
                     &mut a[r.start * q_dim..r.end * q_dim],
                 );
-                // Only now: a sliding ring must not drop a key a query of this call still needs.
-                seg.cache.append(ks, vs);
             }
             // a_head *= sigmoid(g_head)
             let gate = |(row, g): (&mut [f32], &[f32])| {
@@ -258,31 +256,35 @@ pub struct Segment<'c> {
 pub const BLOCKED_MIN_ROWS: usize = 16;
 
 /// Causal attention for `m` new queries at positions `start..start+m`. Keys before `start` come
-/// from the cache, the rest from this call's `k`/`v`; sliding layers see the last
-/// `sliding_window` positions including the query's own.
+/// from the cache, the rest from this call's `k`/`v`, which are then appended to the cache (only
+/// then: a sliding ring must not drop a key a query of this call still needs); sliding layers
+/// see the last `sliding_window` positions including the query's own.
 fn attention(
     ctx: &Ctx,
     q: &[f32],
     k: &[f32],
     v: &[f32],
     start: usize,
-    cache: &LayerKvCache,
+    cache: &mut LayerKvCache,
     out: &mut [f32],
 ) {
-    match cache.rows() {
-        KvRows::F32(rows) => attention_over(ctx, q, k, v, start, rows, out),
-        KvRows::Bf16(rows) => {
-            // A bf16 cache holds bf16 values (ctx.bf16): this call's rows are such values too.
-            debug_assert!(ctx.bf16, "a bf16 KV cache under f32 activations");
-            let stored = |x: &[f32]| -> Vec<bf16> {
-                // A prefill's rows over the threads (1 << 16: a few tens of µs on one).
-                match x.len() >= 1 << 16 {
-                    true => x.par_iter().map(|&x| bf16::store(x)).collect(),
-                    false => x.iter().map(|&x| bf16::store(x)).collect(),
-                }
-            };
-            attention_over(ctx, q, &stored(k), &stored(v), start, rows, out)
+    let converted: Option<(Vec<bf16>, Vec<bf16>)> = match cache.rows() {
+        KvRows::F32(rows) => {
+            attention_over(ctx, q, k, v, start, rows, out);
+            None
         }
+        KvRows::Bf16(rows) => {
+            // A bf16 cache holds bf16 values (ctx.bf16): this call's rows are such values too,
+            // converted once for the attention and the append.
+            debug_assert!(ctx.bf16, "a bf16 KV cache under f32 activations");
+            let (k, v) = (kernels::convert::stored(k), kernels::convert::stored(v));
+            attention_over(ctx, q, &k, &v, start, rows, out);
+            Some((k, v))
+        }
+    };
+    match converted {
+        Some((k, v)) => cache.append(&k, &v),
+        None => cache.append(k, v),
     }
 }
 

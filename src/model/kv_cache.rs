@@ -73,7 +73,7 @@ impl<T: KvElem> Planes<T> {
         }
     }
     /// Write (or, at the end of the planes, append) the row `k`, `v` (`[heads × hd]`) at `slot`.
-    fn put(&mut self, slot: usize, k: &[f32], v: &[f32]) {
+    fn put<S: KvElem>(&mut self, slot: usize, k: &[S], v: &[S]) {
         let hd = self.hd;
         for (h, (kp, vp)) in self.k.iter_mut().zip(&mut self.v).enumerate() {
             let (kr, vr) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
@@ -128,7 +128,7 @@ impl Store {
             KvPrecision::Bf16 => Store::Bf16(Planes::ring(heads, hd, slots)),
         }
     }
-    fn put(&mut self, slot: usize, k: &[f32], v: &[f32]) {
+    fn put<S: KvElem>(&mut self, slot: usize, k: &[S], v: &[S]) {
         each_store!(self, p => p.put(slot, k, v))
     }
     fn rows(&self) -> usize {
@@ -172,7 +172,7 @@ impl SlidingKvCache {
             len: 0,
         }
     }
-    fn push(&mut self, k: &[f32], v: &[f32]) {
+    fn push<S: KvElem>(&mut self, k: &[S], v: &[S]) {
         self.planes.put(self.len % self.window, k, v);
         self.len += 1;
     }
@@ -229,9 +229,10 @@ impl LayerKvCache {
         }
     }
 
-    /// Append rows for consecutive positions (`k`, `v` are `[n, kv_heads × head_dim]`), stored
-    /// in the cache's precision (bf16: rounded to nearest even, exact for bf16 values).
-    pub fn append(&mut self, k: &[f32], v: &[f32]) {
+    /// Append rows for consecutive positions (`k`, `v` are `[n, kv_heads × head_dim]`, f32 or
+    /// stored), in the cache's precision ([`KvElem::store`]: bf16 rounded to nearest even, exact
+    /// for bf16 values).
+    pub fn append<S: KvElem>(&mut self, k: &[S], v: &[S]) {
         let d = self.planes().hd() * self.planes().heads();
         assert!(
             k.len() == v.len() && k.len().is_multiple_of(d),

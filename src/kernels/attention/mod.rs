@@ -665,7 +665,7 @@ mod tests {
         let (hd, group, total) = (64, 3, 77);
         let k: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
         let v: Vec<f32> = (0..total * hd).map(|_| rnd()).collect();
-        let to16 = |x: &[f32]| x.iter().map(|&x| half::bf16::store(x)).collect::<Vec<_>>();
+        let to16 = crate::kernels::convert::stored::<half::bf16>;
         let (k16, v16) = (to16(&k), to16(&v));
         let q: Vec<f32> = (0..32 * group * hd).map(|_| 4.0 * rnd()).collect();
         for bf16 in [false, true] {
