@@ -24,7 +24,7 @@ use crate::kernels::w4::Zeros;
 fn w4a16_lut(p: &PackedW4A16, col: usize, gi: usize) -> __m512 {
     let sl = col * p.groups + gi;
     let c = lut_codes(p.zeros.get(sl));
-    round_bf16_ps(_mm512_mul_ps(c, _mm512_set1_ps(widen(p.scales[sl]))))
+    round_bf16_ps(_mm512_mul_ps(c, _mm512_set1_ps(widen(p.scale(sl)))))
 }
 
 /// `q − z` for q = 0…15, as f32.
@@ -35,52 +35,46 @@ fn lut_codes(z: i32) -> __m512 {
     _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(z)))
 }
 
-/// `q − z` for q = 0…15 as bf16 in the even 16-bit lanes, zeros in the odd ones: with a
-/// broadcast pair of bf16 scales, `vdpbf16ps` gives s·(q − z) exactly ([`scaled_codes`]).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-fn code_pairs(z: i32) -> __m512i {
-    // Exact: |q − z| ≤ 16.
-    let h = _mm512_cvtneps_pbh(lut_codes(z));
-    // SAFETY: __m256bh and __m256i are both 256 bits.
-    _mm512_cvtepu16_epi32(unsafe { std::mem::transmute::<__m256bh, __m256i>(h) })
-}
-
-/// [`code_pairs`] of the zero point when it is the same for every group (GPTQ's symmetric
+/// [`lut_codes`] of the zero point when it is the same for every group (GPTQ's symmetric
 /// checkpoints): built once per call instead of per table.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-fn uniform_pairs(p: &PackedW4A16) -> Option<__m512i> {
+#[target_feature(enable = "avx512f")]
+fn uniform_codes(p: &PackedW4A16) -> Option<__m512> {
     match p.zeros {
-        Zeros::Uniform(z) => Some(code_pairs(z)),
+        Zeros::Uniform(z) => Some(lut_codes(z)),
         Zeros::PerGroup(_) => None,
     }
 }
 
-/// s·(q − z) for q = 0…15 in group `gi` of column `col`, exact in f32: one `vdpbf16ps` of the
-/// code pairs with the 32 bits at the group's scale broadcast from memory — its scale s and the
-/// next slot's, which meets the odd lanes' zeros (hence the pad slot, and finite scales:
-/// `W4Nibbles::check`). No scalar widening and no move from a general register on the way.
-///
-/// Two departures from the scalar table, neither visible in a product's value: the entry for
-/// q = z is +0 whatever the scale's sign (the sum starts at +0; the scalar reference gives −0
-/// for a negative scale), and `vdpbf16ps` reads a scale below 2^-126 as zero (fp16 scales are
-/// at least 2^-24; only a bf16 or f32 scale that small could differ, by less than 2^-122).
+/// s·(q − z) for q = 0…15 in group `gi` of column `col`, exact in f32 (≤ 8 × 5 significant
+/// bits): one `vmulps` of the codes with the scale widened in a vector register — the 32 bits
+/// ending at the scale's slot broadcast from memory (the slot before it, or the pad slot in
+/// front, in the low half) and that low half masked off. A load, a `vpandd` and a `vmulps`:
+/// no shuffle and no `vdpbf16ps`, which on the Xeons with AMX issue on the port the nibble
+/// lookups need (docs/BENCHMARKS.md "W4A16 group tables without `vdpbf16ps`"), and no move
+/// from a general register.
 ///
 /// # Safety
-/// col < n and gi < groups (so sl + 1 < scales.len(), the pad slot).
+/// col < n and gi < groups.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn scaled_codes(p: &PackedW4A16, cz: Option<__m512i>, col: usize, gi: usize) -> __m512 {
+#[target_feature(enable = "avx512f")]
+unsafe fn scaled_codes(p: &PackedW4A16, cz: Option<__m512>, col: usize, gi: usize) -> __m512 {
     let sl = col * p.groups + gi;
-    // SAFETY: as this function's contract.
-    let (c, pair) = unsafe {
-        (
-            cz.unwrap_or_else(|| code_pairs(p.zeros.get(sl))),
-            (p.scales.as_ptr().add(sl) as *const i32).read_unaligned(),
+    let c = cz.unwrap_or_else(|| lut_codes(p.zeros.get(sl)));
+    let pair: __m512i;
+    // SAFETY: slots sl and sl + 1 of `scales` exist (the pad slot in front, sl < n·groups).
+    // The broadcast is asm so that the mask below stays a vector operation: seen through, the
+    // compiler masks the scalar and broadcasts from a general register instead.
+    unsafe {
+        std::arch::asm!(
+            "vpbroadcastd {v}, dword ptr [{p}]",
+            v = out(zmm_reg) pair,
+            p = in(reg) p.scales.as_ptr().add(sl),
+            options(pure, readonly, nostack, preserves_flags)
         )
     };
-    _mm512_dpbf16_ps(_mm512_setzero_ps(), bh(c), bh(_mm512_set1_epi32(pair)))
+    let s = _mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
+    _mm512_mul_ps(c, _mm512_castsi512_ps(s))
 }
 
 /// 32 × 16 bits as bf16 pairs.
@@ -99,12 +93,12 @@ fn to_bf16_pair(hi: __m512, lo: __m512) -> __m512i {
 }
 
 /// The table of [`w4a16_lut`] as 16 bf16 values stored twice (32 u16 lanes for `vpermw`);
-/// `cz` = [`uniform_pairs`]. `vcvtne2ps2bf16` rounds to nearest even like [`round_bf16_ps`]
+/// `cz` = [`uniform_codes`]. `vcvtne2ps2bf16` rounds to nearest even like [`round_bf16_ps`]
 /// except that it flushes f32 denormals, and none occur here: the product of a bf16 scale and
 /// a code below 16 is exact, and a nonzero one is at least 2^-24 (the smallest fp16 scale).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn lut_bf16_ne(p: &PackedW4A16, cz: Option<__m512i>, col: usize, gi: usize) -> __m512i {
+unsafe fn lut_bf16_ne(p: &PackedW4A16, cz: Option<__m512>, col: usize, gi: usize) -> __m512i {
     // SAFETY: as the caller's.
     let t = unsafe { scaled_codes(p, cz, col, gi) };
     to_bf16_pair(t, t)
@@ -296,10 +290,11 @@ pub(super) fn word_order(o: usize) -> usize {
 fn to_word_order(xb: &[u16], k: usize) -> Vec<u16> {
     // Rows are whole pairs, so the 128-value pieces never straddle two rows.
     assert!(k.is_multiple_of(128) && xb.len().is_multiple_of(k));
+    let order: [usize; 128] = std::array::from_fn(word_order);
     let mut out = vec![0u16; xb.len()];
     for (dst, src) in out.chunks_exact_mut(128).zip(xb.chunks_exact(128)) {
-        for (o, d) in dst.iter_mut().enumerate() {
-            *d = src[word_order(o)];
+        for (d, &o) in dst.iter_mut().zip(&order) {
+            *d = src[o];
         }
     }
     out
@@ -323,7 +318,7 @@ macro_rules! pair_kernel {
         ) -> [[f32; R]; S] {
             debug_assert!(p.chunks.is_multiple_of(2));
             let (k, nib) = (p.k, p.nib.as_ptr());
-            let cz = uniform_pairs(p);
+            let cz = uniform_codes(p);
             let mut acc = [[[_mm512_setzero_ps(); 4]; R]; S];
             for pair in 0..p.chunks / 2 {
                 let mut w = [[_mm512_setzero_si512(); 4]; S];
@@ -442,7 +437,7 @@ unsafe fn w4a16_dot_bf16<const R: usize, const S: usize>(
         group: usize::MAX,
         lut: _mm512_setzero_si512(),
     });
-    let cz = uniform_pairs(p);
+    let cz = uniform_codes(p);
     for ch in 0..p.chunks {
         let mut w = [[_mm512_setzero_si512(); 2]; S];
         for s in 0..S {
@@ -514,7 +509,7 @@ pub(super) unsafe fn w4a16_expand(p: &PackedW4A16, cols: Range<usize>, out: &mut
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(super) unsafe fn w4a16_expand_bits(p: &PackedW4A16, cols: Range<usize>, out: &mut [u16]) {
     assert!(p.simd_ok && cols.end <= p.n && out.len() == cols.len() * p.k);
-    let cz = uniform_pairs(p);
+    let cz = uniform_codes(p);
     for (col, o) in cols.zip(out.chunks_exact_mut(p.k)) {
         let mut luts = LutCache {
             group: usize::MAX,
@@ -581,9 +576,10 @@ mod tests {
         }
     }
 
-    /// The `vdpbf16ps` + `vcvtne2ps2bf16` tables equal the scalar one for extreme scales (fp16's
-    /// smallest subnormal up to its largest, either sign) and asymmetric zeros; a zero entry may
-    /// differ in its sign only (see [`scaled_codes`]).
+    /// The `vmulps` + `vcvtne2ps2bf16` tables equal the scalar one bit for bit for extreme
+    /// scales (fp16's smallest subnormal up to its largest, either sign) and asymmetric zeros,
+    /// per-group and uniform codes, every column (so every scale meets a different low half in
+    /// its 32-bit load, the first one the pad slot).
     #[test]
     fn bf16_tables_round_like_the_scalar_reference() {
         if !crate::kernels::isa::Isa::tested().contains(&crate::kernels::isa::Isa::Avx512Bf16) {
@@ -610,20 +606,15 @@ mod tests {
                 k: 64,
                 g: 64,
             });
-            for cz in [Some(unsafe { code_pairs(zero) }), None] {
+            for cz in [Some(unsafe { lut_codes(zero) }), None] {
                 for col in 0..n {
                     let got: [u16; 32] =
                         unsafe { std::mem::transmute(lut_bf16_ne(&p, cz, col, 0)) };
                     let want = p.lut(col, 0);
                     for (i, w) in want.iter().enumerate() {
-                        // A zero entry's sign may differ (0x8000 for −0): compare it as +0.
+                        // Bit for bit, the sign of a zero entry (−0 for a negative scale) too.
                         let w = half::bf16::from_f32(*w).to_bits();
-                        let (w, g) = if w & 0x7FFF == 0 {
-                            (0, [got[i] & 0x7FFF, got[16 + i] & 0x7FFF])
-                        } else {
-                            (w, [got[i], got[16 + i]])
-                        };
-                        assert_eq!(g, [w, w], "scale {} q {i}", scales[col]);
+                        assert_eq!([got[i], got[16 + i]], [w, w], "scale {} q {i}", scales[col]);
                     }
                 }
             }

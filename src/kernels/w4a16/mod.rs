@@ -39,7 +39,8 @@ pub struct PackedW4A16 {
     chunks: usize,
     /// `[n][chunks][32]`
     nib: Vec<u8>,
-    /// bf16 bits `[n][groups]`, then one pad slot
+    /// One pad slot, then bf16 bits `[n][groups]` ([`scale`](Self::scale)): the SIMD tables
+    /// read each scale as the high half of 32 bits with the slot before it.
     scales: Vec<u16>,
     /// `[n][groups]`
     zeros: Zeros,
@@ -107,12 +108,9 @@ impl PackedW4A16 {
             groups: w.groups(),
             chunks,
             nib,
-            // One pad slot: the SIMD tables read each scale as a 32-bit pair with the next.
-            scales: w
-                .scales
-                .iter()
-                .map(|s| half::bf16::from_f32(*s).to_bits())
-                .chain([0])
+            scales: [0]
+                .into_iter()
+                .chain(w.scales.iter().map(|s| half::bf16::from_f32(*s).to_bits()))
                 .collect(),
             zeros: Zeros::new(w.zeros, (0..w.zeros.len()).map(Some)),
             simd_ok: g % 32 == 0 && (g / 32).is_power_of_two() && k % 64 == 0,
@@ -125,10 +123,15 @@ impl PackedW4A16 {
         self.nib.len() + 2 * self.scales.len() + self.zeros.bytes()
     }
 
+    /// The bf16 bits of scale `sl` (group `sl % groups` of column `sl / groups`).
+    fn scale(&self, sl: usize) -> u16 {
+        self.scales[sl + 1]
+    }
+
     /// The 16 dequantized values of nibbles 0…15 in group `gi` of column `col`.
     fn lut(&self, col: usize, gi: usize) -> [f32; 16] {
         let sl = col * self.groups + gi;
-        let (z, s) = (self.zeros.get(sl), widen(self.scales[sl]));
+        let (z, s) = (self.zeros.get(sl), widen(self.scale(sl)));
         std::array::from_fn(|q| round_bf16((q as i32 - z) as f32 * s))
     }
 
