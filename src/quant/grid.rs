@@ -261,11 +261,22 @@ pub fn group_scale(w: &[f32], imp: &[f32], rule: ScaleRule) -> f32 {
 ///
 /// Each candidate's stored scale is tried, then the stored scale nearest the least-squares refit
 /// of its codes; the winner is the least (error, scale). Many candidates land on the same stored
-/// scale and many refits on a candidate or on one another (on spark-tiny 45 of the 83 per group
-/// are distinct), so each stored scale is evaluated once: a repeat has the same error, cannot
-/// beat the first try, and has the same refit, which is tried once (the base scale's only when a
-/// candidate lands on it, as before).
+/// scale and many refits on a candidate or on one another, so each stored scale is evaluated
+/// once: a repeat has the same error, cannot beat the first try, and has the same refit, which
+/// is tried once (the base scale's only when a candidate lands on it, as before).
 fn search(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
+    search_tries(grid, w, imp, amax, base, d).0
+}
+
+/// [`search`]'s choice and the stored scales it evaluated, each once.
+fn search_tries(
+    grid: &Grid,
+    w: &[f32],
+    imp: &[f32],
+    amax: f32,
+    base: f32,
+    d: f32,
+) -> (f32, Vec<(f32, Option<f32>, bool)>) {
     let (zero, qmax) = (grid.zero(), grid.qmax());
     let half = zero as f32 - 0.5;
     let width = half / 7.5;
@@ -298,7 +309,7 @@ fn search(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> 
             }
         }
     }
-    best.1
+    (best.1, tried)
 }
 
 /// Evaluate the stored scale `s`, keep it in `best` if it wins (ties to the smaller scale);
@@ -315,15 +326,25 @@ fn consider(grid: &Grid, w: &[f32], imp: &[f32], s: f32, best: &mut (f64, f32)) 
 mod tests {
     use super::*;
 
-    /// The search as first written: every candidate and every refit evaluated, repeats too.
-    fn search_every_try(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
+    /// The search as first written: every candidate and every refit evaluated, repeats too; its
+    /// choice and the distinct stored scales it evaluated, in ascending order.
+    fn search_every_try(
+        grid: &Grid,
+        w: &[f32],
+        imp: &[f32],
+        amax: f32,
+        base: f32,
+        d: f32,
+    ) -> (f32, Vec<f32>) {
         let (zero, qmax) = (grid.zero(), grid.qmax());
         let half = zero as f32 - 0.5;
         let width = half / 7.5;
         let (lo, span) = (half - width, 2.0 * width);
         let mut best = (error_and_fit(w, imp, base, zero, qmax).0, base);
+        let tried = std::cell::RefCell::new(vec![base]);
         let try_one = |s: f32, best: &mut (f64, f32)| {
             let s = grid.stored(s, d);
+            tried.borrow_mut().push(s);
             let (e, num, den) = error_and_fit(w, imp, s, zero, qmax);
             if e < best.0 || (e == best.0 && s < best.1) {
                 *best = (e, s);
@@ -336,12 +357,16 @@ mod tests {
                 try_one(r, &mut best);
             }
         }
-        best.1
+        let mut tried = tried.into_inner();
+        tried.sort_by(f32::total_cmp);
+        tried.dedup();
+        (best.1, tried)
     }
 
-    /// Trying each stored scale once chooses what trying every candidate and refit did, on every
-    /// lattice (few distinct scales on the tiered ones, many on fp16), for group shapes with and
-    /// without outliers, with uneven importances.
+    /// Trying each stored scale once evaluates the same distinct scales and chooses what trying
+    /// every candidate and refit did, on every lattice (few distinct scales on the tiered ones,
+    /// many on fp16), for groups with and without outliers, uneven importances, no importance
+    /// at all (no refit) and a single nonzero weight.
     #[test]
     fn the_search_without_repeats_chooses_what_every_try_chose() {
         use rand::{Rng, SeedableRng};
@@ -365,19 +390,31 @@ mod tests {
                 if case % 4 == 0 {
                     w[case % g] *= 9.0; // one outlier
                 }
-                let imp: Vec<f32> = (0..g).map(|_| rng.random_range(0.01f32..4.0)).collect();
+                if case % 7 == 1 {
+                    w.iter_mut()
+                        .enumerate()
+                        .for_each(|(i, v)| *v *= (i == case % g) as u8 as f32);
+                }
+                let imp: Vec<f32> = (0..g)
+                    .map(|_| rng.random_range(0.01f32..4.0) * (case % 11 != 3) as u8 as f32)
+                    .collect();
                 let amax = w.iter().fold(0f32, |m, x| m.max(x.abs()));
                 let d = match grid.tier_of(g) {
                     Some(_) => grid.tier_scale(&[grid.untiered().stored(amax / 7.0, 0.0)]),
                     None => 0.0,
                 };
                 let base = grid.stored(amax / (grid.zero() as f32 - 0.5), d);
-                let want = search_every_try(&grid, &w, &imp, amax, base, d);
+                let (want, want_tried) = search_every_try(&grid, &w, &imp, amax, base, d);
+                let (got, tried) = search_tries(&grid, &w, &imp, amax, base, d);
+                assert_eq!(got.to_bits(), want.to_bits(), "{grid:?} case {case}");
+                let mut tried: Vec<f32> = tried.iter().map(|t| t.0).collect();
                 assert_eq!(
-                    search(&grid, &w, &imp, amax, base, d).to_bits(),
-                    want.to_bits(),
-                    "{grid:?} case {case}"
+                    tried.len(),
+                    want_tried.len(),
+                    "{grid:?} case {case}: a repeat"
                 );
+                tried.sort_by(f32::total_cmp);
+                assert_eq!(tried, want_tried, "{grid:?} case {case}");
                 groups += 1;
                 changed += (want != base) as usize;
             }

@@ -61,19 +61,19 @@ fn uniform_codes(p: &PackedW4A16) -> Option<__m512> {
 unsafe fn scaled_codes(p: &PackedW4A16, cz: Option<__m512>, col: usize, gi: usize) -> __m512 {
     let sl = col * p.groups + gi;
     let c = cz.unwrap_or_else(|| lut_codes(p.zeros.get(sl)));
-    let pair: __m512i;
+    let bits: __m512i;
     // SAFETY: slots sl and sl + 1 of `scales` exist (the pad slot in front, sl < n·groups).
     // The broadcast is asm so that the mask below stays a vector operation: seen through, the
     // compiler masks the scalar and broadcasts from a general register instead.
     unsafe {
         std::arch::asm!(
             "vpbroadcastd {v}, dword ptr [{p}]",
-            v = out(zmm_reg) pair,
+            v = out(zmm_reg) bits,
             p = in(reg) p.scales.as_ptr().add(sl),
             options(pure, readonly, nostack, preserves_flags)
         )
     };
-    let s = _mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
+    let s = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
     _mm512_mul_ps(c, _mm512_castsi512_ps(s))
 }
 
@@ -94,8 +94,10 @@ fn to_bf16_pair(hi: __m512, lo: __m512) -> __m512i {
 
 /// The table of [`w4a16_lut`] as 16 bf16 values stored twice (32 u16 lanes for `vpermw`);
 /// `cz` = [`uniform_codes`]. `vcvtne2ps2bf16` rounds to nearest even like [`round_bf16_ps`]
-/// except that it flushes f32 denormals, and none occur here: the product of a bf16 scale and
-/// a code below 16 is exact, and a nonzero one is at least 2^-24 (the smallest fp16 scale).
+/// except that it flushes f32 denormals: the product of a bf16 scale and a code |q − z| ≤ 16 is
+/// exact, and a nonzero one is at least 2^-24 for fp16 scales (GPTQ's), so none occur there; a
+/// bf16 or f32 scale tensor with scales below 2^-126 would have such entries read as zero
+/// (a difference below 2^-122 per weight).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn lut_bf16_ne(p: &PackedW4A16, cz: Option<__m512>, col: usize, gi: usize) -> __m512i {
@@ -576,7 +578,7 @@ mod tests {
         }
     }
 
-    /// The `vmulps` + `vcvtne2ps2bf16` tables equal the scalar one bit for bit for extreme
+    /// The `vmulps` + `vcvtne2ps2bf16` tables equal the scalar one bit for bit for fp16-range
     /// scales (fp16's smallest subnormal up to its largest, either sign) and asymmetric zeros,
     /// per-group and uniform codes, every column (so every scale meets a different low half in
     /// its 32-bit load, the first one the pad slot).
