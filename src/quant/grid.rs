@@ -256,9 +256,15 @@ pub fn group_scale(w: &[f32], imp: &[f32], rule: ScaleRule) -> f32 {
     Grid::VLLM.group_scale(w, imp, rule, 0.0)
 }
 
-/// Denominators c around the grid's half-range (z − ½): 6.5…8.5 for 4 bits, the same
-/// relative span for wider grids.
-///
+/// The search's candidate denominators c (scale amax / c): around the grid's half-range (z − ½),
+/// 6.5…8.5 for 4 bits, the same relative span for wider grids.
+fn denominators(grid: &Grid) -> impl Iterator<Item = f32> {
+    let half = grid.zero() as f32 - 0.5;
+    let width = half / 7.5;
+    let (lo, span) = (half - width, 2.0 * width);
+    (0..CANDIDATES).map(move |i| lo + span * i as f32 / (CANDIDATES - 1) as f32)
+}
+
 /// Each candidate's stored scale is tried, then the stored scale nearest the least-squares refit
 /// of its codes; the winner is the least (error, scale). Many candidates land on the same stored
 /// scale and many refits on a candidate or on one another, so each stored scale is evaluated
@@ -277,17 +283,12 @@ fn search_tries(
     base: f32,
     d: f32,
 ) -> (f32, Vec<(f32, Option<f32>, bool)>) {
-    let (zero, qmax) = (grid.zero(), grid.qmax());
-    let half = zero as f32 - 0.5;
-    let width = half / 7.5;
-    let (lo, span) = (half - width, 2.0 * width);
-    let (e, num, den) = error_and_fit(w, imp, base, zero, qmax);
+    let (e, num, den) = error_and_fit(w, imp, base, grid.zero(), grid.qmax());
     let mut best = (e, base);
     // (stored scale, its refit, whether that refit has been tried)
     let mut tried = Vec::with_capacity(2 * CANDIDATES + 1);
     tried.push((base, refit(num, den), false));
-    for i in 0..CANDIDATES {
-        let c = lo + span * i as f32 / (CANDIDATES - 1) as f32;
+    for c in denominators(grid) {
         let s = grid.stored(amax / c, d);
         let r = match tried.iter_mut().find(|t| t.0 == s) {
             Some(t) if t.2 => continue,
@@ -337,9 +338,6 @@ mod tests {
         d: f32,
     ) -> (f32, Vec<f32>) {
         let (zero, qmax) = (grid.zero(), grid.qmax());
-        let half = zero as f32 - 0.5;
-        let width = half / 7.5;
-        let (lo, span) = (half - width, 2.0 * width);
         let mut best = (error_and_fit(w, imp, base, zero, qmax).0, base);
         let tried = std::cell::RefCell::new(vec![base]);
         let try_one = |s: f32, best: &mut (f64, f32)| {
@@ -351,8 +349,7 @@ mod tests {
             }
             refit(num, den)
         };
-        for i in 0..CANDIDATES {
-            let c = lo + span * i as f32 / (CANDIDATES - 1) as f32;
+        for c in denominators(grid) {
             if let Some(r) = try_one(amax / c, &mut best) {
                 try_one(r, &mut best);
             }
