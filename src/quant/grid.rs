@@ -275,42 +275,71 @@ fn search(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> 
 }
 
 /// [`search`]'s choice and the stored scales it evaluated, each once.
-fn search_tries(
-    grid: &Grid,
-    w: &[f32],
-    imp: &[f32],
-    amax: f32,
-    base: f32,
-    d: f32,
-) -> (f32, Vec<(f32, Option<f32>, bool)>) {
+fn search_tries(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> (f32, Tries) {
     let (e, num, den) = error_and_fit(w, imp, base, grid.zero(), grid.qmax());
     let mut best = (e, base);
-    // (stored scale, its refit, whether that refit has been tried)
-    let mut tried = Vec::with_capacity(2 * CANDIDATES + 1);
-    tried.push((base, refit(num, den), false));
+    let mut tried = Tries::new();
+    tried.push(base, refit(num, den), false);
+    let mut previous = f32::NAN;
     for c in denominators(grid) {
         let s = grid.stored(amax / c, d);
-        let r = match tried.iter_mut().find(|t| t.0 == s) {
-            Some(t) if t.2 => continue,
-            Some(t) => {
-                t.2 = true;
-                t.1
+        // Candidates fall monotonically, so most repeats are the previous candidate, whose
+        // refit has been tried.
+        if s == previous {
+            continue;
+        }
+        previous = s;
+        let r = match tried.find(s) {
+            Some(i) if tried.expanded[i] => continue,
+            Some(i) => {
+                tried.expanded[i] = true;
+                tried.refit[i]
             }
             None => {
                 let r = consider(grid, w, imp, s, &mut best);
-                tried.push((s, r, true));
+                tried.push(s, r, true);
                 r
             }
         };
         if let Some(r) = r {
             let s = grid.stored(r, d);
-            if !tried.iter().any(|t| t.0 == s) {
+            if tried.find(s).is_none() {
                 let r = consider(grid, w, imp, s, &mut best);
-                tried.push((s, r, false));
+                tried.push(s, r, false);
             }
         }
     }
     (best.1, tried)
+}
+
+/// The stored scales a search has evaluated, each with its refit and whether that refit has
+/// been tried; on the stack, the scales contiguous for the lookups.
+struct Tries {
+    len: usize,
+    scale: [f32; 2 * CANDIDATES + 1],
+    refit: [Option<f32>; 2 * CANDIDATES + 1],
+    expanded: [bool; 2 * CANDIDATES + 1],
+}
+
+impl Tries {
+    fn new() -> Self {
+        Tries {
+            len: 0,
+            scale: [0.0; 2 * CANDIDATES + 1],
+            refit: [None; 2 * CANDIDATES + 1],
+            expanded: [false; 2 * CANDIDATES + 1],
+        }
+    }
+
+    fn find(&self, s: f32) -> Option<usize> {
+        self.scale[..self.len].iter().position(|&x| x == s)
+    }
+
+    fn push(&mut self, s: f32, refit: Option<f32>, expanded: bool) {
+        let i = self.len;
+        (self.scale[i], self.refit[i], self.expanded[i]) = (s, refit, expanded);
+        self.len += 1;
+    }
 }
 
 /// Evaluate the stored scale `s`, keep it in `best` if it wins (ties to the smaller scale);
@@ -404,7 +433,7 @@ mod tests {
                 let (want, want_tried) = search_every_try(&grid, &w, &imp, amax, base, d);
                 let (got, tried) = search_tries(&grid, &w, &imp, amax, base, d);
                 assert_eq!(got.to_bits(), want.to_bits(), "{grid:?} case {case}");
-                let mut tried: Vec<f32> = tried.iter().map(|t| t.0).collect();
+                let mut tried = tried.scale[..tried.len].to_vec();
                 assert_eq!(
                     tried.len(),
                     want_tried.len(),
