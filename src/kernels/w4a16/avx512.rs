@@ -50,9 +50,9 @@ fn uniform_codes(p: &PackedW4A16) -> Option<__m512> {
 /// bits): one `vmulps` of the codes with the scale widened in a vector register — the 32 bits
 /// ending at the scale's slot broadcast from memory (the slot before it, or the pad slot in
 /// front, in the low half) and that low half masked off. A load, a `vpandd` and a `vmulps`:
-/// no shuffle and no `vdpbf16ps`, which on the Xeons with AMX issue on the port the nibble
-/// lookups need (docs/BENCHMARKS.md "W4A16 group tables without `vdpbf16ps`"), and no move
-/// from a general register.
+/// no shuffle and no `vdpbf16ps`, which on the Xeons with AMX shares its issue resources with
+/// the nibble lookups (docs/BENCHMARKS.md "W4A16 group tables without `vdpbf16ps`"), and no
+/// move from a general register.
 ///
 /// # Safety
 /// col < n and gi < groups.
@@ -64,7 +64,7 @@ unsafe fn scaled_codes(p: &PackedW4A16, cz: Option<__m512>, col: usize, gi: usiz
     let bits: __m512i;
     // SAFETY: slots sl and sl + 1 of `scales` exist (the pad slot in front, sl < n·groups).
     // The broadcast is asm so that the mask below stays a vector operation: seen through, the
-    // compiler masks the scalar and broadcasts from a general register instead.
+    // compiler may fold it into the scalar and broadcast from a general register (shuffle port).
     unsafe {
         std::arch::asm!(
             "vpbroadcastd {v}, dword ptr [{p}]",
