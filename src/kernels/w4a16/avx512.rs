@@ -14,17 +14,18 @@ use super::PackedW4A16;
 use crate::kernels::avx512_util::{
     pad, prefetch, round_bf16_ps, walk_columns, Walk, PREFETCH_BYTES_W4A16,
 };
-use crate::kernels::bf16::widen;
 use crate::kernels::par::ColumnsOut;
 use crate::kernels::w4::Zeros;
 
 /// `bf16((q − z)·s)` for q = 0…15 in group `gi` of column `col`, as f32.
+///
+/// # Safety
+/// col < n and gi < groups.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn w4a16_lut(p: &PackedW4A16, col: usize, gi: usize) -> __m512 {
-    let sl = col * p.groups + gi;
-    let c = lut_codes(p.zeros.get(sl));
-    round_bf16_ps(_mm512_mul_ps(c, _mm512_set1_ps(widen(p.scale(sl)))))
+unsafe fn w4a16_lut(p: &PackedW4A16, col: usize, gi: usize) -> __m512 {
+    // SAFETY: as this function's contract.
+    round_bf16_ps(unsafe { scaled_codes(p, None, col, gi) })
 }
 
 /// `q − z` for q = 0…15, as f32.
@@ -225,8 +226,13 @@ unsafe fn w4a16_dot<const R: usize, const S: usize>(
             if at.is_multiple_of(64) {
                 prefetch(nib.wrapping_add(at + PREFETCH_BYTES_W4A16));
             }
-            let lo = luts[s].get(p.half_shift, 2 * ch, |gi| w4a16_lut(p, cols[s], gi));
-            let hi = luts[s].get(p.half_shift, 2 * ch + 1, |gi| w4a16_lut(p, cols[s], gi));
+            // SAFETY: column < n, the chunk's groups < groups.
+            let lo = luts[s].get(p.half_shift, 2 * ch, |gi| unsafe {
+                w4a16_lut(p, cols[s], gi)
+            });
+            let hi = luts[s].get(p.half_shift, 2 * ch + 1, |gi| unsafe {
+                w4a16_lut(p, cols[s], gi)
+            });
             // SAFETY: column < n, ch < chunks.
             w[s] = unsafe { w4a16_chunk(p, cols[s], ch, lo, hi) };
         }
@@ -495,8 +501,11 @@ pub(super) unsafe fn w4a16_expand(p: &PackedW4A16, cols: Range<usize>, out: &mut
             lut: _mm512_setzero_ps(),
         };
         for ch in 0..p.chunks {
-            let lo = lut.get(p.half_shift, 2 * ch, |gi| w4a16_lut(p, col, gi));
-            let hi = lut.get(p.half_shift, 2 * ch + 1, |gi| w4a16_lut(p, col, gi));
+            // SAFETY: col < n, the chunk's groups < groups.
+            let lo = lut.get(p.half_shift, 2 * ch, |gi| unsafe { w4a16_lut(p, col, gi) });
+            let hi = lut.get(p.half_shift, 2 * ch + 1, |gi| unsafe {
+                w4a16_lut(p, col, gi)
+            });
             let w = unsafe { w4a16_chunk(p, col, ch, lo, hi) };
             for (q, w) in w.into_iter().enumerate() {
                 // SAFETY: 64·ch + 64 ≤ k = o.len().
