@@ -102,6 +102,16 @@ fn to_bf16_pair(hi: __m512, lo: __m512) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn lut_bf16_ne(p: &PackedW4A16, cz: Option<__m512>, col: usize, gi: usize) -> __m512i {
+    if let Some(rows) = p.rows {
+        // The row of this scale's bits, broadcast to both halves: a load, no arithmetic.
+        let s = p.scale(col * p.groups + gi) as usize;
+        // SAFETY: `rows` holds 16 entries for every u16 value.
+        return unsafe {
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                rows.as_ptr().add(16 * s) as *const __m256i
+            ))
+        };
+    }
     // SAFETY: as the caller's.
     let t = unsafe { scaled_codes(p, cz, col, gi) };
     to_bf16_pair(t, t)
@@ -587,10 +597,11 @@ mod tests {
         }
     }
 
-    /// The `vmulps` + `vcvtne2ps2bf16` tables equal the scalar one bit for bit for fp16-range
-    /// scales (fp16's smallest subnormal up to its largest, either sign) and asymmetric zeros,
-    /// per-group and uniform codes, every column (so every scale meets a different low half in
-    /// its 32-bit load, the first one the pad slot).
+    /// The `vmulps` + `vcvtne2ps2bf16` tables, and for zero point 8 the rows of
+    /// `symmetric_rows` too, equal the scalar one bit for bit for fp16-range scales (fp16's
+    /// smallest subnormal up to its largest, either sign) and asymmetric zeros, per-group and
+    /// uniform codes, every column (so every scale meets a different low half in its 32-bit
+    /// load, the first one the pad slot).
     #[test]
     fn bf16_tables_round_like_the_scalar_reference() {
         if !crate::kernels::isa::Isa::tested().contains(&crate::kernels::isa::Isa::Avx512Bf16) {
@@ -617,7 +628,17 @@ mod tests {
                 k: 64,
                 g: 64,
             });
-            for cz in [Some(unsafe { lut_codes(zero) }), None] {
+            assert_eq!(p.rows.is_some(), zero == 8);
+            let ways = if zero == 8 {
+                vec![true, false]
+            } else {
+                vec![false]
+            };
+            for (rows, cz) in ways
+                .into_iter()
+                .flat_map(|r| [(r, Some(unsafe { lut_codes(zero) })), (r, None)])
+            {
+                let p = p.clone_with_rows(rows);
                 for col in 0..n {
                     let got: [u16; 32] =
                         unsafe { std::mem::transmute(lut_bf16_ne(&p, cz, col, 0)) };
@@ -625,7 +646,12 @@ mod tests {
                     for (i, w) in want.iter().enumerate() {
                         // Bit for bit, the sign of a zero entry (−0 for a negative scale) too.
                         let w = half::bf16::from_f32(*w).to_bits();
-                        assert_eq!([got[i], got[16 + i]], [w, w], "scale {} q {i}", scales[col]);
+                        assert_eq!(
+                            [got[i], got[16 + i]],
+                            [w, w],
+                            "scale {} q {i} rows {rows}",
+                            scales[col]
+                        );
                     }
                 }
             }

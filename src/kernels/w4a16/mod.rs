@@ -29,6 +29,24 @@ use rayon::prelude::*;
 
 use super::w4::{prefault_for_writing, prefetch_run, round_bf16, spread8, Codes, W4Nibbles, Zeros};
 
+/// bf16((q − 8)·s) for q = 0…15 and every bf16 bit pattern of s, row s at `16·s..16·s + 16`
+/// (2 MiB, built once): with GPTQ's zero point 8 a group's bf16 table is one 32-byte load,
+/// where computing it takes a multiply and a `vcvtne2ps2bf16` per group, and that conversion
+/// shares its issue resources with the nibble lookups and `vdpbf16ps` on the Xeons with AMX
+/// (docs/BENCHMARKS.md "W4A16 group tables by lookup"). A model's scales touch a few KiB of it.
+fn symmetric_rows() -> &'static [u16] {
+    static ROWS: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
+    ROWS.get_or_init(|| {
+        (0..=u16::MAX)
+            .into_par_iter()
+            .flat_map_iter(|s| {
+                let s = widen(s);
+                (0..16).map(move |q| half::bf16::from_f32((q - 8) as f32 * s).to_bits())
+            })
+            .collect()
+    })
+}
+
 /// A `[n, k]` 4-bit weight packed for W4A16.
 pub struct PackedW4A16 {
     n: usize,
@@ -44,6 +62,10 @@ pub struct PackedW4A16 {
     scales: Vec<u16>,
     /// `[n][groups]`
     zeros: Zeros,
+    /// [`symmetric_rows`] when the zero point is 8 throughout (GPTQ's symmetric checkpoints)
+    /// and the bf16 kernels will run.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    rows: Option<&'static [u16]>,
     /// Whether the SIMD kernels apply: whole 64-input chunks, groups of
     /// 2^half_shift 32-input halves.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -57,6 +79,9 @@ impl PackedW4A16 {
         w.check();
         let (n, k, g) = (w.n, w.k, w.g);
         let chunks = k.div_ceil(64);
+        let zeros = Zeros::new(w.zeros, (0..w.zeros.len()).map(Some));
+        let rows =
+            (matches!(zeros, Zeros::Uniform(8)) && isa() >= Isa::Avx512Bf16).then(symmetric_rows);
         let mut nib = vec![0u8; n * chunks * 32];
         // 128 columns per job, so each stored GPTQ row is read as one 512-byte run.
         const COLS: usize = 128;
@@ -112,9 +137,24 @@ impl PackedW4A16 {
                 .into_iter()
                 .chain(w.scales.iter().map(|s| half::bf16::from_f32(*s).to_bits()))
                 .collect(),
-            zeros: Zeros::new(w.zeros, (0..w.zeros.len()).map(Some)),
+            zeros,
+            rows,
             simd_ok: g % 32 == 0 && (g / 32).is_power_of_two() && k % 64 == 0,
             half_shift: (g / 32).max(1).trailing_zeros(),
+        }
+    }
+
+    /// A copy whose bf16 kernels build their group tables from [`symmetric_rows`] or not
+    /// (tests; only a zero point of 8 throughout may take the rows).
+    #[cfg(all(test, target_arch = "x86_64"))]
+    fn clone_with_rows(&self, on: bool) -> Self {
+        assert!(!on || matches!(self.zeros, Zeros::Uniform(8)));
+        PackedW4A16 {
+            nib: self.nib.clone(),
+            scales: self.scales.clone(),
+            zeros: self.zeros.clone(),
+            rows: on.then(symmetric_rows),
+            ..*self
         }
     }
 
