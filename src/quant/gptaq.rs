@@ -124,19 +124,12 @@ impl OutputMoment {
         let (n, k) = (self.n, self.k);
         assert_eq!((y.len(), xq.len()), (m * n, m * k));
         let mut part = vec![0f32; n * k];
-        let mut yt = vec![0f32; n * CHUNK.min(m)];
         for (yc, q) in y.chunks(CHUNK * n).zip(xq.chunks(CHUNK * k)) {
             let t = yc.len() / n;
-            let yt = &mut yt[..n * t];
-            // yᵀ for a plain row-major GEMM: [n, t] · [t, k]. Not the bf16 Gram with y rounded to
-            // bf16: on the fixture that raised held-out KL by 3–5 % against this f32 form
+            // yᵀ·x̃: [n, t] · [t, k], yᵀ read through its strides. Not the bf16 Gram with y rounded
+            // to bf16: on the fixture that raised held-out KL by 3–5 % against this f32 form
             // (docs/QUANTIZE.md).
-            yt.par_chunks_mut(t).enumerate().for_each(|(j, row)| {
-                for (i, v) in row.iter_mut().enumerate() {
-                    *v = yc[i * n + j];
-                }
-            });
-            super::gptq::matmul_nn(yt, n, t, q, k, &mut part, true);
+            super::gptq::matmul_tn(yc, n, t, q, k, &mut part, true);
             self.sum.fold(&part);
         }
         self.sum.tokens += m;
@@ -252,7 +245,10 @@ impl FloatOutputTarget {
         let (mut z, add_w): (Mat<f32>, bool) = match &self.moment {
             Moment::Cross(c) => {
                 let cm = faer::MatRef::from_row_major_slice(c, k, k);
-                ((wm * cm).transpose().to_owned(), true)
+                // (W·C)ᵀ as Cᵀ·Wᵀ: the same products and sums (the same bits), written in the
+                // solves' column-major layout directly instead of copied there by a strided
+                // transposition (half of this step's time at the 1.7B's gate/up shape).
+                (cm.transpose() * wm.transpose(), true)
             }
             Moment::Outputs(m, rows) => {
                 assert_eq!(*rows, n, "an output moment belongs to one linear");

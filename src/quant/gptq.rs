@@ -248,12 +248,26 @@ fn inverse_upper_factor(h: impl Fn(usize, usize) -> f64 + Sync, k: usize) -> Opt
     let mut inv = Mat::<f32>::zeros(k, k);
     invert_lower_triangular(inv.as_mut(), l, Par::rayon(0));
     drop(flipped);
+    // U[i, j] = inv[k-1-i, k-1-j] (j ≥ i) in blocks of 64 rows of U: each column of `inv` is read
+    // as one contiguous run per block, where row by row every element was a column apart.
+    const ROWS: usize = 64;
     let mut u = vec![0f32; k * k];
-    u.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
-        for (j, v) in row.iter_mut().enumerate().skip(i) {
-            *v = inv[(k - 1 - i, k - 1 - j)];
-        }
-    });
+    u.par_chunks_mut(ROWS * k)
+        .enumerate()
+        .for_each(|(b, rows)| {
+            let i0 = b * ROWS;
+            let nr = rows.len() / k;
+            for j in i0..k {
+                let col = inv
+                    .col(k - 1 - j)
+                    .try_as_col_major()
+                    .expect("an owned matrix's columns are contiguous")
+                    .as_slice();
+                for r in 0..nr.min(j - i0 + 1) {
+                    rows[r * k + j] = col[k - 1 - i0 - r];
+                }
+            }
+        });
     u.par_iter().all(|x| x.is_finite()).then_some(u)
 }
 
@@ -855,6 +869,36 @@ pub(crate) fn matmul_nn(
     c: &mut [f32],
     parallel: bool,
 ) {
+    matmul_strided_a(a, (1, k), m, k, b, n, c, parallel);
+}
+
+/// `c[m, n] = aᵀ · b` for `a` `[k, m]` and `b` `[k, n]`, row-major: `a` read through its strides,
+/// with no transposed copy (the `gemm` crate packs its operands the same way whatever their
+/// strides, so the result has the bits of [`matmul_nn`] on a transposed copy).
+pub(crate) fn matmul_tn(
+    a: &[f32],
+    m: usize,
+    k: usize,
+    b: &[f32],
+    n: usize,
+    c: &mut [f32],
+    parallel: bool,
+) {
+    matmul_strided_a(a, (m, 1), m, k, b, n, c, parallel);
+}
+
+/// `c[m, n] = A · b` with A's element (i, l) at `a[l·cs + i·rs]` for `(cs, rs)` = `a_strides`.
+#[allow(clippy::too_many_arguments)]
+fn matmul_strided_a(
+    a: &[f32],
+    (a_cs, a_rs): (usize, usize),
+    m: usize,
+    k: usize,
+    b: &[f32],
+    n: usize,
+    c: &mut [f32],
+    parallel: bool,
+) {
     // bᵀ as an [n, k] "weight" would need a copy; call gemm with strides instead.
     let threads = rayon::current_num_threads();
     let par = if parallel && threads > 1 {
@@ -863,7 +907,8 @@ pub(crate) fn matmul_nn(
         gemm::Parallelism::None
     };
     assert_eq!((a.len(), b.len(), c.len()), (m * k, k * n, m * n));
-    // SAFETY: all three are dense row-major buffers of the asserted sizes.
+    // SAFETY: c and b are dense row-major buffers of the asserted sizes; a holds m·k values
+    // whose strides are one of the two dense layouts (callers above).
     unsafe {
         gemm::gemm(
             m,
@@ -874,8 +919,8 @@ pub(crate) fn matmul_nn(
             n as isize,
             false,
             a.as_ptr(),
-            1,
-            k as isize,
+            a_cs as isize,
+            a_rs as isize,
             b.as_ptr(),
             1,
             n as isize,
@@ -1083,6 +1128,60 @@ pub(crate) mod tests {
                     e(&q),
                     e(&r)
                 );
+            }
+        }
+    }
+
+    /// U is upper triangular and UᵀU·(H + λI) = I, on sizes around the copy's 64-row blocks.
+    #[test]
+    fn the_inverse_upper_factor_inverts_the_damped_hessian() {
+        let mut seed = 11u64;
+        for k in [1usize, 2, 63, 64, 65, 150] {
+            let x: Vec<f32> = (0..(k + 8) * k).map(|_| lcg(&mut seed)).collect();
+            let mut h = Hessian::new(k);
+            h.add(&x, k + 8);
+            let hm = |a: usize, b: usize| {
+                h.upper(a.min(b), a.max(b)) / h.tokens() as f64 + if a == b { 0.1 } else { 0.0 }
+            };
+            let u = inverse_upper_factor(hm, k).unwrap();
+            for i in 0..k {
+                for j in 0..k {
+                    if j < i {
+                        assert_eq!(u[i * k + j], 0.0, "k {k}: U[{i},{j}] below the diagonal");
+                    }
+                    // (UᵀU·H)[i, j] = Σ_a U[a, i] Σ_b U[a, b] H[b, j]
+                    let v: f64 = (0..k)
+                        .map(|a| {
+                            let uh: f64 = (a..k).map(|b| u[a * k + b] as f64 * hm(b, j)).sum();
+                            u[a * k + i] as f64 * uh
+                        })
+                        .sum();
+                    let want = if i == j { 1.0 } else { 0.0 };
+                    assert!((v - want).abs() < 1e-3, "k {k}: (UᵀU·H)[{i},{j}] = {v}");
+                }
+            }
+        }
+    }
+
+    /// aᵀ·b through a's strides has the bits of the same GEMM on a transposed copy.
+    #[test]
+    fn the_strided_transpose_product_is_the_copied_ones() {
+        let mut seed = 5u64;
+        for (m, k, n) in [(37, 300, 129), (64, 1000, 96), (1, 7, 3)] {
+            let a: Vec<f32> = (0..k * m).map(|_| lcg(&mut seed)).collect();
+            let b: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed)).collect();
+            let mut at = vec![0f32; m * k];
+            for l in 0..k {
+                for i in 0..m {
+                    at[i * k + l] = a[l * m + i];
+                }
+            }
+            for parallel in [false, true] {
+                let (mut want, mut got) = (vec![0f32; m * n], vec![0f32; m * n]);
+                matmul_nn(&at, m, k, &b, n, &mut want, parallel);
+                matmul_tn(&a, m, k, &b, n, &mut got, parallel);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "({m}, {k}, {n})");
             }
         }
     }
