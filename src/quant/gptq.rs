@@ -887,7 +887,7 @@ pub(crate) fn matmul_tn(
     matmul_strided_a(a, (m, 1), m, k, b, n, c, parallel);
 }
 
-/// `c[m, n] = A · b` with A's element (i, l) at `a[l·cs + i·rs]` for `(cs, rs)` = `a_strides`.
+/// `c[m, n] = A · b` with A's element (i, l) at `a[l·a_cs + i·a_rs]`.
 #[allow(clippy::too_many_arguments)]
 fn matmul_strided_a(
     a: &[f32],
