@@ -33,7 +33,7 @@ use super::w4::{prefault_for_writing, prefetch_run, round_bf16, spread8, Codes, 
 /// (2 MiB, built once): with GPTQ's zero point 8 a group's bf16 table is one 32-byte load,
 /// where computing it takes a multiply and a `vcvtne2ps2bf16` per group, and that conversion
 /// shares its issue resources with the nibble lookups and `vdpbf16ps` on the Xeons with AMX
-/// (docs/BENCHMARKS.md "W4A16 group tables by lookup"). A model's scales touch a few KiB of it.
+/// (docs/BENCHMARKS.md "W4A16 group tables by lookup"). A scale exponent's rows are 4 KiB.
 fn symmetric_rows() -> &'static [u16] {
     static ROWS: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
     ROWS.get_or_init(|| {
