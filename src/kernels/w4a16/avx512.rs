@@ -93,8 +93,9 @@ fn to_bf16_pair(hi: __m512, lo: __m512) -> __m512i {
     unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
 }
 
-/// The table of [`w4a16_lut`] as 16 bf16 values stored twice (32 u16 lanes for `vpermw`);
-/// `cz` = [`uniform_codes`]. `vcvtne2ps2bf16` rounds to nearest even like [`round_bf16_ps`]
+/// The table of [`w4a16_lut`] as 16 bf16 values stored twice (32 u16 lanes for `vpermw`): with
+/// zero point 8 throughout, the precomputed row of the scale's bits (`p.rows`, the scalar
+/// reference's values); otherwise computed, `cz` = [`uniform_codes`]. `vcvtne2ps2bf16` rounds to nearest even like [`round_bf16_ps`]
 /// except that it flushes f32 denormals: the product of a bf16 scale and a code |q − z| ≤ 16 is
 /// exact, and a nonzero one is at least 2^-24 for fp16 scales (GPTQ's), so none occur there; a
 /// bf16 or f32 scale tensor with scales below 2^-126 would have such entries read as zero
