@@ -432,32 +432,50 @@ impl Mlp {
 
     /// `gelu(gate_proj(h)) ⊙ up_proj(h)`: the input of `down_proj`.
     pub fn act(&self, h: &[f32], m: usize, ctx: &Ctx) -> Vec<f32> {
+        let len = m * self.gate_proj.out_features();
+        // Written in full by the fused kernel: the last layer's buffer will do.
+        let mut y = match self.fused_w4a8(m) {
+            Some(_) => crate::resources::spare(len),
+            None => vec![0f32; len],
+        };
+        self.act_into(h, m, ctx, &mut y);
+        y
+    }
+
+    /// [`Self::act`] into `y` (`[m, intermediate]`): no buffer of its own for the result, which
+    /// the calibration forward of `quantize` gathers from blocks of rows.
+    pub fn act_into(&self, h: &[f32], m: usize, ctx: &Ctx, y: &mut [f32]) {
         // Two W4A8 linears of a prefill: one fused pass (same bits), timed as the projections.
-        let w4a8 = [&self.gate_proj, &self.up_proj].map(|l| l.w4a8_rounding(false));
-        if let ([Some(gate), Some(up)], true) = (w4a8, m > 1) {
+        if let Some((gate, up)) = self.fused_w4a8(m) {
             return ctx.timers.time(Stage::GateUpProj, || {
-                // Written in full by the fused kernel: the last layer's buffer will do.
-                let mut y = crate::resources::spare(m * self.gate_proj.out_features());
-                PackedW4A8::gelu_mul_rounding(gate, up, h, m, &mut y);
-                y
+                PackedW4A8::gelu_mul_rounding(gate, up, h, m, y)
             });
         }
-        let [mut gate, up] = ctx.timers.time(Stage::GateUpProj, || {
-            [&self.gate_proj, &self.up_proj].map(|l| l.project(h, m))
+        let up = ctx.timers.time(Stage::GateUpProj, || {
+            self.gate_proj.forward(h, m, y);
+            self.up_proj.project(h, m)
         });
         ctx.timers.time(Stage::GeluMul, || {
             // Spread a prefill's rows over the threads when there are enough of them (decode's
             // one row stays on this thread).
             const CHUNK: usize = 1 << 14;
-            if gate.len() >= 2 * CHUNK {
-                gate.par_chunks_mut(CHUNK)
+            if y.len() >= 2 * CHUNK {
+                y.par_chunks_mut(CHUNK)
                     .zip(up.par_chunks(CHUNK))
                     .for_each(|(g, u)| gelu_mul(g, u));
             } else {
-                gelu_mul(&mut gate, &up);
+                gelu_mul(y, &up);
             }
-            gate
         })
+    }
+
+    /// gate and up as W4A8 weights that [`PackedW4A8::gelu_mul_rounding`] takes together, for a
+    /// prefill of `m` rows.
+    fn fused_w4a8(&self, m: usize) -> Option<(&PackedW4A8, &PackedW4A8)> {
+        match [&self.gate_proj, &self.up_proj].map(|l| l.w4a8_rounding(false)) {
+            [Some(gate), Some(up)] if m > 1 => Some((gate, up)),
+            _ => None,
+        }
     }
 }
 

@@ -617,6 +617,24 @@ mod tests {
     }
 
     #[test]
+    fn the_mlp_input_written_into_a_buffer_is_the_returned_one() {
+        let m = model(&["full_attention"], 3);
+        let (layer, ctx) = m.layer(0);
+        let (rows, hidden, inter) = (40, m.config.hidden_size, m.config.intermediate_size);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let x: Vec<f32> = (0..rows * hidden)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        for rows in [1, rows] {
+            let x = &x[..rows * hidden];
+            // NaN where act_into would leave a value unwritten.
+            let mut y = vec![f32::NAN; rows * inter];
+            layer.mlp.act_into(x, rows, &ctx, &mut y);
+            assert_eq!(y, layer.mlp.act(x, rows, &ctx), "{rows} rows");
+        }
+    }
+
+    #[test]
     fn a_sliding_layer_forgets_what_left_its_window_and_a_full_layer_does_not() {
         let a: Vec<u32> = (3..11).collect();
         let mut b = a.clone();

@@ -716,8 +716,7 @@ fn install(layer: &mut DecoderLayer, proj: Proj, q: &QuantizedWeight, fp: Forwar
 /// [`ForwardPrecision::Bf16`].
 fn linear_input(mut v: Vec<f32>, fp: ForwardPrecision) -> Vec<f32> {
     if fp == ForwardPrecision::Bf16 {
-        v.par_iter_mut()
-            .for_each(|x| *x = crate::kernels::w4::round_bf16(*x));
+        crate::kernels::convert::round_bf16_in_place(&mut v);
     }
     v
 }
@@ -879,7 +878,7 @@ fn mlp_act_rows(layer: &DecoderLayer, h2: &[f32], ctx: &crate::model::block::Ctx
         .chunks_mut(plan::MLP_ROWS * inter)
         .zip(h2.chunks(plan::MLP_ROWS * hidden))
     {
-        a.copy_from_slice(&layer.mlp.act(h, h.len() / hidden, ctx));
+        layer.mlp.act_into(h, h.len() / hidden, ctx, a);
     }
     act
 }
