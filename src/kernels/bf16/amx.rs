@@ -323,6 +323,11 @@ unsafe fn block_at(out: &ColumnsOut, r0: usize, c: usize) -> [*mut u8; 4] {
 /// Tile steps `steps` of one 2 × 2 step block into tiles 0–3: row blocks `rb`, `rb + 1` of `a`
 /// (tiles 4–5) by the two 16-column halves of `slice` (tiles 6–7), 32 inputs a step.
 ///
+/// A tile load waits for the products that still read its tile: each of the next step's loads
+/// is issued right after the last product reading its tile, so it is in flight while the others
+/// run (the same products in the same order as loads at the top of each step; docs/BENCHMARKS.md
+/// "AMX-BF16 tile loads after their last products").
+///
 /// # Safety
 /// Tiles configured ([`amx::configure`]); row blocks `rb`, `rb + 1` (padding included) and the
 /// steps lie inside `a`; `slice` is one whole packed slice of `a`'s depth.
@@ -330,27 +335,60 @@ unsafe fn block_at(out: &ColumnsOut, r0: usize, c: usize) -> [*mut u8; 4] {
 unsafe fn block_steps(a: &TiledRows, rb: usize, slice: &[u16], steps: Range<usize>) {
     let half = a.steps * DEPTH / 2;
     debug_assert!(slice.len() == GEMM_SLICE * 2 * half && steps.end <= a.steps);
-    for st in steps {
-        // SAFETY: the caller's promise: B tiles are slice rows (pairs) 16·st… of each 16-column
-        // half, 64 bytes apart, inside the slice.
-        unsafe {
-            let b0 = slice.as_ptr().add(16 * st * 32);
+    if steps.is_empty() {
+        return;
+    }
+    // The step's four tiles: row blocks rb, rb + 1; B tiles are slice rows (pairs) 16·st… of
+    // each 16-column half, 64 bytes apart, inside the slice.
+    let tiles = |st: usize| {
+        let b0 = slice[16 * st * 32..].as_ptr();
+        [
+            a.tile(rb, st),
+            a.tile(rb + 1, st),
+            b0,
+            b0.wrapping_add(half * 32),
+        ]
+    };
+    let [a0, a1, b0, b1] = tiles(steps.start);
+    // SAFETY: the caller's promise: tiles configured, every tile below inside `a` and `slice`.
+    unsafe {
+        asm!(
+            "tileloadd tmm4, [{a0} + {s} * 1]",
+            "tileloadd tmm6, [{b0} + {s} * 1]",
+            "tileloadd tmm7, [{b1} + {s} * 1]",
+            "tileloadd tmm5, [{a1} + {s} * 1]",
+            a0 = in(reg) a0,
+            a1 = in(reg) a1,
+            b0 = in(reg) b0,
+            b1 = in(reg) b1,
+            s = in(reg) 64usize,
+            options(nostack, readonly)
+        );
+        for st in steps.start + 1..steps.end {
+            let [a0, a1, b0, b1] = tiles(st);
             asm!(
-                "tileloadd tmm4, [{a0} + {s} * 1]",
-                "tileloadd tmm6, [{b0} + {s} * 1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
-                "tileloadd tmm7, [{b1} + {s} * 1]",
                 "tdpbf16ps tmm1, tmm4, tmm7",
-                "tileloadd tmm5, [{a1} + {s} * 1]",
+                "tileloadd tmm4, [{a0} + {s} * 1]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
+                "tileloadd tmm6, [{b0} + {s} * 1]",
                 "tdpbf16ps tmm3, tmm5, tmm7",
-                a0 = in(reg) a.tile(rb, st),
-                a1 = in(reg) a.tile(rb + 1, st),
+                "tileloadd tmm7, [{b1} + {s} * 1]",
+                "tileloadd tmm5, [{a1} + {s} * 1]",
+                a0 = in(reg) a0,
+                a1 = in(reg) a1,
                 b0 = in(reg) b0,
-                b1 = in(reg) b0.add(half * 32),
+                b1 = in(reg) b1,
                 s = in(reg) 64usize,
                 options(nostack, readonly)
             );
         }
+        asm!(
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            options(nostack, nomem)
+        );
     }
 }
