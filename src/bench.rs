@@ -51,6 +51,67 @@ pub struct BenchReport {
     pub time_to_first_token_ms: Spread,
     pub decode_ms_per_token: Spread,
     pub sampling_ms: Spread,
+    /// Decode against this machine's bandwidth ceiling (`--ceiling`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ceiling: Option<Ceiling>,
+}
+
+/// Decode against the bandwidth ceiling, measured around every repeat: a streaming read before
+/// the first repeat and after each, so each repeat is set against the reads on either side of
+/// it (seconds apart, where a shared machine's bandwidth drifts by tens of percent over minutes).
+#[derive(Debug, Clone, Serialize)]
+pub struct Ceiling {
+    /// Weights one decode step reads.
+    pub weight_bytes: crate::model::DecodeBytes,
+    /// K and V a decode step reads at the mean decode position.
+    pub kv_bytes: u64,
+    /// The streaming reads, GB/s ([`StreamProbe`], the pool's threads).
+    pub stream_read_gb_s: Spread,
+    /// Per repeat: the mean of the reads around it ÷ (weights + KV) per token.
+    pub ceiling_tok_s: Spread,
+    /// Per repeat: its decode rate ÷ its ceiling, in percent.
+    pub percent_of_ceiling: Spread,
+}
+
+/// Bytes of the buffer the streaming read sums: past the last-level cache of every machine
+/// measured (32 MiB on the AMD EPYC, several hundred MB reported on the Xeons with AMX).
+pub const STREAM_BYTES: usize = 1 << 30;
+
+/// A streaming read of [`STREAM_BYTES`] split across the pool's threads, its buffer kept so
+/// it can be measured again between other work.
+pub struct StreamProbe {
+    buf: Vec<u64>,
+}
+
+impl Default for StreamProbe {
+    fn default() -> Self {
+        StreamProbe {
+            buf: noise(STREAM_BYTES / 8, 7).collect(),
+        }
+    }
+}
+
+impl StreamProbe {
+    /// GB/s of `repeat` reads after one that warms the pool.
+    pub fn read_gb_s(&self, repeat: usize) -> Spread {
+        use rayon::prelude::*;
+        let threads = rayon::current_num_threads();
+        let mut gbs = vec![];
+        for _ in 0..repeat.max(1) + 1 {
+            let t = Instant::now();
+            let s: u64 = self
+                .buf
+                .par_chunks(self.buf.len().div_ceil(threads))
+                .map(sum_words)
+                .reduce(|| 0, u64::wrapping_add);
+            std::hint::black_box(s);
+            gbs.push(
+                std::mem::size_of_val(&self.buf[..]) as f64 / (t.elapsed().as_secs_f64() * 1e9),
+            );
+        }
+        gbs.remove(0);
+        Spread::of(&gbs)
+    }
 }
 
 /// Peak resident set size of this process (Linux `VmHWM`), if the OS reports it.
@@ -81,6 +142,7 @@ pub fn plan(
     cfg: &crate::checkpoint::SparkConfig,
     prompt_len: usize,
     gen: usize,
+    ceiling: bool,
 ) -> Result<(), crate::generate::BudgetError> {
     use crate::setting::Setting;
     let positions = prompt_len.max(1).saturating_add(gen.max(1));
@@ -97,21 +159,41 @@ pub fn plan(
     }
     // Before the load, so the cache is planned f32 (a GPTQ artifact's bf16 cache takes half).
     let need = crate::resources::kv_cache_bytes(cfg, positions, 4)
-        + crate::resources::forward_bytes(cfg, prompt_len.max(1), false);
+        + crate::resources::forward_bytes(cfg, prompt_len.max(1), false)
+        + if ceiling { STREAM_BYTES as u128 } else { 0 };
     crate::resources::check_fits(
-        &format!("a {prompt_len}-token prefill"),
+        &format!(
+            "a {prompt_len}-token prefill{}",
+            if ceiling {
+                " and the 1 GiB buffer of --ceiling"
+            } else {
+                ""
+            }
+        ),
         need,
         Setting::PromptLen,
     )?;
     Ok(())
 }
 
+/// `repeat` runs of a `prompt_len`-token prefill and `gen` decode steps; with `ceiling`, a
+/// streaming read before the first and after each (three passes each), the decode of every run
+/// set against the mean of the reads around it.
 pub fn run(
     model: &SparkModel,
     prompt_len: usize,
     gen: usize,
     repeat: usize,
+    ceiling: bool,
 ) -> Result<BenchReport, ModelError> {
+    let probe = ceiling.then(StreamProbe::default);
+    let mut reads = vec![];
+    let mut read = || {
+        if let Some(p) = &probe {
+            reads.push(p.read_gb_s(3).median);
+        }
+    };
+    read();
     let prompt = prompt_ids(prompt_len.max(1), model.config().vocab_size);
     let opts = GenerateOptions {
         max_new_tokens: gen.max(1),
@@ -137,7 +219,25 @@ pub fn run(
         }
         ttft.push(first.unwrap_or(f64::NAN));
         samp.push(s.sampling_ms);
+        read();
     }
+    let ceiling = probe.map(|_| {
+        let weight_bytes = model.decode_bytes();
+        let kv_bytes = model.decode_kv_bytes(prompt.len() + opts.max_new_tokens / 2);
+        let per_token = (weight_bytes.total() + kv_bytes) as f64;
+        let ceil: Vec<f64> = reads
+            .windows(2)
+            .map(|w| (w[0] + w[1]) / 2.0 * 1e9 / per_token)
+            .collect();
+        let pct: Vec<f64> = dec.iter().zip(&ceil).map(|(d, c)| 100.0 * d / c).collect();
+        Ceiling {
+            weight_bytes,
+            kv_bytes,
+            stream_read_gb_s: Spread::of(&reads),
+            ceiling_tok_s: Spread::of(&ceil),
+            percent_of_ceiling: Spread::of(&pct),
+        }
+    });
     Ok(BenchReport {
         prompt_len: prompt.len(),
         gen: opts.max_new_tokens,
@@ -148,6 +248,7 @@ pub fn run(
         time_to_first_token_ms: Spread::of(&ttft),
         decode_ms_per_token: Spread::of(&per_tok),
         sampling_ms: Spread::of(&samp),
+        ceiling,
     })
 }
 
@@ -455,24 +556,9 @@ pub fn bench_kernel(
     }
 }
 
-/// Streaming read of a 1 GB buffer split across the pool's threads: the
-/// bandwidth ceiling decode kernels are measured against.
+/// The [`StreamProbe`] read once: the bandwidth ceiling decode kernels are measured against.
 pub fn stream_read_gb_s(repeat: usize) -> Spread {
-    use rayon::prelude::*;
-    let buf: Vec<u64> = noise(1 << 27, 7).collect();
-    let threads = rayon::current_num_threads();
-    let mut gbs = vec![];
-    for _ in 0..repeat.max(1) + 1 {
-        let t = Instant::now();
-        let s: u64 = buf
-            .par_chunks(buf.len().div_ceil(threads))
-            .map(sum_words)
-            .reduce(|| 0, u64::wrapping_add);
-        std::hint::black_box(s);
-        gbs.push((buf.len() * 8) as f64 / (t.elapsed().as_secs_f64() * 1e9));
-    }
-    gbs.remove(0); // first pass warms the pool
-    Spread::of(&gbs)
+    StreamProbe::default().read_gb_s(repeat)
 }
 
 /// The wrapping sum of `c`, read as fast as this CPU reads: with 64-byte loads on the AVX-512

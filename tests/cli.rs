@@ -159,6 +159,86 @@ fn bench_reports_throughput_with_spread() {
     }
 }
 
+/// `bench --ceiling` counts the bytes a decode step reads as the files say: every projection,
+/// norm and the (untied) head of the f16/f32 fixture, held as f32, and K/V of every cached row (f32
+/// for a float model; sliding layers hold at most their window), from the safetensors headers
+/// and config.json rather than the engine; and sets each repeat against the reads around it.
+#[test]
+fn bench_ceiling_counts_what_a_decode_step_reads() {
+    let dir = common::fixture("spark-random");
+    let (so, _) = ok(tool()
+        .args(["bench", "--prompt-len", "20", "--gen", "6", "--repeat", "2"])
+        .args(["--ceiling", "--json"])
+        .arg(&dir));
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    let c = &v["ceiling"];
+
+    let (mut linears, mut norms, mut head) = (0u64, 0u64, 0u64);
+    for f in std::fs::read_dir(&dir).unwrap() {
+        let path = f.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        for (name, info) in meta.tensors() {
+            // f16 and f32 tensors are both held as f32.
+            let dt = info.dtype;
+            assert!(
+                dt == safetensors::Dtype::F16 || dt == safetensors::Dtype::F32,
+                "{name}: {dt:?}"
+            );
+            let f32_bytes = 4 * info.shape.iter().product::<usize>() as u64;
+            if name.ends_with("norm.weight") {
+                norms += f32_bytes;
+            } else if name.starts_with("lm_head.") {
+                head += f32_bytes;
+            } else if name.ends_with("_proj.weight") {
+                linears += f32_bytes;
+            } else {
+                assert_eq!(name, "model.embedding.weight", "unexpected tensor");
+            }
+        }
+    }
+    let w = &c["weight_bytes"];
+    assert_eq!(w["linears"], linears);
+    assert_eq!(w["norms"], norms);
+    assert_eq!(w["head"], head);
+
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let n = |k: &str| cfg[k].as_u64().unwrap();
+    let position = 20 + 6 / 2;
+    let per_row = 2 * n("num_key_value_heads") * n("head_dim") * 4;
+    let rows: u64 = cfg["layer_types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| match t.as_str().unwrap() {
+            "sliding_attention" => position.min(n("sliding_window")),
+            _ => position,
+        })
+        .sum();
+    assert_eq!(c["kv_bytes"], rows * per_row);
+
+    let spread = |k: &str| {
+        let s = &c[k];
+        let f = |q: &str| s[q].as_f64().unwrap();
+        assert!(
+            f("min") > 0.0 && f("min") <= f("median") && f("median") <= f("max"),
+            "{k}: {s}"
+        );
+        (f("min"), f("max"))
+    };
+    let (read_lo, read_hi) = spread("stream_read_gb_s");
+    let (ceil_lo, ceil_hi) = spread("ceiling_tok_s");
+    spread("percent_of_ceiling");
+    // Each ceiling is a mean of two reads over the bytes per step.
+    let step = (linears + norms + head + rows * per_row) as f64;
+    assert!(ceil_lo >= read_lo * 1e9 / step * (1.0 - 1e-9), "{c}");
+    assert!(ceil_hi <= read_hi * 1e9 / step * (1.0 + 1e-9), "{c}");
+}
+
 #[test]
 fn bench_stages_cover_the_forward_pass() {
     let (so, _) = ok(tool().args([

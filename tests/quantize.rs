@@ -132,6 +132,50 @@ fn w4a8_g128_fused_checkpoint() {
     assert_eq!(kv.total_bytes_f32, 2 * kv.total_bytes_16bit);
     let model = spark_tool::model::SparkModel::from_checkpoint(&ck, false).unwrap();
     assert_eq!(model.sequence_bytes(1000), kv.engine_bytes as u128);
+    check_decode_bytes(&out);
+}
+
+/// What `bench --ceiling` counts per decode step for a GPTQ artifact is what its files hold:
+/// every projection's codes and scales (zero points are uniform, g_idx is k/G: neither is read)
+/// and its bf16 g_proj, the head (tied: the bf16 embedding; quantized: its codes and scales), the
+/// norms as f32. Each packed linear may add a few bytes of padding (the W4A16 scales' pad
+/// slot), hence the 64-byte allowance per linear.
+fn check_decode_bytes(out: &Path) {
+    let ck = spark_tool::checkpoint::Checkpoint::open(out).unwrap();
+    let (mut linears, mut head, mut norms) = (0u64, 0u64, 0u64);
+    let mut packed = 0u64;
+    for e in ck.store.entries() {
+        let bytes = (e.end - e.start) as u64;
+        let n = e.name.as_str();
+        if n.ends_with(".qzeros") || n.ends_with(".g_idx") {
+            continue;
+        }
+        let is_head = n.starts_with("lm_head.")
+            || (n == "model.embedding.weight" && ck.config.tie_word_embeddings != Some(false));
+        if n.ends_with("norm.weight") {
+            norms += 4 * e.numel() as u64;
+        } else if is_head {
+            head += bytes;
+        } else if n.ends_with("_proj.weight") || n.ends_with(".qweight") || n.ends_with(".scales") {
+            linears += bytes;
+        }
+        if n.ends_with(".qweight") {
+            packed += 1;
+        }
+    }
+    let model = spark_tool::model::SparkModel::from_checkpoint(&ck, false).unwrap();
+    let got = model.decode_bytes();
+    assert_eq!(got.norms, norms);
+    // A fused q/k/v tensor becomes three packed linears.
+    let slack = 64 * 3 * packed;
+    assert!(
+        got.linears >= linears && got.linears <= linears + slack,
+        "{got:?} against {linears} in the files"
+    );
+    assert!(
+        got.head >= head && got.head <= head + 64,
+        "{got:?} against a head of {head}"
+    );
 }
 
 /// The phase split covers every phase once, adds up to no more than the wall time, and the
@@ -203,6 +247,7 @@ fn w4a16_g64_split_with_quantized_head() {
     // The dump holds what the quantizer computed with; tools/gptq_decode.py checks the checkpoint against it.
     let dump_store = TensorStore::open_file(&dump).unwrap();
     assert_eq!(dump_store.len(), 8 * 7 + 1);
+    check_decode_bytes(&out);
 }
 
 #[test]

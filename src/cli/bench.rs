@@ -32,6 +32,12 @@ pub struct BenchArgs {
     /// GELU, head) over one extra prefill + decode run.
     #[arg(long)]
     stages: bool,
+    /// Also set decode against this machine's bandwidth ceiling: a streaming read of a 1 GiB
+    /// buffer (held for the benchmark: +1 GiB of RSS) before the first repeat and after each,
+    /// and the bytes a decode step reads (weights and KV cache); each repeat's decode rate as a
+    /// percentage of the ceiling from the reads around it.
+    #[arg(long, conflicts_with = "kernels")]
+    ceiling: bool,
     /// Instead of the model: time each linear kernel on the artifact's weight
     /// shapes (random weights, decode rows), the streaming-read bandwidth and this CPU's
     /// multiply-add peaks (each kernel reported as a share of its instruction's peak).
@@ -193,7 +199,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         )?;
         return run_kernels(&a, &ck);
     }
-    spark_tool::bench::plan(&ck.config, a.prompt_len, a.gen)?;
+    spark_tool::bench::plan(&ck.config, a.prompt_len, a.gen, a.ceiling)?;
     // The page's path and the comparison are checked before the benchmark runs.
     if let Some(path) = &a.html {
         let mut inputs = vec![dir.as_path()];
@@ -207,7 +213,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         .transpose()?;
     let model = SparkModel::load(&ck, a.exec.options(&ck, false))?;
     let load_ms = t.elapsed().as_secs_f64() * 1e3;
-    let r = spark_tool::bench::run(&model, a.prompt_len, a.gen, a.repeat)?;
+    let r = spark_tool::bench::run(&model, a.prompt_len, a.gen, a.repeat, a.ceiling)?;
     let stages = if a.stages {
         Some(spark_tool::bench::stage_profile(
             &model,
@@ -261,6 +267,27 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             "  {name:<24} median {:>10.2}   min {:>10.2}   max {:>10.2}",
             s.median, s.min, s.max
         );
+    }
+    if let Some(c) = &r.ceiling {
+        let w = &c.weight_bytes;
+        println!(
+            "  bytes per decode step      {:.1} MB: linears {:.1}, head {:.1}, norms {:.2}, KV cache {:.1} (at the mean decode position)",
+            (w.total() + c.kv_bytes) as f64 / 1e6,
+            w.linears as f64 / 1e6,
+            w.head as f64 / 1e6,
+            w.norms as f64 / 1e6,
+            c.kv_bytes as f64 / 1e6
+        );
+        for (name, s) in [
+            ("stream read GB/s", &c.stream_read_gb_s),
+            ("decode ceiling tok/s", &c.ceiling_tok_s),
+            ("decode % of ceiling", &c.percent_of_ceiling),
+        ] {
+            println!(
+                "  {name:<24} median {:>10.2}   min {:>10.2}   max {:>10.2}",
+                s.median, s.min, s.max
+            );
+        }
     }
     if let Some(p) = stages {
         println!(

@@ -18,6 +18,9 @@ pub trait Linear: Send + Sync {
     fn forward(&self, x: &[f32], m: usize, y: &mut [f32]);
     /// Short description for reports, e.g. `dense f32`.
     fn kind(&self) -> String;
+    /// Bytes of weight data (values, scales, zero points, as the kernel holds them) that one
+    /// forward reads: what a decode step streams from memory for this linear.
+    fn weight_bytes(&self) -> usize;
     /// The effective weight `[out, in]` in f32 (what `forward` multiplies by).
     fn dequantize(&self) -> Vec<f32>;
     /// `forward` of `x` rounded to bf16, its output rounded to bf16 (a bf16 model's activations,
@@ -183,6 +186,12 @@ impl Linear for DenseLinear {
             DenseWeight::Bf16(_) => "dense bf16".into(),
         }
     }
+    fn weight_bytes(&self) -> usize {
+        match &self.weight {
+            DenseWeight::F32(w) => std::mem::size_of_val(&w[..]),
+            DenseWeight::Bf16(w) => std::mem::size_of_val(&w[..]),
+        }
+    }
     fn dequantize(&self) -> Vec<f32> {
         self.weight.to_f32()
     }
@@ -222,6 +231,9 @@ impl Linear for GgmlActivations {
     }
     fn kind(&self) -> String {
         format!("{} ({} activations)", self.inner.kind(), self.act.name())
+    }
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
     }
     fn dequantize(&self) -> Vec<f32> {
         self.inner.dequantize()

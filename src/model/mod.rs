@@ -76,6 +76,23 @@ fn dense(w: DenseWeight, out: usize, inp: usize) -> Box<dyn Linear> {
     Box::new(DenseLinear::from_weight(w, out, inp))
 }
 
+/// Weight bytes one decode step reads ([`SparkModel::decode_bytes`]): the bandwidth ceiling of
+/// decode is the machine's streaming read over these plus the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct DecodeBytes {
+    /// Every layer's projections as their kernels hold them (packed codes, scales, zero points).
+    pub linears: u64,
+    /// The RMSNorm weights (f32).
+    pub norms: u64,
+    pub head: u64,
+}
+
+impl DecodeBytes {
+    pub fn total(&self) -> u64 {
+        self.linears + self.norms + self.head
+    }
+}
+
 /// How to build the model from a checkpoint.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadOptions {
@@ -132,6 +149,9 @@ impl Linear for Bf16Act {
     }
     fn kind(&self) -> String {
         format!("{} (bf16 activations)", self.0.kind())
+    }
+    fn weight_bytes(&self) -> usize {
+        self.0.weight_bytes()
     }
     fn dequantize(&self) -> Vec<f32> {
         self.0.dequantize()
@@ -486,6 +506,32 @@ impl SparkModel {
 
     pub fn lm_head(&self) -> &dyn Linear {
         self.lm_head.as_ref()
+    }
+
+    /// What one decode step reads from memory besides the KV cache.
+    pub fn decode_bytes(&self) -> DecodeBytes {
+        let norm = |n: &RmsNorm| std::mem::size_of_val(n.weight()) as u64;
+        DecodeBytes {
+            linears: self
+                .layers
+                .iter()
+                .flat_map(|l| Proj::ALL.iter().map(|&p| l.linear(p).weight_bytes() as u64))
+                .sum(),
+            norms: norm(&self.norm)
+                + self
+                    .layers
+                    .iter()
+                    .map(|l| norm(&l.input_layernorm) + norm(&l.post_attention_layernorm))
+                    .sum::<u64>(),
+            // A tied head is the embedding table, read whole; an untied embedding is one row.
+            head: self.lm_head.weight_bytes() as u64,
+        }
+    }
+
+    /// K and V a decode step at `position` reads: every cached row of every layer (a sliding
+    /// layer holds at most its window), in this model's cache precision.
+    pub fn decode_kv_bytes(&self, position: usize) -> u64 {
+        crate::resources::kv_cache_bytes(&self.config, position, self.kv_precision().bytes()) as u64
     }
 
     /// The final RMSNorm's weight.

@@ -83,6 +83,13 @@ impl Linear for GptqLinear {
     fn kind(&self) -> String {
         format!("gptq {:?} g{}", self.exec.numerics, self.g)
     }
+    fn weight_bytes(&self) -> usize {
+        match &self.weights {
+            GptqWeights::W4A8(p) => p.bytes(),
+            GptqWeights::W4A16(p) => p.bytes(),
+            GptqWeights::W4A16ActOrder(w) => std::mem::size_of_val(&w[..]),
+        }
+    }
     fn dequantize(&self) -> Vec<f32> {
         match &self.weights {
             GptqWeights::W4A8(p) => p.dequantize(),

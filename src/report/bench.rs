@@ -331,6 +331,7 @@ mod tests {
             time_to_first_token_ms: Spread::of(&[60.0, 70.0, 65.0]),
             decode_ms_per_token: Spread::of(&[20.0, 25.0, 22.0]),
             sampling_ms: Spread::of(&[0.1, 0.2, 0.3]),
+            ceiling: None,
         }
     }
 
