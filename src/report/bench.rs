@@ -288,6 +288,26 @@ pub fn html(run: &BenchRun, llamacpp: Option<&LlamacppComparison>) -> Result<Str
             Cell::Num(page::fixed(s.min, 2)),
             Cell::Num(page::fixed(s.max, 2)),
         ])))
+        @if let Some(c) = &r.ceiling {
+            h2 { "Decode against this machine's bandwidth ceiling" }
+            p {
+                "A decode step reads " (page::bytes(c.weight_bytes.total() + c.kv_bytes)) ": linears "
+                (page::bytes(c.weight_bytes.linears)) ", head " (page::bytes(c.weight_bytes.head))
+                ", norms " (page::bytes(c.weight_bytes.norms)) ", K and V " (page::bytes(c.kv_bytes))
+                " (at the mean decode position). A streaming read before the first repeat and after each; "
+                "each repeat's decode against the mean of the two reads around it."
+            }
+            (page::table(&["figure", "median", "min", "max"], [
+                ("streaming read GB/s", &c.stream_read_gb_s),
+                ("decode ceiling tok/s", &c.ceiling_tok_s),
+                ("decode % of ceiling", &c.percent_of_ceiling),
+            ].iter().map(|(n, s)| vec![
+                Cell::from(*n),
+                Cell::Num(page::fixed(s.median, 1)),
+                Cell::Num(page::fixed(s.min, 1)),
+                Cell::Num(page::fixed(s.max, 1)),
+            ])))
+        }
         @if let (Some(p), Some(chart)) = (run.stages, &stages) {
             h2 { "Where the time goes" }
             (page::figure(chart, &format!(
@@ -399,6 +419,41 @@ mod tests {
         // Prefill and decode throughput, decode and prefill comparisons.
         assert_eq!(page.matches("<svg").count(), 4);
         assert!(page.contains("Test CPU") && page.contains("1.10×"));
+    }
+
+    #[test]
+    fn the_ceiling_section_shows_the_bytes_and_the_spreads_when_measured() {
+        let mut r = report();
+        let page = |r: &BenchReport| {
+            let run = BenchRun {
+                artifact: "a",
+                load_ms: 10.0,
+                peak_rss_bytes: None,
+                report: r,
+                stages: None,
+            };
+            html(&run, None).unwrap()
+        };
+        assert!(!page(&r).contains("bandwidth ceiling"));
+        r.ceiling = Some(crate::bench::Ceiling {
+            weight_bytes: crate::model::DecodeBytes {
+                linears: 700_000_000,
+                norms: 500_000,
+                head: 500_000_000,
+            },
+            kv_bytes: 30_000_000,
+            stream_read_gb_s: Spread::of(&[22.0, 24.0, 26.0]),
+            ceiling_tok_s: Spread::of(&[17.0, 18.0, 19.0]),
+            percent_of_ceiling: Spread::of(&[61.0, 63.5, 66.0]),
+        });
+        let p = page(&r);
+        assert!(
+            p.contains("bandwidth ceiling") && p.contains("1.23 GB"),
+            "{p}"
+        );
+        for v in ["24.0", "18.0", "63.5", "61.0", "66.0"] {
+            assert!(p.contains(&format!(">{v}<")), "{v} missing");
+        }
     }
 
     #[test]
