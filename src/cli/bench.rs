@@ -256,18 +256,13 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         rss.map(|b| format!("{:.2} GB", b as f64 / 1e9))
             .unwrap_or("?".into())
     );
-    for (name, s) in [
+    print_spreads(&[
         ("prefill tok/s", &r.prefill_tok_s),
         ("decode tok/s", &r.decode_tok_s),
         ("time to first token ms", &r.time_to_first_token_ms),
         ("decode ms/token", &r.decode_ms_per_token),
         ("sampling ms (total)", &r.sampling_ms),
-    ] {
-        println!(
-            "  {name:<24} median {:>10.2}   min {:>10.2}   max {:>10.2}",
-            s.median, s.min, s.max
-        );
-    }
+    ]);
     if let Some(c) = &r.ceiling {
         let w = &c.weight_bytes;
         println!(
@@ -278,16 +273,11 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             w.norms as f64 / 1e6,
             c.kv_bytes as f64 / 1e6
         );
-        for (name, s) in [
+        print_spreads(&[
             ("stream read GB/s", &c.stream_read_gb_s),
             ("decode ceiling tok/s", &c.ceiling_tok_s),
             ("decode % of ceiling", &c.percent_of_ceiling),
-        ] {
-            println!(
-                "  {name:<24} median {:>10.2}   min {:>10.2}   max {:>10.2}",
-                s.median, s.min, s.max
-            );
-        }
+        ]);
     }
     if let Some(p) = stages {
         println!(
@@ -306,4 +296,13 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn print_spreads(rows: &[(&str, &spark_tool::bench::Spread)]) {
+    for (name, s) in rows {
+        println!(
+            "  {name:<24} median {:>10.2}   min {:>10.2}   max {:>10.2}",
+            s.median, s.min, s.max
+        );
+    }
 }

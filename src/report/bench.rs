@@ -282,12 +282,7 @@ pub fn html(run: &BenchRun, llamacpp: Option<&LlamacppComparison>) -> Result<Str
         }
         h2 { "Throughput" }
         div.grid { @for t in &throughput { (page::figure(t, "")) } }
-        (page::table(&["figure", "median", "min", "max"], spreads.iter().map(|(n, s)| vec![
-            Cell::from(*n),
-            Cell::Num(page::fixed(s.median, 2)),
-            Cell::Num(page::fixed(s.min, 2)),
-            Cell::Num(page::fixed(s.max, 2)),
-        ])))
+        (spread_table(&spreads, 2))
         @if let Some(c) = &r.ceiling {
             h2 { "Decode against this machine's bandwidth ceiling" }
             p {
@@ -297,16 +292,11 @@ pub fn html(run: &BenchRun, llamacpp: Option<&LlamacppComparison>) -> Result<Str
                 " (at the mean decode position). A streaming read before the first repeat and after each; "
                 "each repeat's decode against the mean of the two reads around it."
             }
-            (page::table(&["figure", "median", "min", "max"], [
+            (spread_table(&[
                 ("streaming read GB/s", &c.stream_read_gb_s),
                 ("decode ceiling tok/s", &c.ceiling_tok_s),
                 ("decode % of ceiling", &c.percent_of_ceiling),
-            ].iter().map(|(n, s)| vec![
-                Cell::from(*n),
-                Cell::Num(page::fixed(s.median, 1)),
-                Cell::Num(page::fixed(s.min, 1)),
-                Cell::Num(page::fixed(s.max, 1)),
-            ])))
+            ], 1))
         }
         @if let (Some(p), Some(chart)) = (run.stages, &stages) {
             h2 { "Where the time goes" }
@@ -325,6 +315,21 @@ pub fn html(run: &BenchRun, llamacpp: Option<&LlamacppComparison>) -> Result<Str
         @if let Some(c) = &comparison { (c) }
     };
     Ok(page::render("spark-tool bench", run.artifact, body))
+}
+
+/// One row per figure: its median, min and max with `digits` decimals.
+fn spread_table(rows: &[(&str, &Spread)], digits: usize) -> maud::Markup {
+    page::table(
+        &["figure", "median", "min", "max"],
+        rows.iter().map(|(n, s)| {
+            vec![
+                Cell::from(*n),
+                Cell::Num(page::fixed(s.median, digits)),
+                Cell::Num(page::fixed(s.min, digits)),
+                Cell::Num(page::fixed(s.max, digits)),
+            ]
+        }),
+    )
 }
 
 /// Write the page atomically (the path was checked with [`super::check_html_path`]).
