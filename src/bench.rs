@@ -337,6 +337,9 @@ pub struct KernelRow {
     /// The multiply-add instruction the kernel runs on this CPU at these rows (its measured
     /// peak, [`kernels::peak`], is the ceiling when the weights are in cache).
     pub instruction: Option<&'static str>,
+    /// The measured instruction-mix step that bounds the kernel from cache, when there is one
+    /// ([`kernels::peak::step_of`]): the tile kernels' 2 × 2 step, the W4A16 decode step.
+    pub step: Option<&'static str>,
 }
 
 /// The kernels `bench --kernels` compares: today's paths and the ones they replaced.
@@ -398,6 +401,24 @@ impl KernelKind {
             KernelKind::W4A8 => "vpdpbusd",
             KernelKind::W4A8Scalar => return None,
         })
+    }
+}
+
+impl KernelKind {
+    /// The 4-bit kinds' group size.
+    pub fn group(self) -> Option<usize> {
+        match self {
+            KernelKind::W4A16 | KernelKind::W4A8 | KernelKind::W4A8Scalar => Some(128),
+            KernelKind::W4A16G64 => Some(64),
+            _ => None,
+        }
+    }
+
+    /// The step peak ([`kernels::peak::step_of`]) that bounds this kind's kernel at `m` rows of
+    /// depth `k` under `isa`; the G = 64 pair step only where the pair decoder runs (VBMI).
+    pub fn step(self, isa: kernels::isa::Isa, m: usize, k: usize) -> Option<&'static str> {
+        let s = kernels::peak::step_of(self.instruction(isa, m, k)?, self.group(), m)?;
+        (s != kernels::peak::W4A16_STEP_PAIR || kernels::isa::vbmi()).then_some(s)
     }
 }
 
@@ -552,6 +573,7 @@ pub fn bench_kernel(
         gb_s: bytes as f64 / (us_per_call.median * 1e3),
         gmacs: (m * n * k) as f64 / (us_per_call.median * 1e3),
         instruction: kind.instruction(kernels::isa::isa(), m, k),
+        step: kind.step(kernels::isa::isa(), m, k),
         us_per_call,
     }
 }

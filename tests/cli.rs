@@ -159,6 +159,49 @@ fn bench_reports_throughput_with_spread() {
     }
 }
 
+/// `bench --kernels` measures the W4A16 decode kernels against the step of their decoder
+/// (groups of 128: the word decoder; of 64: the pair decoder, where VBMI runs it), and each step
+/// named is also a measured peak.
+#[test]
+fn bench_kernels_bound_each_w4a16_decode_kernel_by_its_own_step() {
+    let (so, _) = ok(tool().args([
+        "--threads",
+        "1",
+        "bench",
+        "--kernels",
+        "--json",
+        "--repeat",
+        "1",
+        "--only",
+        "w4a16",
+        "--working-set-mb",
+        "1",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    let peaks: Vec<&str> = v["peaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["instruction"].as_str().unwrap())
+        .collect();
+    let rows = v["kernels"].as_array().unwrap();
+    assert!(!rows.is_empty());
+    for r in rows {
+        let kernel = r["kernel"].as_str().unwrap();
+        let want = match (kernel, peaks.contains(&"vdpbf16ps")) {
+            (_, false) => None,
+            ("w4a16 g128", true) => Some("w4a16 g128 step"),
+            ("w4a16 g64", true) => Some("w4a16 g64 step").filter(|s| peaks.contains(s)),
+            (k, _) => panic!("--only w4a16 gave {k}"),
+        };
+        assert_eq!(r["step"].as_str(), want, "{r}");
+        assert_eq!(r["percent_of_step"].is_f64(), want.is_some(), "{r}");
+        if let Some(s) = want {
+            assert!(peaks.contains(&s), "{s} not measured: {peaks:?}");
+        }
+    }
+}
+
 /// `bench --ceiling` counts the bytes a decode step reads as the files say: every projection,
 /// norm and the (untied) head of the f16/f32 fixture, held as f32, and K/V of every cached row (f32
 /// for a float model; sliding layers hold at most their window), from the safetensors headers

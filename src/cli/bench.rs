@@ -96,10 +96,9 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
         Some(100.0 * r.gmacs / peak)
     };
     let share = |r: &spark_tool::bench::KernelRow| share_of(r, r.instruction?);
-    // Tile kernels: also the share of the 2 × 2 step with loads (their practical bound).
-    let step_share = |r: &spark_tool::bench::KernelRow| {
-        share_of(r, spark_tool::kernels::peak::step_of(r.instruction?)?)
-    };
+    // Tile kernels and W4A16 decode: also the share of their measured step with loads (their
+    // practical bound from cache).
+    let step_share = |r: &spark_tool::bench::KernelRow| share_of(r, r.step?);
     let mut rows = vec![];
     for (name, n, k) in shapes {
         for kind in KernelKind::all() {
@@ -128,8 +127,8 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
                     }
                     _ => String::new(),
                 };
-                if let Some(pct) = step_share(&r) {
-                    peak += &format!(", {pct:.0}% of its 2x2 step");
+                if let (Some(step), Some(pct)) = (r.step, step_share(&r)) {
+                    peak += &format!(", {pct:.0}% of {step}");
                 }
                 println!(
                     "{name:<18} {:>7} x {:<6} {:<17} {:>8.1} MB  median {:>9.1} us (min {:>9.1})  {:>6.1} GB/s  {:>4.0}% of stream{peak}",
@@ -157,7 +156,7 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
                 let mut v = serde_json::to_value(r).expect("plain struct");
                 v["linear"] = (*name).into();
                 v["percent_of_peak"] = share(r).into();
-                v["percent_of_tile_step"] = step_share(r).into();
+                v["percent_of_step"] = step_share(r).into();
                 v
             }).collect::<Vec<_>>(),
         });

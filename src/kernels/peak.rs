@@ -1,8 +1,10 @@
 //! This CPU's arithmetic peaks, measured: each multiply-add instruction the kernels are built
 //! on, issued back to back on independent accumulators with operands in registers (no memory
-//! traffic), one thread and every thread of the pool. Kernel speeds are reported as a share of
-//! these (`spark-tool bench --kernels`), so the ratios hold on any machine, not on a quoted
-//! datasheet figure.
+//! traffic), one thread and every thread of the pool; and the steps of the kernels whose
+//! instruction mix, not their multiply-adds, bounds them from cache (the tile kernels' 2 × 2
+//! step, the W4A16 decode step), with their operands in L1. Kernel speeds are reported as a
+//! share of these (`spark-tool bench --kernels`), so the ratios hold on any machine, not on a
+//! quoted datasheet figure.
 
 #[cfg(target_arch = "x86_64")]
 use std::time::Instant;
@@ -51,6 +53,11 @@ pub fn measure(isa: Isa, repeat: usize) -> Vec<Peak> {
                 repeat,
                 x86::bf16,
             ));
+            let w4 = "u4 x bf16 -> f32";
+            out.push(peak(W4A16_STEP_WORDS, w4, 128, repeat, x86::w4a16_words));
+            if super::isa::vbmi() {
+                out.push(peak(W4A16_STEP_PAIR, w4, 128, repeat, x86::w4a16_pair));
+            }
         }
         if isa >= Isa::Amx {
             let (i8, bf16) = ("s8 x s8 -> i32", "bf16 x bf16 -> f32");
@@ -94,11 +101,25 @@ pub const TILE_STEP_I8: &str = "tdpbssd 2x2 step";
 /// As [`TILE_STEP_I8`] for `tdpbf16ps`.
 pub const TILE_STEP_BF16: &str = "tdpbf16ps 2x2 step";
 
-/// The step peak that bounds a kernel on `instruction`, if any.
-pub fn step_of(instruction: &str) -> Option<&'static str> {
-    match instruction {
-        "tdpbssd" => Some(TILE_STEP_I8),
-        "tdpbf16ps" => Some(TILE_STEP_BF16),
+/// The W4A16 decode kernel's step with its operands in L1, for 128 weights of one column and
+/// one activation row (two columns in flight, as the kernel walks them): the 64 bytes of
+/// nibbles, the activations (four 64-byte loads shared by the two columns), the group table
+/// (one 32-byte row broadcast), three shifts, four `vpermw` lookups and four `vdpbf16ps`.
+/// Groups of 128 and more ([`super::w4a16`]'s word decoder). Where this falls short of
+/// `vdpbf16ps`'s own rate, the lookups, not the products, bound the kernel from cache.
+pub const W4A16_STEP_WORDS: &str = "w4a16 g128 step";
+/// As [`W4A16_STEP_WORDS`] for groups of 64 (the pair decoder, AVX512-VBMI): one `vpermb`
+/// more per 128 weights and two tables.
+pub const W4A16_STEP_PAIR: &str = "w4a16 g64 step";
+
+/// The step peak that bounds a kernel on `instruction` with groups of `group` (4-bit kernels)
+/// at `rows` activation rows, if any: the tile kernels' 2 × 2 step, or the W4A16 decode step.
+pub fn step_of(instruction: &str, group: Option<usize>, rows: usize) -> Option<&'static str> {
+    match (instruction, group) {
+        ("tdpbssd", _) => Some(TILE_STEP_I8),
+        ("tdpbf16ps", _) => Some(TILE_STEP_BF16),
+        ("vdpbf16ps", Some(64)) if rows == 1 => Some(W4A16_STEP_PAIR),
+        ("vdpbf16ps", Some(g)) if rows == 1 && g >= 128 => Some(W4A16_STEP_WORDS),
         _ => None,
     }
 }
@@ -232,6 +253,126 @@ mod x86 {
     tile_loop!(tdpbssd, "tdpbssd");
     tile_loop!(tdpbf16ps, "tdpbf16ps");
 
+    /// L1 bytes the W4A16 steps load: two columns' nibbles (0, 64), the activations (128…383),
+    /// two group tables (384, 416).
+    #[repr(C, align(64))]
+    struct W4a16Operands([u8; 448]);
+
+    /// One column's lookups and products, `$v` its 64 bytes of nibbles, `$lo`/`$hi` the tables
+    /// of its two halves, products into `$a0`…`$a3` with the activations in zmm16–19.
+    macro_rules! w4a16_column {
+        ($v:literal, $lo:literal, $hi:literal, $a0:literal, $a1:literal, $a2:literal, $a3:literal) => {
+            concat!(
+                "vpsrlw zmm5, ",
+                $v,
+                ", 4\n",
+                "vpsrlw zmm6, ",
+                $v,
+                ", 8\n",
+                "vpsrlw zmm7, ",
+                $v,
+                ", 12\n",
+                "vpermw zmm4, ",
+                $v,
+                ", ",
+                $lo,
+                "\n",
+                "vpermw zmm5, zmm5, ",
+                $lo,
+                "\n",
+                "vpermw zmm6, zmm6, ",
+                $hi,
+                "\n",
+                "vpermw zmm7, zmm7, ",
+                $hi,
+                "\n",
+                "vdpbf16ps ",
+                $a0,
+                ", zmm4, zmm16\n",
+                "vdpbf16ps ",
+                $a1,
+                ", zmm5, zmm17\n",
+                "vdpbf16ps ",
+                $a2,
+                ", zmm6, zmm18\n",
+                "vdpbf16ps ",
+                $a3,
+                ", zmm7, zmm19\n",
+            )
+        };
+    }
+
+    macro_rules! w4a16_step_loop {
+        ($name:ident, $features:literal, $prologue:literal, $tables:literal, $t:literal, $u:literal, $v:literal, $w:literal) => {
+            /// # Safety
+            /// The CPU has the features named (and AVX512-VBMI for the pair step).
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name(n: u64) {
+                let ops = W4a16Operands([0; 448]);
+                let p = ops.0.as_ptr();
+                // SAFETY: the caller checked the features; every load reads inside `ops`.
+                unsafe {
+                    asm!(
+                        "vpxord zmm8, zmm8, zmm8",
+                        "vmovdqa64 zmm9, zmm8",
+                        "vmovdqa64 zmm10, zmm8",
+                        "vmovdqa64 zmm11, zmm8",
+                        "vmovdqa64 zmm12, zmm8",
+                        "vmovdqa64 zmm13, zmm8",
+                        "vmovdqa64 zmm14, zmm8",
+                        "vmovdqa64 zmm15, zmm8",
+                        "vmovdqu64 zmm20, [{p}]",
+                        "2:",
+                        "vmovdqu64 zmm0, [{p}]",
+                        "vmovdqu64 zmm1, [{p} + 64]",
+                        $prologue,
+                        $tables,
+                        "vmovdqu64 zmm16, [{p} + 128]",
+                        "vmovdqu64 zmm17, [{p} + 192]",
+                        "vmovdqu64 zmm18, [{p} + 256]",
+                        "vmovdqu64 zmm19, [{p} + 320]",
+                        w4a16_column!("zmm0", $t, $u, "zmm8", "zmm9", "zmm10", "zmm11"),
+                        w4a16_column!("zmm1", $v, $w, "zmm12", "zmm13", "zmm14", "zmm15"),
+                        "sub {n}, 2",
+                        "jg 2b",
+                        n = inout(reg) n as i64 => _,
+                        p = in(reg) p,
+                        out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                        out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                        out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                        out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+                        out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
+                        out("zmm20") _, out("zmm21") _, out("zmm22") _,
+                        options(nostack, readonly)
+                    );
+                }
+            }
+        };
+    }
+
+    // Groups ≥ 128: one table per column, both halves.
+    w4a16_step_loop!(
+        w4a16_words,
+        "avx512f,avx512bw,avx512bf16",
+        "",
+        "vbroadcasti64x4 zmm2, [{p} + 384]\nvbroadcasti64x4 zmm21, [{p} + 416]",
+        "zmm2",
+        "zmm2",
+        "zmm21",
+        "zmm21"
+    );
+    // Groups of 64: the pair's bytes interleaved by `vpermb`, a table per group.
+    w4a16_step_loop!(
+        w4a16_pair,
+        "avx512f,avx512bw,avx512bf16,avx512vbmi",
+        "vpermb zmm0, zmm20, zmm0\nvpermb zmm1, zmm20, zmm1",
+        "vbroadcasti64x4 zmm2, [{p} + 384]\nvbroadcasti64x4 zmm3, [{p} + 416]\nvbroadcasti64x4 zmm21, [{p} + 384]\nvbroadcasti64x4 zmm22, [{p} + 416]",
+        "zmm2",
+        "zmm3",
+        "zmm21",
+        "zmm22"
+    );
+
     /// 4 KiB in L1 that the 2 × 2 steps load their tiles from.
     #[repr(C, align(64))]
     struct Operands([u8; 4096]);
@@ -287,20 +428,17 @@ mod tests {
         for isa in Isa::tested() {
             let peaks = measure(isa, 1);
             let names: Vec<_> = peaks.iter().map(|p| p.instruction).collect();
-            let want: &[&str] = match isa {
-                Isa::Portable => &[],
-                Isa::Avx512Vnni => &["vfmadd231ps", "vpdpbusd"],
-                Isa::Avx512Bf16 => &["vfmadd231ps", "vpdpbusd", "vdpbf16ps"],
-                Isa::Amx => &[
-                    "vfmadd231ps",
-                    "vpdpbusd",
-                    "vdpbf16ps",
-                    "tdpbssd",
-                    TILE_STEP_I8,
-                    "tdpbf16ps",
-                    TILE_STEP_BF16,
-                ],
+            let mut want: Vec<&str> = match isa {
+                Isa::Portable => vec![],
+                Isa::Avx512Vnni => vec!["vfmadd231ps", "vpdpbusd"],
+                _ => vec!["vfmadd231ps", "vpdpbusd", "vdpbf16ps", W4A16_STEP_WORDS],
             };
+            if isa >= Isa::Avx512Bf16 && crate::kernels::isa::vbmi() {
+                want.push(W4A16_STEP_PAIR);
+            }
+            if isa >= Isa::Amx {
+                want.extend(["tdpbssd", TILE_STEP_I8, "tdpbf16ps", TILE_STEP_BF16]);
+            }
             assert_eq!(names, want, "{isa:?}");
             for p in &peaks {
                 assert!(
@@ -309,5 +447,18 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn each_kernel_is_bounded_by_its_own_step() {
+        assert_eq!(step_of("tdpbssd", Some(128), 1), Some(TILE_STEP_I8));
+        assert_eq!(step_of("tdpbf16ps", None, 512), Some(TILE_STEP_BF16));
+        assert_eq!(step_of("vdpbf16ps", Some(64), 1), Some(W4A16_STEP_PAIR));
+        assert_eq!(step_of("vdpbf16ps", Some(128), 1), Some(W4A16_STEP_WORDS));
+        // Dense bf16 GEMVs, prefill rows and other group sizes have no step of their own.
+        assert_eq!(step_of("vdpbf16ps", None, 1), None);
+        assert_eq!(step_of("vdpbf16ps", Some(128), 8), None);
+        assert_eq!(step_of("vdpbf16ps", Some(32), 1), None);
+        assert_eq!(step_of("vpdpbusd", Some(128), 1), None);
     }
 }
