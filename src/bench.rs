@@ -402,9 +402,7 @@ impl KernelKind {
             KernelKind::W4A8Scalar => return None,
         })
     }
-}
 
-impl KernelKind {
     /// The 4-bit kinds' group size.
     pub fn group(self) -> Option<usize> {
         match self {
