@@ -131,6 +131,12 @@ pub enum OpenError {
         #[source]
         source: crate::formats::gguf::GgufError,
     },
+    #[error("{tokenizer} cannot tokenize text for GGUF file {gguf}: {why}")]
+    GgufTokenizer {
+        tokenizer: String,
+        gguf: String,
+        why: String,
+    },
     #[error("listing {dir}")]
     Io {
         dir: String,
@@ -170,20 +176,36 @@ pub fn open(
         let model = SparkModel::from_gguf(&f, ggml, false).map_err(gguf)?;
         let bytes: u64 = f.tensors().iter().map(|t| t.nbytes() as u64).sum();
         let params = crate::inspect::parameters(model.config()) as f64;
+        let mut warnings = if ggml {
+            Vec::new()
+        } else {
+            vec![
+                "GGUF runs with f32 activations (llama.cpp's CPU kernels quantize activations to 8 \
+                 bits for its quantized types; drop --act-dtype f32 to match them)"
+                    .into(),
+            ]
+        };
+        // A GGUF carries its vocabulary, not a tokenizer.json: one beside the file serves when it
+        // maps text to the file's ids (parity tokenizes with the reference's either way).
+        let beside = dir.parent().map(|p| match p.as_os_str().is_empty() {
+            true => std::path::Path::new("."),
+            false => p,
+        });
+        let tokenizer = match beside.filter(|d| d.join("tokenizer.json").is_file()) {
+            Some(d) => match gguf_tokenizer(dir, &f, model.config().vocab_size, d) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    warnings.push(format!("{e}; it is not used"));
+                    None
+                }
+            },
+            None => None,
+        };
         return Ok(Opened {
             bpw: bytes as f64 * 8.0 / params,
-            // A GGUF carries its vocabulary, not a tokenizer.json; parity tokenizes with the reference's.
-            tokenizer: None,
+            tokenizer,
             engine: Box::new(model),
-            warnings: if ggml {
-                Vec::new()
-            } else {
-                vec![
-                    "GGUF runs with f32 activations (llama.cpp's CPU kernels quantize activations to 8 \
-                     bits for its quantized types; drop --act-dtype f32 to match them)"
-                        .into(),
-                ]
-            },
+            warnings,
         });
     }
     if phone::is_phone_export(dir) {
@@ -225,6 +247,42 @@ pub fn open(
         bpw: r.bytes as f64 * 8.0 / r.parameters.max(1) as f64,
         warnings: ck.layout.warnings.clone(),
     })
+}
+
+/// `tok`'s tokenizer.json (`tok` a folder holding one, or the file itself) for the GGUF file at
+/// `path` (opened as `f`, `vocab_size` ids): only a tokenizer whose vocabulary, types and merges
+/// are the file's maps text to the ids the file was made for.
+pub fn gguf_tokenizer(
+    path: &std::path::Path,
+    f: &crate::formats::gguf::GgufFile,
+    vocab_size: usize,
+    tok: &std::path::Path,
+) -> Result<std::path::PathBuf, OpenError> {
+    let refuse = |why: String| OpenError::GgufTokenizer {
+        tokenizer: tok.display().to_string(),
+        gguf: path.display().to_string(),
+        why,
+    };
+    let dir = if tok.is_dir() {
+        tok
+    } else if tok.file_name() == Some(std::ffi::OsStr::new("tokenizer.json")) && tok.is_file() {
+        tok.parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."))
+    } else {
+        return Err(refuse(
+            "expected a folder holding tokenizer.json, or a file named tokenizer.json".into(),
+        ));
+    };
+    let file = dir.join("tokenizer.json");
+    if !file.is_file() {
+        return Err(refuse(format!("{} does not exist", file.display())));
+    }
+    match crate::formats::gguf::spark::vocabulary_difference(f, dir, vocab_size) {
+        Ok(None) => Ok(file),
+        Ok(Some(why)) => Err(refuse(why)),
+        Err(e) => Err(refuse(e.to_string())),
+    }
 }
 
 /// Whether `path` starts with the GGUF magic.

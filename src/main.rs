@@ -30,9 +30,9 @@ enum Command {
     Parity(cli::parity::ParityArgs),
     /// Detect this CPU and say which weight format runs best on it (and why).
     Probe(cli::quantize::ProbeArgs),
-    /// GPTQ a checkpoint into a W4A8 or W4A16 GPTQ v1 checkpoint (format chosen by the probe).
+    /// GPTQ a checkpoint into a W4A8 or W4A16 GPTQ v1 checkpoint (format chosen by the probe) or a GGUF file.
     Quantize(cli::quantize::QuantizeArgs),
-    /// Export one decode step as a QNN-ready ONNX graph (f32 or calibrated w8a16) with per-layer-type KV caches.
+    /// Export one decode step as a QNN-ready ONNX graph (calibrated w8a16, w4a16 from GPTQ codes, f16 or f32) with per-layer-type KV caches.
     ExportPhone(cli::export::ExportArgs),
 }
 

@@ -257,6 +257,70 @@ fn run_and_parity_read_gguf_files() {
 }
 
 #[test]
+fn run_encodes_a_gguf_prompt_only_with_a_tokenizer_of_the_files_vocabulary() {
+    let d = tempfile::tempdir().unwrap();
+    let fixture = common::fixture("spark-tiny");
+    let path = d.path().join("m.gguf");
+    let mut o = options(&path, FileType::Q4_0);
+    (o.samples, o.seq_len) = (4, 64);
+    quantize(&o).unwrap();
+    let run = |extra: &[&str], logits: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_spark-tool"))
+            .arg("run")
+            .arg(&path)
+            .args(extra)
+            .args(["--max-new-tokens", "3", "--quiet", "--logits-out"])
+            .arg(d.path().join(logits))
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let text = "Hello, world";
+    // A GGUF carries no tokenizer.json: the message says how to give it one.
+    let (ok, err) = run(&["--prompt", text], "none.safetensors");
+    assert!(!ok && err.contains("--tokenizer MODEL_DIR"), "{err}");
+    // The model's own tokenizer encodes the prompt as it encodes it for the checkpoint.
+    let ids = spark_tool::tokenizer::SparkTokenizer::from_file(&fixture.join("tokenizer.json"))
+        .unwrap()
+        .encode(text)
+        .unwrap();
+    let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    let (ok, err) = run(&["--tokens", &ids.join(",")], "ids.safetensors");
+    assert!(ok, "{err}");
+    let fx = fixture.to_str().unwrap();
+    let (ok, err) = run(&["--tokenizer", fx, "--prompt", text], "text.safetensors");
+    assert!(ok, "{err}");
+    let read = |f: &str| std::fs::read(d.path().join(f)).unwrap();
+    assert_eq!(read("text.safetensors"), read("ids.safetensors"));
+    // Another vocabulary would give other ids: refused, naming what differs.
+    let docs = common::fixture("spark-docs");
+    let (ok, err) = run(
+        &["--tokenizer", docs.to_str().unwrap(), "--prompt", text],
+        "docs.safetensors",
+    );
+    assert!(
+        !ok && err.contains("tokenizer.ggml.tokens differs"),
+        "{err}"
+    );
+    assert!(!d.path().join("docs.safetensors").exists());
+    // A tokenizer.json beside the file serves without the flag; a wrong one is named and unused.
+    std::fs::copy(docs.join("tokenizer.json"), d.path().join("tokenizer.json")).unwrap();
+    let (ok, err) = run(&["--prompt", text], "beside-docs.safetensors");
+    assert!(!ok && err.contains("it is not used"), "{err}");
+    std::fs::copy(
+        fixture.join("tokenizer.json"),
+        d.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    let (ok, err) = run(&["--prompt", text], "beside.safetensors");
+    assert!(ok, "{err}");
+    assert_eq!(read("beside.safetensors"), read("ids.safetensors"));
+}
+
+#[test]
 fn a_model_without_one_layer_type_is_refused_before_the_solve() {
     // llama.cpp reads both layer types' rope keys; a config keeps only the types its layers use.
     let d = tempfile::tempdir().unwrap();

@@ -12,7 +12,8 @@ use super::run::ExecArgs;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Checkpoint folder (default: the bundled fixture).
+    /// Original or GPTQ checkpoint folder (default: the bundled fixture); GGUF files and phone
+    /// exports are not benchmarked here.
     artifact: Option<PathBuf>,
     #[arg(long, default_value_t = 512, value_parser = super::at_least_1)]
     prompt_len: usize,

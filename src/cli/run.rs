@@ -102,11 +102,15 @@ fn top_p(s: &str) -> Result<f32, String> {
 
 #[derive(Args)]
 pub struct RunArgs {
-    /// Checkpoint folder (default: the bundled trained fixture).
+    /// Checkpoint folder, GGUF file or phone export (default: the bundled trained fixture).
     artifact: Option<PathBuf>,
     /// Prompt text, tokenized with the checkpoint's tokenizer.json.
     #[arg(long, conflicts_with = "tokens")]
     prompt: Option<String>,
+    /// With a GGUF file and --prompt: the model folder whose tokenizer.json encodes the prompt
+    /// (checked against the file's vocabulary; default: a tokenizer.json beside the file).
+    #[arg(long, requires = "prompt")]
+    tokenizer: Option<PathBuf>,
     /// Prompt as comma-separated token ids, e.g. `0,4084,53`.
     #[arg(long, value_delimiter = ',', value_parser = token_id)]
     tokens: Option<Vec<u32>>,
@@ -171,17 +175,36 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     for w in &loaded.warnings {
         eprintln!("warning: {w}");
     }
-    let tokenizer = match &loaded.tokenizer {
+    let gguf = spark_tool::engine::is_gguf(&dir);
+    let tokenizer_path = match &a.tokenizer {
+        Some(t) if gguf => {
+            let f = spark_tool::formats::gguf::GgufFile::open(&dir)?;
+            let vocab = loaded.engine.config().vocab_size;
+            Some(spark_tool::engine::gguf_tokenizer(&dir, &f, vocab, t)?)
+        }
+        Some(_) => bail!(
+            "--tokenizer is for GGUF files; {} is tokenized with its own tokenizer.json",
+            dir.display()
+        ),
+        None => loaded.tokenizer.clone(),
+    };
+    let tokenizer = match &tokenizer_path {
         Some(p) => Some(SparkTokenizer::from_file(p)?),
         None => None,
     };
     let prompt: Vec<u32> = match (&a.prompt, &a.tokens) {
         (Some(text), _) => {
-            let tok = tokenizer.as_ref().with_context(|| {
-                format!(
+            let tok = tokenizer.as_ref().with_context(|| match gguf {
+                true => format!(
+                    "{} is a GGUF file, which carries no tokenizer.json: pass --tokenizer \
+                     MODEL_DIR (the folder of the model's tokenizer.json), put the tokenizer.json \
+                     beside the file, or pass --tokens instead of --prompt",
+                    dir.display()
+                ),
+                false => format!(
                     "{} has no tokenizer.json; pass --tokens instead of --prompt",
                     dir.display()
-                )
+                ),
             })?;
             let text = if a.chat {
                 render_chat(text, a.system.as_deref(), !a.no_think)
