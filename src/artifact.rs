@@ -9,11 +9,15 @@
 //! - An output may not be, or contain, any of the command's inputs.
 //! - A destination that is a mount point (`docker run -v host:/out`) cannot be renamed: the staging
 //!   folder then lives inside it and the contents are swapped entry by entry.
+//! - An interruption (Ctrl-C, SIGTERM, SIGHUP; [`exit_on_interrupt`]) removes what this process
+//!   was writing, or keeps it with a note where it holds work to resume, and never cuts a replace
+//!   short between its renames.
 
 use std::collections::BTreeSet;
 use std::io::{BufWriter, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -46,6 +50,83 @@ pub fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ArtifactError + '_ 
     }
 }
 
+/// What an interruption does with an output this process is writing.
+#[derive(Clone, Debug, PartialEq)]
+enum OnInterrupt {
+    /// Nothing in it can be resumed: remove it.
+    Remove,
+    /// Keep it and print this note (what it holds, how to continue).
+    Keep(String),
+}
+
+/// The outputs under construction, for [`exit_on_interrupt`]. Its lock also marks a commit's
+/// renames, which an interruption waits for.
+static IN_PROGRESS: Mutex<Vec<(PathBuf, OnInterrupt)>> = Mutex::new(Vec::new());
+
+fn in_progress() -> MutexGuard<'static, Vec<(PathBuf, OnInterrupt)>> {
+    IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn track(path: &Path, what: OnInterrupt) {
+    let mut list = in_progress();
+    match list.iter_mut().find(|(p, _)| p == path) {
+        Some(entry) => entry.1 = what,
+        None => list.push((path.to_path_buf(), what)),
+    }
+}
+
+fn untrack_in(list: &mut Vec<(PathBuf, OnInterrupt)>, path: &Path) {
+    list.retain(|(p, _)| p != path);
+}
+
+fn untrack(path: &Path) {
+    untrack_in(&mut in_progress(), path);
+}
+
+/// End the process after an interruption by `signal` (Ctrl-C, SIGTERM, SIGHUP), with status
+/// 128 + `signal`: every output under construction is removed, or kept with its note printed
+/// where it holds work to resume (`quantize`'s finished layers). A commit in progress finishes
+/// its renames first, so a replaced artifact is never left half-swapped; the destinations
+/// themselves are never touched.
+pub fn exit_on_interrupt(signal: i32) -> ! {
+    let list = in_progress();
+    eprintln!();
+    for (path, what) in list.iter() {
+        match what {
+            OnInterrupt::Keep(note) => eprintln!("interrupted: {note}"),
+            OnInterrupt::Remove => match remove_unfinished(path) {
+                Ok(()) => eprintln!("interrupted: removed the unfinished {}", path.display()),
+                Err(e) => eprintln!(
+                    "interrupted: could not remove the unfinished {}: {e}",
+                    path.display()
+                ),
+            },
+        }
+    }
+    if list.is_empty() {
+        eprintln!("interrupted");
+    }
+    std::process::exit(128 + signal)
+}
+
+/// Remove a staging folder or file that other threads may still be writing into (a file they
+/// create during the walk makes one pass fail: try again).
+fn remove_unfinished(path: &Path) -> std::io::Result<()> {
+    let mut last = Ok(());
+    for _ in 0..5 {
+        last = match std::fs::symlink_metadata(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => Err(e),
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
+            Ok(_) => std::fs::remove_file(path),
+        };
+        if last.is_ok() {
+            return Ok(());
+        }
+    }
+    last
+}
+
 /// A progress bar for `len` steps, hidden unless `enabled`.
 pub fn progress_bar(enabled: bool, len: u64, what: &str) -> ProgressBar {
     if !enabled {
@@ -71,13 +152,18 @@ pub fn write_file(
         .file_name()
         .ok_or_else(|| ArtifactError::Refused(format!("{} is not a file path", path.display())))?;
     let tmp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
+    track(&tmp, OnInterrupt::Remove);
     let result = (|| -> std::io::Result<()> {
         let mut w = BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
         fill(&mut w)?;
         let file = w.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;
-        std::fs::rename(&tmp, path)
+        let list = in_progress();
+        let renamed = std::fs::rename(&tmp, path);
+        drop(list);
+        renamed
     })();
+    untrack(&tmp);
     result.map_err(|source| {
         let _ = std::fs::remove_file(&tmp);
         ArtifactError::Io {
@@ -106,7 +192,8 @@ fn canonical(p: &Path) -> Option<PathBuf> {
     p.canonicalize().ok()
 }
 
-/// Refuse an output that is, or contains, one of the inputs.
+/// Refuse an output that is, contains, or lies inside one of the inputs (a file or folder of
+/// ours inside a user's model folder would change that folder).
 pub fn check_not_input(out: &Path, inputs: &[&Path], flag: Setting) -> Result<(), ArtifactError> {
     // `out` may not exist yet: resolve its nearest existing ancestor and re-append the rest.
     let mut base = out.to_path_buf();
@@ -147,6 +234,13 @@ pub fn check_not_input(out: &Path, inputs: &[&Path], flag: Setting) -> Result<()
         if in_c.starts_with(&out_c) {
             return Err(ArtifactError::Refused(format!(
                 "{flag} {} contains the input {}; choose an output outside it",
+                out.display(),
+                input.display()
+            )));
+        }
+        if in_c.is_dir() && out_c.starts_with(&in_c) {
+            return Err(ArtifactError::Refused(format!(
+                "{flag} {} is inside the input {}; write it elsewhere",
                 out.display(),
                 input.display()
             )));
@@ -377,8 +471,17 @@ impl Staging {
                 self.kind,
             )));
         }
+        let mut list = in_progress();
         std::fs::rename(built, &self.out).map_err(io_err(&self.out))?;
+        untrack_in(&mut list, &self.root);
+        drop(list);
         std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root))
+    }
+
+    /// On an interruption ([`exit_on_interrupt`]), keep the staging folder and print `note`
+    /// (what it holds and how to continue) instead of removing it.
+    pub fn keep_on_interrupt(&self, note: String) {
+        track(&self.root, OnInterrupt::Keep(note));
     }
 
     /// The staging folder (holds the artifact being built and any resume state).
@@ -409,12 +512,14 @@ impl Staging {
             }
             std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root))?;
         }
+        track(&self.root, OnInterrupt::Remove);
         std::fs::create_dir_all(&self.root).map_err(io_err(&self.root))?;
         std::fs::write(self.root.join(STAGING_MARKER), b"").map_err(io_err(&self.root))
     }
 
     /// Remove the staging folder (after a failure: no half-written artifact stays behind).
     pub fn discard(&self) {
+        untrack(&self.root);
         if self.exists() {
             let _ = std::fs::remove_dir_all(&self.root);
         }
@@ -432,6 +537,8 @@ impl Staging {
             entries,
         };
         write_json(&built.join(MARKER), &marker)?;
+        // An interruption waits for these renames (it never sees the previous artifact aside).
+        let mut list = in_progress();
         // The destination may have changed while we worked: check it again.
         match inspect(&self.out, &self.kind)? {
             Destination::Absent => {
@@ -458,7 +565,17 @@ impl Staging {
                 }
             }
         }
+        untrack_in(&mut list, &self.root);
+        drop(list);
         std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root))
+    }
+}
+
+impl Drop for Staging {
+    /// A staging folder this value no longer works on is no longer this process's to clean up
+    /// (a quantize failure may keep it for `--resume`).
+    fn drop(&mut self) {
+        untrack(&self.root);
     }
 }
 
@@ -514,26 +631,6 @@ pub fn check_output_file(
     is_ours: impl FnOnce(&Path) -> bool,
 ) -> Result<(), ArtifactError> {
     check_not_input(path, inputs, flag)?;
-    for input in inputs {
-        if let (Some(i), Some(p)) = (
-            canonical(input),
-            path.parent().and_then(|d| {
-                canonical(if d.as_os_str().is_empty() {
-                    Path::new(".")
-                } else {
-                    d
-                })
-            }),
-        ) {
-            if p.starts_with(&i) {
-                return Err(ArtifactError::Refused(format!(
-                    "{flag} {} is inside the input {}; write it elsewhere",
-                    path.display(),
-                    input.display()
-                )));
-            }
-        }
-    }
     // The file is written at the very end: a folder that cannot receive it is refused now.
     let parent = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
@@ -658,6 +755,14 @@ mod tests {
         let sneaky = model.join("../m");
         assert!(Staging::plan(&sneaky, "thing", &[&model], true).is_err());
         assert!(model.is_dir());
+        // An artifact folder inside the model folder would change the user's folder: refused,
+        // while a sibling is fine.
+        let e = Staging::plan(&model.join("q"), "thing", &[&model], false)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("inside the input"), "{e}");
+        assert!(!model.join("q").exists());
+        Staging::plan(&d.path().join("models/q"), "thing", &[&model], false).unwrap();
         // A file inside an input, or over a file that is not ours, is refused.
         std::fs::write(model.join("model.safetensors"), "w").unwrap();
         let e = check_output_file(

@@ -67,6 +67,24 @@ fn chain(e: &anyhow::Error) -> String {
     out
 }
 
+/// Ctrl-C, SIGTERM and SIGHUP end the process through [`spark_tool::artifact::exit_on_interrupt`]:
+/// what was being written is removed, or kept and named where it can be resumed.
+fn interrupt_cleanly() {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    match signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) {
+        Ok(mut signals) => {
+            std::thread::spawn(move || {
+                if let Some(sig) = signals.forever().next() {
+                    spark_tool::artifact::exit_on_interrupt(sig);
+                }
+            });
+        }
+        Err(e) => {
+            eprintln!("warning: cannot handle interruptions (Ctrl-C leaves staging folders): {e}")
+        }
+    }
+}
+
 fn main() {
     let cli = parse();
     spark_tool::setting::spell_with(match cli.command {
@@ -82,6 +100,7 @@ fn main() {
             std::process::exit(2);
         }
     }
+    interrupt_cleanly();
     let result = match cli.command {
         Command::Inspect(a) => cli::inspect::run(a).map(|_| 0),
         Command::Run(a) => cli::run::run(a).map(|_| 0),

@@ -110,6 +110,102 @@ fn resume_refuses_weights_changed_in_place_at_the_same_size() {
     );
 }
 
+/// Spawn, send `signal` as soon as `now()` holds, and return the exit status and stderr, or
+/// `None` when the command finished first.
+fn signal_when(
+    args: &[&std::ffi::OsStr],
+    signal: i32,
+    now: &dyn Fn() -> bool,
+) -> Option<(Option<i32>, String)> {
+    let mut child = Command::new(bin())
+        .args(args)
+        .env("RAYON_NUM_THREADS", "2")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while !now() {
+        if child.try_wait().unwrap().is_some() {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+    let o = child.wait_with_output().unwrap();
+    Some((o.status.code(), String::from_utf8_lossy(&o.stderr).into()))
+}
+
+#[test]
+fn an_interruption_keeps_finished_layers_with_a_note_and_removes_what_cannot_resume() {
+    let d = tempfile::tempdir().unwrap();
+    let model = copy_fixture(d.path());
+    let reference = d.path().join("reference");
+    let o = spark(&quantize_args(&model, &reference));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Ctrl-C once two layers are saved: exit 130, --out absent, the layers kept and named.
+    let (out, staging) = (d.path().join("q"), d.path().join(".q.partial"));
+    let layer1 = staging.join("layers/layer_001.safetensors");
+    let (code, err) = signal_when(&quantize_args(&model, &out), libc::SIGINT, &|| {
+        layer1.exists()
+    })
+    .expect("the fixture has 8 layers to go");
+    assert_eq!(code, Some(130), "{err}");
+    assert!(
+        err.contains("interrupted: the finished layers are kept in")
+            && err.contains(".q.partial")
+            && err.contains("--resume"),
+        "{err}"
+    );
+    assert!(!out.exists() && layer1.exists());
+    let mut args = quantize_args(&model, &out);
+    args.push("--resume".as_ref());
+    let o = spark(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        std::fs::read(out.join("model.safetensors")).unwrap()
+            == std::fs::read(reference.join("model.safetensors")).unwrap(),
+        "resumed after Ctrl-C: differs from an uninterrupted run"
+    );
+    // SIGTERM during an export (nothing to resume there): its staging folder is removed.
+    let exp = d.path().join("phone");
+    let exp_staging = d.path().join(".phone.partial");
+    let eargs: Vec<&std::ffi::OsStr> = vec![
+        "export-phone".as_ref(),
+        model.as_os_str(),
+        "--out".as_ref(),
+        exp.as_os_str(),
+        "--context".as_ref(),
+        "2048".as_ref(),
+        "--precision".as_ref(),
+        "f32".as_ref(),
+        "--quiet".as_ref(),
+    ];
+    let mut landed = 0;
+    for _ in 0..5 {
+        let Some((code, err)) = signal_when(&eargs, libc::SIGTERM, &|| exp_staging.exists()) else {
+            std::fs::remove_dir_all(&exp).unwrap();
+            continue;
+        };
+        assert_eq!(code, Some(143), "{err}");
+        if exp.exists() {
+            // The signal landed after the rename that publishes --out: complete.
+            assert!(exp.join(spark_tool::artifact::MARKER).is_file());
+            std::fs::remove_dir_all(&exp).unwrap();
+            continue;
+        }
+        assert!(err.contains("interrupted: removed the unfinished"), "{err}");
+        landed += 1;
+        break;
+    }
+    assert_eq!(landed, 1, "no SIGTERM landed while the export ran");
+    assert_eq!(
+        names(d.path()),
+        ["model", "q", "reference"],
+        "no staging left"
+    );
+}
+
 /// When to kill a running command.
 type KillPoint<'a> = Box<dyn Fn() -> bool + 'a>;
 

@@ -162,7 +162,9 @@ fn report_outputs_follow_the_rules_of_json_and_fail_before_the_work() {
     let fx = common::fixture("spark-tiny");
     let mine = d.path().join("mine.html");
     std::fs::write(&mine, "<html>my notes</html>").unwrap();
-    let cases: [(Vec<&std::ffi::OsStr>, &[&str]); 5] = [
+    let prev = d.path().join("prev.json");
+    std::fs::write(&prev, "{}").unwrap();
+    let cases: [(Vec<&std::ffi::OsStr>, &[&str]); 6] = [
         // A file that is not a previous report of ours is never overwritten.
         (
             vec!["--html".as_ref(), mine.as_os_str()],
@@ -192,6 +194,18 @@ fn report_outputs_follow_the_rules_of_json_and_fail_before_the_work() {
             ],
             &["mine.html", "expected a previous `parity --json` report"],
         ),
+        // An output is never one of the inputs, the baseline included.
+        (
+            vec![
+                "--json".as_ref(),
+                prev.as_os_str(),
+                "--baseline".as_ref(),
+                prev.as_os_str(),
+                "--markdown".as_ref(),
+                "s.md".as_ref(),
+            ],
+            &["--json", "prev.json", "is the input"],
+        ),
         // A baseline only changes the page and the summary.
         (
             vec!["--baseline".as_ref(), "prev.json".as_ref()],
@@ -219,6 +233,7 @@ fn report_outputs_follow_the_rules_of_json_and_fail_before_the_work() {
         std::fs::read_to_string(&mine).unwrap(),
         "<html>my notes</html>"
     );
+    assert_eq!(std::fs::read_to_string(&prev).unwrap(), "{}");
     assert!(!d.path().join("same.out").exists() && !d.path().join("s.md").exists());
 }
 

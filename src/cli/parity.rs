@@ -90,6 +90,8 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
     let mut inputs = vec![a.reference.as_path(), a.candidate.as_path()];
     inputs.extend(a.prompts.as_deref());
     inputs.extend(a.eval_text.as_deref());
+    inputs.extend(a.policy.as_deref());
+    inputs.extend(a.baseline.as_deref());
     if let Some(path) = &a.json {
         ParityReport::check_path(path, &inputs)?;
     }

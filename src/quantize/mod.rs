@@ -1405,6 +1405,7 @@ fn finish_save(
     saving: &mut Option<LayerSave<'_>>,
     phases: &mut Phases,
     done: &mut Option<usize>,
+    out: &output::Output,
 ) -> Result<(), QuantizeError> {
     let Some(save) = saving.take() else {
         return Ok(());
@@ -1413,6 +1414,7 @@ fn finish_save(
         .time(Phase::Save, || save.handle.join())
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
     *done = Some(save.layer + 1);
+    out.keep_for_resume();
     Ok(())
 }
 
@@ -1495,6 +1497,7 @@ fn run(
         // The finished layers' output is in `x`; they never run again.
         Some(st) => {
             *done = Some(st.completed);
+            out.keep_for_resume();
             (
                 st.x,
                 st.x_float,
@@ -1579,7 +1582,7 @@ fn run(
                     res.tune = Some(r);
                 }
                 drop(layer);
-                finish_save(&mut saving, &mut phases, done)?;
+                finish_save(&mut saving, &mut phases, done, out)?;
                 let streams = phases.time(Phase::Save, || (x.clone(), xf.clone()));
                 tuned.extend(res.tune.clone());
                 let (out, settings, saved_rep) = (out, &settings, rep.clone());
@@ -1593,17 +1596,17 @@ fn run(
                 reports.extend(rep);
                 bar.inc(1);
                 if opts.stop_after_layers == Some(li + 1) && li + 1 < layers {
-                    finish_save(&mut saving, &mut phases, done)?;
+                    finish_save(&mut saving, &mut phases, done, out)?;
                     bar.finish_and_clear();
                     return Err(QuantizeError::Interrupted(li + 1));
                 }
             }
-            finish_save(&mut saving, &mut phases, done)
+            finish_save(&mut saving, &mut phases, done, out)
         })();
         match solved {
             // A save in flight still counts towards what is kept; if it failed, its failure came
             // first and is the one reported (as it was when saves ran in line).
-            Err(e) => Err(finish_save(&mut saving, &mut phases, done)
+            Err(e) => Err(finish_save(&mut saving, &mut phases, done, out)
                 .err()
                 .unwrap_or(e)),
             ok => ok,

@@ -309,6 +309,17 @@ impl Output {
         self.staging.root()
     }
 
+    /// From the first saved layer on (or on a resumed run), an interruption keeps the staging
+    /// folder for `--resume` and says so, instead of removing it.
+    pub fn keep_for_resume(&self) {
+        self.staging.keep_on_interrupt(format!(
+            "the finished layers are kept in {}: run the same command with {} to continue from \
+             them, or remove that folder to free the space",
+            self.partial.display(),
+            crate::setting::Setting::Resume
+        ));
+    }
+
     /// Remove the staging folder after a failure that a rerun would repeat.
     pub fn discard(&self) {
         self.staging.discard();
