@@ -285,6 +285,22 @@ pub fn gguf_tokenizer(
     }
 }
 
+/// Where `e`, a [`ModelError::NonFinite`] of the checkpoint folder `dir`, comes from: its first
+/// non-finite weight, named (a scan of every tensor, made only once the logits have shown one).
+pub fn non_finite_weight(
+    e: &ModelError,
+    dir: &std::path::Path,
+) -> Option<crate::checkpoint::CheckpointError> {
+    match e {
+        ModelError::NonFinite { .. } if dir.is_dir() && !crate::phone::is_phone_export(dir) => {
+            crate::checkpoint::Checkpoint::open(dir)
+                .and_then(|ck| ck.check_finite())
+                .err()
+        }
+        _ => None,
+    }
+}
+
 /// Whether `path` starts with the GGUF magic.
 pub fn is_gguf(path: &std::path::Path) -> bool {
     use std::io::Read;

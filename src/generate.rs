@@ -144,6 +144,12 @@ pub fn generate(
     let prompt_logits = seq.forward(prompt, want)?;
     stats.prefill_ms = t.elapsed().as_secs_f64() * 1e3;
     let mut last = prompt_logits[prompt_logits.len() - vocab..].to_vec();
+    // Sampling from NaN logits would print tokens as if nothing were wrong.
+    let finite = |l: &[f32], position: usize| match l.iter().all(|v| v.is_finite()) {
+        true => Ok(()),
+        false => Err(ModelError::NonFinite { position }),
+    };
+    finite(&last, prompt.len() - 1)?;
 
     let mut tokens = prompt.to_vec();
     let mut decode_logits = Vec::new();
@@ -167,6 +173,7 @@ pub fn generate(
         let t = Instant::now();
         last = seq.forward(&[next], Logits::Last)?;
         stats.decode_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        finite(&last, tokens.len() - 1)?;
     }
     stats.generated_tokens = tokens.len() - prompt.len();
     Ok(GenerateOutput {

@@ -134,6 +134,42 @@ fn errors_exit_2_with_a_reason() {
 }
 
 #[test]
+fn a_non_finite_weight_stops_run_and_bench_naming_the_tensor() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("nan");
+    common::copy_dir(&common::fixture("spark-tiny"), &model);
+    let st = model.join("model.safetensors");
+    let name = "model.layers.1.mlp.gate_proj.weight";
+    let start = spark_tool::checkpoint::TensorStore::open_file(&st)
+        .unwrap()
+        .get(name)
+        .unwrap()
+        .start;
+    let mut bytes = std::fs::read(&st).unwrap();
+    bytes[start as usize..start as usize + 2].copy_from_slice(&0x7fc0u16.to_le_bytes()); // bf16 NaN
+    std::fs::write(&st, bytes).unwrap();
+    for args in [
+        &["run", "--prompt", "hello", "--max-new-tokens", "4"][..],
+        &["bench", "--prompt-len", "8", "--gen", "2", "--repeat", "1"][..],
+    ] {
+        let out = tool()
+            .args(&args[..1])
+            .arg(&model)
+            .args(&args[1..])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(name) && err.contains("NaN") && err.contains("not finite"),
+            "{args:?}: {err}"
+        );
+        // Nothing was generated from the broken logits.
+        assert!(out.stdout.is_empty() || args[0] == "bench", "{args:?}");
+    }
+}
+
+#[test]
 fn bench_reports_throughput_with_spread() {
     let (so, _) = ok(tool()
         .args([

@@ -213,7 +213,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         .transpose()?;
     let model = SparkModel::load(&ck, a.exec.options(&ck, false))?;
     let load_ms = t.elapsed().as_secs_f64() * 1e3;
-    let r = spark_tool::bench::run(&model, a.prompt_len, a.gen, a.repeat, a.ceiling)?;
+    let r = spark_tool::bench::run(&model, a.prompt_len, a.gen, a.repeat, a.ceiling)
+        .map_err(|e| super::model_error(e, &dir))?;
     let stages = if a.stages {
         Some(spark_tool::bench::stage_profile(
             &model,

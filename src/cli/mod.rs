@@ -98,3 +98,12 @@ pub fn load(dir: &Path, exec: &run::ExecArgs, progress: bool) -> anyhow::Result<
         rayon::current_num_threads(),
     )?)
 }
+
+/// A model error for the user, with the weight that made the logits non-finite named where the
+/// artifact is a checkpoint folder.
+pub fn model_error(e: spark_tool::model::ModelError, dir: &std::path::Path) -> anyhow::Error {
+    match spark_tool::engine::non_finite_weight(&e, dir) {
+        Some(w) => anyhow::Error::new(e).context(w.to_string()),
+        None => e.into(),
+    }
+}

@@ -257,7 +257,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         };
         let _ = stdout.write_all(piece.as_bytes());
         let _ = stdout.flush();
-    })?;
+    })
+    .map_err(|e| super::model_error(e, &dir))?;
     if let Some(e) = stream_err {
         return Err(e.into());
     }

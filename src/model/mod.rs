@@ -44,6 +44,11 @@ pub enum ModelError {
         setting = crate::setting::Setting::Context
     )]
     PastContext { needed: usize, context: usize },
+    #[error(
+        "the logits after position {position} are not finite (NaN or Inf): the artifact is broken \
+         (a non-finite weight, or values that overflow)"
+    )]
+    NonFinite { position: usize },
     /// A failure of the runtime executing the model (ONNX Runtime for phone graphs).
     #[error(transparent)]
     Backend(Box<dyn std::error::Error + Send + Sync>),
