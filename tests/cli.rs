@@ -134,6 +134,133 @@ fn errors_exit_2_with_a_reason() {
 }
 
 #[test]
+fn flags_that_do_not_apply_are_refused_before_any_work() {
+    let d = tempfile::tempdir().unwrap();
+    let fx = common::fixture("spark-tiny");
+    let fx = fx.to_str().unwrap();
+    let g = d.path().join("x.gguf");
+    let g = g.to_str().unwrap();
+    let e = d.path().join("e");
+    let e = e.to_str().unwrap();
+    let cases: [(&[&str], &[&str]); 8] = [
+        (
+            &["bench", fx, "--kernels", "--only", "nosuch"],
+            &["--only", "matches no kernel", "down_proj"],
+        ),
+        (
+            &[
+                "export-phone",
+                fx,
+                "--out",
+                e,
+                "--precision",
+                "f32",
+                "--kv-dtype",
+                "uint8",
+            ],
+            &["--kv-dtype", "w8a16"],
+        ),
+        (
+            &[
+                "quantize",
+                fx,
+                "--out",
+                g,
+                "--format",
+                "gguf-q4_0",
+                "--quantize-head",
+            ],
+            &["--quantize-head", "GGUF"],
+        ),
+        (
+            &[
+                "quantize",
+                fx,
+                "--out",
+                g,
+                "--format",
+                "gguf-q4_0",
+                "--target",
+                "phone",
+            ],
+            &["--target", "GGUF"],
+        ),
+        (
+            &[
+                "quantize",
+                fx,
+                "--out",
+                g,
+                "--format",
+                "gguf-q4_0",
+                "--qkv-layout",
+                "split",
+            ],
+            &["--qkv-layout", "GGUF"],
+        ),
+        (
+            &[
+                "quantize",
+                fx,
+                "--out",
+                e,
+                "--model-tune",
+                "--model-tune-lr",
+                "nan",
+            ],
+            &["--model-tune-lr", "finite"],
+        ),
+        (
+            &["run", "/definitely/not/here", "--tokens", "1"],
+            &["/definitely/not/here does not exist"],
+        ),
+        (
+            &["inspect", fx, "--context", "18446744073709551615"],
+            &["--context", "4294967296"],
+        ),
+    ];
+    for (args, want) in cases {
+        let out = tool().args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        for w in want {
+            assert!(err.contains(w), "{args:?}: {err}");
+        }
+    }
+    assert!(
+        std::fs::read_dir(d.path()).unwrap().next().is_none(),
+        "nothing written"
+    );
+    // No held-out tokens: perplexity is reported as not measured, not as NaN; a model compared
+    // with itself is named as such.
+    let out = tool()
+        .args([
+            "parity",
+            fx,
+            fx,
+            "--eval-tokens",
+            "0",
+            "--max-new-tokens",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{se}");
+    assert!(
+        so.contains("perplexity: not measured") && !so.contains("NaN"),
+        "{so}"
+    );
+    assert!(
+        se.contains("the reference and the candidate are the same"),
+        "{se}"
+    );
+}
+
+#[test]
 fn a_non_finite_weight_stops_run_and_bench_naming_the_tensor() {
     let d = tempfile::tempdir().unwrap();
     let model = d.path().join("nan");

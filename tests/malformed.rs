@@ -893,6 +893,18 @@ fn gptq_cases() -> Vec<Case> {
         );
         out.push(on_model(c, "run", &model).names([key]));
     }
+    // GPTQ tensors with no quantization_config to read them: the missing key is named.
+    {
+        let c = Case::new("gptq without quantization_config (run)".to_string());
+        let model = c.input(&shared().gptq, "model");
+        let mut cfg = cfg.clone();
+        cfg.as_object_mut().unwrap().remove("quantization_config");
+        replace(
+            &model.join("config.json"),
+            serde_json::to_string_pretty(&cfg).unwrap().as_bytes(),
+        );
+        out.push(on_model(c, "run", &model).names(["quantization_config", "qweight"]));
+    }
     // A GPTQ checkpoint is no input for quantize or export-phone.
     for cmd in ["quantize", "export-phone"] {
         let c = Case::new(format!("gptq checkpoint as input ({cmd})"));

@@ -346,6 +346,19 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
             (!have.is_empty()).then_some((prefix, have))
         });
         match store.get(&t.name) {
+            None if partial_gptq
+                .as_ref()
+                .is_some_and(|(_, have)| have.contains(&"qweight"))
+                && cfg.gptq.is_none() =>
+            {
+                let (prefix, have) = partial_gptq.expect("checked");
+                problems.push(format!(
+                    "linear `{prefix}` is stored as GPTQ ({}) but config.json has no \
+                     `quantization_config` (quant_method \"gptq\", bits 4, group_size, sym, \
+                     desc_act) to read it with; restore it from the checkpoint's source",
+                    have.join(", "),
+                ));
+            }
             None if partial_gptq.is_some() => {
                 let (prefix, have) = partial_gptq.expect("checked");
                 problems.push(format!(

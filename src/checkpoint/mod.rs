@@ -16,6 +16,8 @@ pub use store::{TensorEntry, TensorStore};
 pub enum CheckpointError {
     #[error("{0} is not a directory (expected a Hugging Face checkpoint folder with config.json and model.safetensors)")]
     NotADir(String),
+    #[error("{0} does not exist (expected a Hugging Face checkpoint folder with config.json and model.safetensors)")]
+    Missing(String),
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("cannot read {path}: {source}")]
@@ -50,6 +52,9 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        if !dir.exists() {
+            return Err(CheckpointError::Missing(dir.display().to_string()));
+        }
         if !dir.is_dir() {
             return Err(CheckpointError::NotADir(dir.display().to_string()));
         }

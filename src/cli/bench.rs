@@ -76,6 +76,36 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
         ("down_proj", h, inter),
         ("lm_head", c.vocab_size, h),
     ];
+    let selected = |name: &str, kind: KernelKind| {
+        // The head stays dense.
+        let head_kind = matches!(
+            kind,
+            KernelKind::Bf16 | KernelKind::Bf16F32Act | KernelKind::F32Gemm
+        );
+        let wanted = a.only.as_ref().is_none_or(|f| {
+            // The scalar reference takes seconds per call at prefill rows: a filter for the
+            // fast kernels (`w4a8 g128`) must not also select it.
+            let scalar_unasked = kind == KernelKind::W4A8Scalar && !f.contains("scalar");
+            !scalar_unasked && format!("{name} {}", kind.name()).contains(f.as_str())
+        });
+        (name != "lm_head" || head_kind) && wanted
+    };
+    if let Some(f) = &a.only {
+        let any = shapes
+            .iter()
+            .any(|(name, ..)| KernelKind::all().into_iter().any(|k| selected(name, k)));
+        if !any {
+            let labels: Vec<String> = KernelKind::all()
+                .iter()
+                .map(|k| k.name().to_string())
+                .collect();
+            anyhow::bail!(
+                "--only {f:?} matches no kernel row; a row's label is the linear ({}) and the kernel ({})",
+                shapes.map(|s| s.0).join(", "),
+                labels.join(", ")
+            );
+        }
+    }
     let bw = stream_read_gb_s(a.repeat);
     let peaks = spark_tool::kernels::peak::measure(spark_tool::kernels::isa::isa(), a.repeat);
     if !a.json {
@@ -103,21 +133,8 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
     let mut rows = vec![];
     for (name, n, k) in shapes {
         for kind in KernelKind::all() {
-            if name == "lm_head"
-                && !matches!(
-                    kind,
-                    KernelKind::Bf16 | KernelKind::Bf16F32Act | KernelKind::F32Gemm
-                )
-            {
-                continue; // the head stays dense
-            }
-            if let Some(f) = &a.only {
-                // The scalar reference takes seconds per call at prefill rows: a filter for the
-                // fast kernels (`w4a8 g128`) must not also select it.
-                let scalar_unasked = kind == KernelKind::W4A8Scalar && !f.contains("scalar");
-                if scalar_unasked || !format!("{name} {}", kind.name()).contains(f.as_str()) {
-                    continue;
-                }
+            if !selected(name, kind) {
+                continue;
             }
             let ws = a.working_set_mb.map(|mb| (mb * 1e6) as usize);
             let r = bench_kernel(kind, n, k, a.rows, a.repeat, ws);

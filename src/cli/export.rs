@@ -59,9 +59,9 @@ pub struct ExportArgs {
     context: usize,
     #[arg(long, value_enum, default_value = "w8a16")]
     precision: PrecisionArg,
-    /// KV-cache integer type of w8a16/w4a16 exports.
-    #[arg(long, value_enum, default_value = "int16")]
-    kv_dtype: KvArg,
+    /// KV-cache integer type of w8a16/w4a16 exports [default: int16].
+    #[arg(long, value_enum)]
+    kv_dtype: Option<KvArg>,
     /// Split into N parts at residual boundaries (balanced by parameters; the head counts as a unit).
     #[arg(long, default_value_t = 1, value_parser = super::at_least_1)]
     parts: usize,
@@ -96,6 +96,12 @@ pub struct ExportArgs {
 }
 
 pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
+    if a.kv_dtype.is_some() && matches!(a.precision, PrecisionArg::F32 | PrecisionArg::F16) {
+        anyhow::bail!(
+            "--kv-dtype applies to w8a16 and w4a16 exports; an f32 or f16 graph keeps its KV caches in \
+             its own float type"
+        );
+    }
     let opts = ExportOptions {
         context: a.context,
         precision: match a.precision {
@@ -105,8 +111,8 @@ pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
             PrecisionArg::W4a16 => Precision::W4A16,
         },
         kv: match a.kv_dtype {
-            KvArg::Int16 => QType::Int16,
-            KvArg::Uint8 => QType::Uint8,
+            None | Some(KvArg::Int16) => QType::Int16,
+            Some(KvArg::Uint8) => QType::Uint8,
         },
         parts: a.parts,
         calibration: a.calibration,
@@ -122,7 +128,13 @@ pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
         progress: !a.quiet && !a.json,
         threads: rayon::current_num_threads(),
     };
-    let r = export_phone(&a.model, &a.out, &opts)?;
+    let r = export_phone(&a.model, &a.out, &opts).map_err(|e| {
+        // Refusals of the output name their own paths; a problem of the input names its folder.
+        match e {
+            spark_tool::export::ExportError::Artifact(_) => anyhow::Error::new(e),
+            e => anyhow::Error::new(e).context(format!("exporting {}", a.model.display())),
+        }
+    })?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else if !a.quiet {

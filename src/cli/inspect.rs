@@ -12,9 +12,20 @@ pub struct InspectArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
-    /// Context length for the KV-cache figures.
-    #[arg(long, default_value_t = 4096, value_parser = super::at_least_1)]
+    /// Context length for the KV-cache figures (at most 2^32 tokens).
+    #[arg(long, default_value_t = 4096, value_parser = context)]
     context: usize,
+}
+
+/// Up to 2^32 positions: the byte counts (layers × positions × bytes per position) stay exact in
+/// u64 for any real Spark shape.
+fn context(s: &str) -> Result<usize, String> {
+    match super::at_least_1(s) {
+        Ok(n) if n <= 1 << 32 => Ok(n),
+        _ => Err(format!(
+            "expected a whole number of positions in 1..=4294967296, got '{s}'"
+        )),
+    }
 }
 
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {

@@ -25,12 +25,13 @@ pub struct ParityArgs {
     /// Held-out text for perplexity (default calibration/heldout.jsonl; never used for calibration).
     #[arg(long)]
     eval_text: Option<PathBuf>,
-    /// Tokens of held-out text for perplexity, in windows of --eval-seq-len.
+    /// Tokens of held-out text for perplexity, in windows of --eval-seq-len (0: no perplexity;
+    /// a --max-ppl-ratio then reports drift).
     #[arg(long, default_value_t = 2048, value_parser = super::count)]
     eval_tokens: usize,
     #[arg(long, default_value_t = 512, value_parser = super::at_least_1)]
     eval_seq_len: usize,
-    /// Thresholds as JSON ({"max_kl_mean": 0.05, ...}); flags below override it.
+    /// A JSON file of thresholds ({"max_kl_mean": 0.05, ...}); flags below override it.
     #[arg(long)]
     policy: Option<PathBuf>,
     #[arg(long, value_parser = super::fraction)]
@@ -86,6 +87,15 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
     policy
         .validate()
         .map_err(|e| anyhow::anyhow!("{e} (from --policy or its flag)"))?;
+    if let (Ok(r), Ok(c)) = (a.reference.canonicalize(), a.candidate.canonicalize()) {
+        if r == c {
+            eprintln!(
+                "note: the reference and the candidate are the same {}: every figure compares it \
+                 with itself",
+                r.display()
+            );
+        }
+    }
     // Every output is checked before the comparison runs, and the baseline read.
     let mut inputs = vec![a.reference.as_path(), a.candidate.as_path()];
     inputs.extend(a.prompts.as_deref());
@@ -185,10 +195,17 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         "overall: greedy identical {}/{} (mean {:.1} tokens to divergence), top-1 {:.4}, top-5 {:.4}, KL mean {:.3e} p99 {:.3e} max {:.3e}, max|Δlogit| {:.3}, SNR {:.1} dB over {} positions",
         o.greedy_identical, o.prompts, o.mean_tokens_to_divergence, o.top1, o.top5, o.kl_mean, o.kl_p99, o.kl_max, o.max_abs_dlogit, o.snr_db, o.positions
     );
-    println!(
-        "perplexity on {} held-out tokens: reference {:.4}, candidate {:.4}, ratio {:.4}; bits/weight {:.3} vs {:.3}",
-        o.eval_tokens, o.ppl_reference, o.ppl_candidate, o.ppl_ratio, report.reference_bpw, report.candidate_bpw
-    );
+    if o.eval_tokens == 0 {
+        println!(
+            "perplexity: not measured (no held-out tokens); bits/weight {:.3} vs {:.3}",
+            report.reference_bpw, report.candidate_bpw
+        );
+    } else {
+        println!(
+            "perplexity on {} held-out tokens: reference {:.4}, candidate {:.4}, ratio {:.4}; bits/weight {:.3} vs {:.3}",
+            o.eval_tokens, o.ppl_reference, o.ppl_candidate, o.ppl_ratio, report.reference_bpw, report.candidate_bpw
+        );
+    }
     if let Some(path) = &a.json {
         report.write(path)?;
     }

@@ -203,10 +203,10 @@ pub struct QuantizeArgs {
     #[arg(long, default_value_t = ModelTune::default().steps, value_parser = super::at_least_1, requires = "model_tune")]
     model_tune_steps: usize,
     /// Adam's step for the scale factors of --model-tune.
-    #[arg(long, default_value_t = ModelTune::default().scale_lr, requires = "model_tune")]
+    #[arg(long, default_value_t = ModelTune::default().scale_lr, value_parser = super::non_negative, requires = "model_tune")]
     model_tune_lr: f64,
     /// Adam's step for code offsets in --model-tune (0: codes stay GPTQ's).
-    #[arg(long, default_value_t = ModelTune::default().codes_lr, requires = "model_tune")]
+    #[arg(long, default_value_t = ModelTune::default().codes_lr, value_parser = super::non_negative, requires = "model_tune")]
     model_tune_codes_lr: f64,
     /// Calibration windows per step of --model-tune.
     #[arg(long, default_value_t = ModelTune::default().batch, value_parser = super::at_least_1, requires = "model_tune")]
@@ -295,6 +295,17 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
     if gguf.is_some() && a.group_size.is_some() {
         bail!("--group-size does not apply to GGUF: each block type fixes its own (Q4_0/Q8_0/Q4_K 32, Q6_K 16)");
     }
+    if gguf.is_some() && a.quantize_head {
+        bail!("--quantize-head does not apply to GGUF: the head's type is the file type's (Q6_K, Q8_0 for gguf-q8_0)");
+    }
+    if gguf.is_some() && matches!(a.qkv_layout, QkvArg::Split) {
+        bail!(
+            "--qkv-layout does not apply to GGUF: llama.cpp's Spark graph reads one fused attn_qkv"
+        );
+    }
+    if gguf.is_some() && !matches!(a.target, TargetArg::Auto) {
+        bail!("--target does not apply to GGUF: llama.cpp runs its block types with its own kernels on any CPU");
+    }
     let (format, group_size) = path.override_with(explicit, a.group_size);
     let opts = QuantizeOptions {
         model_dir: model_dir.clone(),
@@ -363,12 +374,18 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
+    let format = match report.gguf {
+        Some(ft) => format!("GGUF {}", ft.llama_name()),
+        None => format!(
+            "{} g{}",
+            serde_json::to_value(report.format)?.as_str().unwrap_or("?"),
+            report.group_size
+        ),
+    };
     println!(
-        "{} → {}: {} g{} ({} samples × {} tokens, calibration sha256 {}…)",
+        "{} → {}: {format} ({} samples × {} tokens, calibration sha256 {}…)",
         report.model,
         report.out,
-        serde_json::to_value(report.format)?.as_str().unwrap_or("?"),
-        report.group_size,
         report.samples,
         report.seq_len,
         &report.calibration_sha256[..12]
