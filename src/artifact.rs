@@ -278,6 +278,13 @@ fn inspect(out: &Path, kind: &str) -> Result<Destination, ArtifactError> {
         Err(e) => return Err(io_err(out)(e)),
         Ok(m) => m,
     };
+    if meta.file_type().is_symlink() {
+        // Replacing would act on the link, not on what it points to: never guess.
+        return Err(ArtifactError::Refused(format!(
+            "{} is a symbolic link; give the folder it points to, or another output",
+            out.display()
+        )));
+    }
     if !meta.is_dir() {
         return Err(ArtifactError::Refused(format!(
             "{} exists and is not a folder; spark-tool only replaces a previous {kind} of its own",
@@ -763,6 +770,14 @@ mod tests {
         assert!(e.to_string().contains("inside the input"), "{e}");
         assert!(!model.join("q").exists());
         Staging::plan(&d.path().join("models/q"), "thing", &[&model], false).unwrap();
+        // A symbolic link as the destination is named as one (a replace would act on the link).
+        let link = d.path().join("link");
+        std::fs::create_dir(d.path().join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(d.path().join("elsewhere"), &link).unwrap();
+        let e = Staging::plan(&link, "thing", &[&model], true)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
         // A file inside an input, or over a file that is not ours, is refused.
         std::fs::write(model.join("model.safetensors"), "w").unwrap();
         let e = check_output_file(

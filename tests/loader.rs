@@ -193,7 +193,9 @@ fn folder_without_weights_or_config() {
         "{e}"
     );
     let e = open_err(&d.path().join("nope"));
-    assert!(e.contains("is not a directory"), "{e}");
+    assert!(e.contains("nope does not exist"), "{e}");
+    let e = open_err(&d.path().join("config.json"));
+    assert!(e.contains("config.json is not a directory"), "{e}");
 }
 
 #[test]

@@ -882,6 +882,8 @@ fn gptq_cases() -> Vec<Case> {
         ("group_size", json!(48)),
         ("desc_act", json!("yes")),
         ("quant_method", json!("awq")),
+        // The fixture's checkpoint keeps its head dense: a config claiming a GPTQ head is wrong.
+        ("lm_head", json!(true)),
     ] {
         let c = Case::new(format!("gptq quantization_config.{key} = {v} (run)"));
         let model = c.input(&shared().gptq, "model");
@@ -892,6 +894,18 @@ fn gptq_cases() -> Vec<Case> {
             serde_json::to_string_pretty(&cfg).unwrap().as_bytes(),
         );
         out.push(on_model(c, "run", &model).names([key]));
+    }
+    // A numerics record that names neither W4A8 nor W4A16.
+    {
+        let c = Case::new("gptq meta.spark_tool.format = \"w9a9\" (run)".to_string());
+        let model = c.input(&shared().gptq, "model");
+        let mut cfg = cfg.clone();
+        cfg["quantization_config"]["meta"]["spark_tool"]["format"] = json!("w9a9");
+        replace(
+            &model.join("config.json"),
+            serde_json::to_string_pretty(&cfg).unwrap().as_bytes(),
+        );
+        out.push(on_model(c, "run", &model).names(["meta.spark_tool.format", "w9a9"]));
     }
     // GPTQ tensors with no quantization_config to read them: the missing key is named.
     {
@@ -1166,6 +1180,12 @@ fn phone_cases() -> Vec<Case> {
     let model = c.input(&shared().phone, "phone");
     std::fs::remove_file(model.join(&emb)).unwrap();
     out.push(on_model(c, "run", &model).names([emb]));
+    // A phone export where a Hugging Face checkpoint is needed: said so, not "no safetensors".
+    for cmd in ["inspect", "quantize", "export-phone"] {
+        let c = Case::new(format!("phone export as a checkpoint ({cmd})"));
+        let model = c.input(&shared().phone, "phone");
+        out.push(on_model(c, cmd, &model).names(["is a phone export", "checkpoint"]));
+    }
     out
 }
 

@@ -423,6 +423,14 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
             ));
         }
     }
+    // vLLM quantizes the head only when the config says so, and then needs its GPTQ tensors.
+    if cfg.gptq.as_ref().is_some_and(|g| g.lm_head) && !gptq.contains("lm_head") {
+        problems.push(
+            "config.json's quantization_config.lm_head is true but the checkpoint has no GPTQ head \
+             (lm_head.qweight, qzeros, scales); set it to false or restore the head's tensors"
+                .into(),
+        );
+    }
     if problems.is_empty() {
         Ok(CheckedLayout {
             tied,

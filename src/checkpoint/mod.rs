@@ -18,6 +18,8 @@ pub enum CheckpointError {
     NotADir(String),
     #[error("{0} does not exist (expected a Hugging Face checkpoint folder with config.json and model.safetensors)")]
     Missing(String),
+    #[error("{0} is a phone export (the output of export-phone), not a Hugging Face checkpoint: give the checkpoint it was exported from (`run` and `parity` execute a phone export)")]
+    PhoneExport(String),
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("cannot read {path}: {source}")]
@@ -57,6 +59,9 @@ impl Checkpoint {
         }
         if !dir.is_dir() {
             return Err(CheckpointError::NotADir(dir.display().to_string()));
+        }
+        if crate::phone::is_phone_export(dir) {
+            return Err(CheckpointError::PhoneExport(dir.display().to_string()));
         }
         let config = SparkConfig::from_file(&dir.join("config.json"))?;
         let store = TensorStore::open(dir)?;

@@ -1,5 +1,6 @@
 use std::path::{Path, PathBuf};
 
+use anyhow::Context;
 use clap::{ArgGroup, Args};
 
 use spark_tool::engine;
@@ -120,7 +121,12 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
     .filter_map(|(s, p)| p.as_deref().map(|p| (s, p)))
     .collect();
     report::check_distinct(&outputs)?;
-    let baseline = a.baseline.as_deref().map(Baseline::read).transpose()?;
+    let baseline = a
+        .baseline
+        .as_deref()
+        .map(Baseline::read)
+        .transpose()
+        .context("reading --baseline")?;
     let progress = false;
     let reference = super::load(&a.reference, &super::run::ExecArgs::original(), progress)?;
     let candidate = super::load(&a.candidate, &a.exec, progress)?;
@@ -128,7 +134,8 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         Some(p) => Some(SparkTokenizer::from_file(p)?),
         None => None,
     };
-    let prompts = parity::read_prompts(&a.prompts.clone().unwrap_or_else(parity::bundled_prompts))?;
+    let prompts = parity::read_prompts(&a.prompts.clone().unwrap_or_else(parity::bundled_prompts))
+        .context("reading --prompts")?;
     let eval_windows = match &tokenizer {
         Some(tok) => parity::eval_windows(
             &a.eval_text
@@ -137,7 +144,8 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
             tok,
             a.eval_tokens,
             a.eval_seq_len,
-        )?,
+        )
+        .context("reading --eval-text")?,
         None => Vec::new(),
     };
     let inputs = ParityInputs {

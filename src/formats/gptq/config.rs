@@ -90,15 +90,25 @@ impl GptqInfo {
                 ))
             }
         };
+        // The numerics `run` and `parity` pick by default (docs/GPTQ_FORMAT.md §8).
+        let spark_tool_format = match v.pointer("/meta/spark_tool/format") {
+            None => None,
+            Some(f) => match f.as_str() {
+                Some(s @ ("w4a8" | "w4a16")) => Some(s.to_string()),
+                _ => {
+                    return Err(err(
+                        "meta.spark_tool.format",
+                        format!("expected \"w4a8\" or \"w4a16\", found {f}"),
+                    ))
+                }
+            },
+        };
         Ok(GptqInfo {
             group_size,
             desc_act,
             lm_head,
             v2,
-            spark_tool_format: v
-                .pointer("/meta/spark_tool/format")
-                .and_then(|f| f.as_str())
-                .map(String::from),
+            spark_tool_format,
         })
     }
 }
