@@ -142,7 +142,7 @@ fn flags_that_do_not_apply_are_refused_before_any_work() {
     let g = g.to_str().unwrap();
     let e = d.path().join("e");
     let e = e.to_str().unwrap();
-    let cases: [(&[&str], &[&str]); 8] = [
+    let cases: [(&[&str], &[&str]); 9] = [
         (
             &["bench", fx, "--kernels", "--only", "nosuch"],
             &["--only", "matches no kernel", "down_proj"],
@@ -213,6 +213,10 @@ fn flags_that_do_not_apply_are_refused_before_any_work() {
         (
             &["run", "/definitely/not/here", "--tokens", "1"],
             &["/definitely/not/here does not exist"],
+        ),
+        (
+            &["run", fx, "--w4-numerics", "w4a8", "--tokens", "1"],
+            &["--w4-numerics", "no 4-bit GPTQ"],
         ),
         (
             &["inspect", fx, "--context", "18446744073709551615"],

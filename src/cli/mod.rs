@@ -91,12 +91,20 @@ pub fn load(dir: &Path, exec: &run::ExecArgs, progress: bool) -> anyhow::Result<
     } else {
         engine::GgufNumerics::Ggml
     };
-    Ok(engine::open(
+    let opened = engine::open(
         dir,
         |ck| exec.options(ck, progress),
         gguf,
         rayon::current_num_threads(),
-    )?)
+    )?;
+    let gptq = !spark_tool::phone::is_phone_export(dir) && opened.engine.config().gptq.is_some();
+    if exec.w4_numerics_given() && !gptq {
+        anyhow::bail!(
+            "--w4-numerics applies to GPTQ checkpoints; {} has no 4-bit GPTQ weights",
+            dir.display()
+        );
+    }
+    Ok(opened)
 }
 
 /// A model error for the user, with the weight that made the logits non-finite named where the

@@ -61,6 +61,11 @@ impl ExecArgs {
         })
     }
 
+    /// Whether --w4-numerics was given (it applies to GPTQ checkpoints only).
+    pub fn w4_numerics_given(&self) -> bool {
+        !matches!(self.w4_numerics, NumericsArg::Auto)
+    }
+
     pub fn options(&self, ck: &Checkpoint, progress: bool) -> LoadOptions {
         let mut o = LoadOptions::for_checkpoint(ck, progress);
         match self.w4_numerics {
