@@ -28,6 +28,8 @@ use crate::setting::Setting;
 pub const MARKER: &str = ".spark-tool-artifact.json";
 /// The file in every staging folder that says we made it (so only ours are ever cleared).
 const STAGING_MARKER: &str = ".spark-tool-staging";
+/// Where a replace puts the previous artifact, inside the staging folder, until the new one is in.
+const PREVIOUS: &str = "previous";
 /// The staging folder's name inside a destination that is a mount point.
 const INNER_STAGING: &str = ".spark-tool.partial";
 
@@ -81,6 +83,22 @@ fn untrack_in(list: &mut Vec<(PathBuf, OnInterrupt)>, path: &Path) {
 
 fn untrack(path: &Path) {
     untrack_in(&mut in_progress(), path);
+}
+
+/// Until dropped, an interruption removes `path` (a folder or file this process made and
+/// removes itself when done, e.g. a temporary checkpoint).
+#[must_use = "the path is tracked only while the guard lives"]
+pub struct RemoveOnInterrupt(PathBuf);
+
+pub fn remove_on_interrupt(path: &Path) -> RemoveOnInterrupt {
+    track(path, OnInterrupt::Remove);
+    RemoveOnInterrupt(path.to_path_buf())
+}
+
+impl Drop for RemoveOnInterrupt {
+    fn drop(&mut self) {
+        untrack(&self.0);
+    }
 }
 
 /// End the process after an interruption by `signal` (Ctrl-C, SIGTERM, SIGHUP), with status
@@ -195,9 +213,21 @@ fn canonical(p: &Path) -> Option<PathBuf> {
 /// Refuse an output that is, contains, or lies inside one of the inputs (a file or folder of
 /// ours inside a user's model folder would change that folder).
 pub fn check_not_input(out: &Path, inputs: &[&Path], flag: Setting) -> Result<(), ArtifactError> {
-    // `out` may not exist yet: resolve its nearest existing ancestor and re-append the rest.
+    // `out` may not exist yet: resolve its nearest existing ancestor and re-append the rest. A
+    // symbolic link as the last component stays as it is: the write replaces the link, inside
+    // the folder it sits in, not what it points to.
     let mut base = out.to_path_buf();
     let mut rest = Vec::new();
+    if std::fs::symlink_metadata(out).is_ok_and(|m| m.file_type().is_symlink()) {
+        if let (Some(n), Some(p)) = (out.file_name(), out.parent()) {
+            rest.push(n.to_os_string());
+            base = if p.as_os_str().is_empty() {
+                PathBuf::from(".")
+            } else {
+                p.to_path_buf()
+            };
+        }
+    }
     let resolved = loop {
         if let Some(c) = canonical(&base) {
             break Some(c);
@@ -480,9 +510,10 @@ impl Staging {
         }
         let mut list = in_progress();
         std::fs::rename(built, &self.out).map_err(io_err(&self.out))?;
+        // Removed under the lock: an interruption never finds it half gone, marker first.
+        let removed = std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root));
         untrack_in(&mut list, &self.root);
-        drop(list);
-        std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root))
+        removed
     }
 
     /// On an interruption ([`exit_on_interrupt`]), keep the staging folder and print `note`
@@ -517,6 +548,8 @@ impl Staging {
                     self.root.display()
                 )));
             }
+            // Ours: from here an interruption finishes this removal rather than leave it half done.
+            track(&self.root, OnInterrupt::Remove);
             std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root))?;
         }
         track(&self.root, OnInterrupt::Remove);
@@ -524,8 +557,12 @@ impl Staging {
         std::fs::write(self.root.join(STAGING_MARKER), b"").map_err(io_err(&self.root))
     }
 
-    /// Remove the staging folder (after a failure: no half-written artifact stays behind).
+    /// Remove the staging folder (after a failure: no half-written artifact stays behind),
+    /// unless a failed replace left the previous artifact in it (its error says where).
     pub fn discard(&self) {
+        if self.root.join(PREVIOUS).exists() {
+            return;
+        }
         untrack(&self.root);
         if self.exists() {
             let _ = std::fs::remove_dir_all(&self.root);
@@ -558,23 +595,52 @@ impl Staging {
                 )))
             }
             _ => {
-                let aside = self.root.join("previous");
+                let aside = self.root.join(PREVIOUS);
+                // Where a failure leaves the previous artifact aside, it is the user's to
+                // recover: an interruption keeps it and says where.
+                let keep_aside = |list: &mut Vec<(PathBuf, OnInterrupt)>| {
+                    let note = format!(
+                        "the previous {} of {} is kept in {}",
+                        self.kind,
+                        self.out.display(),
+                        aside.display()
+                    );
+                    untrack_in(list, &self.root);
+                    list.push((self.root.clone(), OnInterrupt::Keep(note)));
+                };
                 match std::fs::rename(&self.out, &aside) {
                     Ok(()) => {
                         if let Err(e) = std::fs::rename(built, &self.out) {
-                            let _ = std::fs::rename(&aside, &self.out);
+                            if std::fs::rename(&aside, &self.out).is_err() {
+                                keep_aside(&mut list);
+                                return Err(ArtifactError::Io {
+                                    path: format!(
+                                        "{} (the previous {} is kept in {})",
+                                        self.out.display(),
+                                        self.kind,
+                                        aside.display()
+                                    ),
+                                    source: e,
+                                });
+                            }
                             return Err(io_err(&self.out)(e));
                         }
                     }
                     // A mount point (EBUSY) or a destination on another device (EXDEV):
                     // swap its contents instead of the folder itself.
-                    Err(_) => swap_contents(&self.out, built, &aside)?,
+                    Err(_) => {
+                        if let Err(e) = swap_contents(&self.out, built, &aside) {
+                            keep_aside(&mut list);
+                            return Err(e);
+                        }
+                    }
                 }
             }
         }
+        // Removed under the lock: an interruption never finds it half gone, marker first.
+        let removed = std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root));
         untrack_in(&mut list, &self.root);
-        drop(list);
-        std::fs::remove_dir_all(&self.root).map_err(io_err(&self.root))
+        removed
     }
 }
 
@@ -778,6 +844,12 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.to_string().contains("symbolic link"), "{e}");
+        // A file output that is a link inside the input folder would be replaced there: refused,
+        // wherever the link points.
+        let inside = model.join("r.json");
+        std::os::unix::fs::symlink(d.path().join("elsewhere/r.json"), &inside).unwrap();
+        let e = check_output_file(&inside, &[&model], Setting::Json, |_| true).unwrap_err();
+        assert!(e.to_string().contains("inside the input"), "{e}");
         // A file inside an input, or over a file that is not ours, is refused.
         std::fs::write(model.join("model.safetensors"), "w").unwrap();
         let e = check_output_file(

@@ -71,7 +71,21 @@ fn chain(e: &anyhow::Error) -> String {
 /// what was being written is removed, or kept and named where it can be resumed.
 fn interrupt_cleanly() {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    match signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) {
+    // A signal the parent set to be ignored stays ignored (`nohup`, a `&` job of a script):
+    // catching it would end a long run the user meant to survive it.
+    let ignored = |sig: i32| {
+        // SAFETY: sigaction with a null new action only reads the current one into `old`.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(sig, std::ptr::null(), &mut old) == 0
+                && old.sa_sigaction == libc::SIG_IGN
+        }
+    };
+    let wanted: Vec<i32> = [SIGINT, SIGTERM, SIGHUP]
+        .into_iter()
+        .filter(|&s| !ignored(s))
+        .collect();
+    match signal_hook::iterator::Signals::new(wanted) {
         Ok(mut signals) => {
             std::thread::spawn(move || {
                 if let Some(sig) = signals.forever().next() {

@@ -352,6 +352,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         compare: !a.no_compare,
         dump_dequantized: a.dump_dequantized.clone(),
         stop_after_layers: None,
+        keep_on_interrupt: true,
         gguf,
         block_tune: a.block_tune.then(|| BlockTune {
             steps: a.block_tune_steps,

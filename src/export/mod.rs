@@ -385,10 +385,13 @@ fn export_through_gptq(
         compare: false,
         dump_dequantized: None,
         stop_after_layers: None,
+        keep_on_interrupt: false,
         gguf: None,
         block_tune: None,
         model_tune: None,
     };
+    // The finished checkpoint is this call's to remove, an interruption included.
+    let _tmp = crate::artifact::remove_on_interrupt(&tmp);
     let r = crate::quantize::quantize(&q)
         .map_err(|e| {
             ExportError::Invalid(format!(

@@ -124,6 +124,9 @@ pub struct QuantizeOptions {
     pub dump_dequantized: Option<PathBuf>,
     /// Stop with [`QuantizeError::Interrupted`] after this many layers (tests of `--resume`).
     pub stop_after_layers: Option<usize>,
+    /// On Ctrl-C or SIGTERM, keep the finished layers for `--resume` and say so (false where
+    /// the caller offers no resume, as `export-phone`'s own solve: its staging is then removed).
+    pub keep_on_interrupt: bool,
     /// Write one GGUF file of this type (`out_dir` is then the file) instead of a GPTQ
     /// checkpoint: every tensor is solved on the grid of its GGML type.
     pub gguf: Option<FileType>,
@@ -1406,6 +1409,7 @@ fn finish_save(
     phases: &mut Phases,
     done: &mut Option<usize>,
     out: &output::Output,
+    keep: bool,
 ) -> Result<(), QuantizeError> {
     let Some(save) = saving.take() else {
         return Ok(());
@@ -1414,7 +1418,9 @@ fn finish_save(
         .time(Phase::Save, || save.handle.join())
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
     *done = Some(save.layer + 1);
-    out.keep_for_resume();
+    if keep {
+        out.keep_for_resume();
+    }
     Ok(())
 }
 
@@ -1497,7 +1503,9 @@ fn run(
         // The finished layers' output is in `x`; they never run again.
         Some(st) => {
             *done = Some(st.completed);
-            out.keep_for_resume();
+            if opts.keep_on_interrupt {
+                out.keep_for_resume();
+            }
             (
                 st.x,
                 st.x_float,
@@ -1582,7 +1590,7 @@ fn run(
                     res.tune = Some(r);
                 }
                 drop(layer);
-                finish_save(&mut saving, &mut phases, done, out)?;
+                finish_save(&mut saving, &mut phases, done, out, opts.keep_on_interrupt)?;
                 let streams = phases.time(Phase::Save, || (x.clone(), xf.clone()));
                 tuned.extend(res.tune.clone());
                 let (out, settings, saved_rep) = (out, &settings, rep.clone());
@@ -1596,19 +1604,21 @@ fn run(
                 reports.extend(rep);
                 bar.inc(1);
                 if opts.stop_after_layers == Some(li + 1) && li + 1 < layers {
-                    finish_save(&mut saving, &mut phases, done, out)?;
+                    finish_save(&mut saving, &mut phases, done, out, opts.keep_on_interrupt)?;
                     bar.finish_and_clear();
                     return Err(QuantizeError::Interrupted(li + 1));
                 }
             }
-            finish_save(&mut saving, &mut phases, done, out)
+            finish_save(&mut saving, &mut phases, done, out, opts.keep_on_interrupt)
         })();
         match solved {
             // A save in flight still counts towards what is kept; if it failed, its failure came
             // first and is the one reported (as it was when saves ran in line).
-            Err(e) => Err(finish_save(&mut saving, &mut phases, done, out)
-                .err()
-                .unwrap_or(e)),
+            Err(e) => Err(
+                finish_save(&mut saving, &mut phases, done, out, opts.keep_on_interrupt)
+                    .err()
+                    .unwrap_or(e),
+            ),
             ok => ok,
         }
     });
@@ -1740,6 +1750,7 @@ mod tests {
             compare,
             dump_dequantized: None,
             stop_after_layers: None,
+            keep_on_interrupt: true,
             gguf: None,
             block_tune: None,
             model_tune: None,

@@ -144,6 +144,7 @@ pub fn quantize_options(
         compare: true,
         dump_dequantized: None,
         stop_after_layers: None,
+        keep_on_interrupt: true,
         gguf: None,
         block_tune: None,
         model_tune: None,
