@@ -32,6 +32,8 @@ const STAGING_MARKER: &str = ".spark-tool-staging";
 const PREVIOUS: &str = "previous";
 /// The staging folder's name inside a destination that is a mount point.
 const INNER_STAGING: &str = ".spark-tool.partial";
+/// The lock file of [`INNER_STAGING`] (see [`StagingLock`]).
+const INNER_LOCK: &str = ".spark-tool.partial.lock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ArtifactError {
@@ -323,6 +325,7 @@ fn inspect(out: &Path, kind: &str) -> Result<Destination, ArtifactError> {
     }
     let mut entries = entries_of(out)?;
     entries.remove(INNER_STAGING);
+    entries.remove(INNER_LOCK);
     if entries.is_empty() {
         return Ok(Destination::Empty);
     }
@@ -380,6 +383,78 @@ pub struct Staging {
     force: bool,
     /// For a file artifact: how to recognise a previous file of ours.
     file_is_ours: Option<fn(&Path) -> bool>,
+    _lock: StagingLock,
+}
+
+/// An exclusive lock (flock) on a staging folder's name, held by the run that plans it until it
+/// is done: two runs writing one output would otherwise clear each other's staging folder (the
+/// second run's `reset` removes the first one's layers mid-run). The lock file sits beside the
+/// staging folder and is removed with the lock; a killed run's file is taken over by the next.
+struct StagingLock {
+    path: PathBuf,
+    _file: Option<std::fs::File>,
+}
+
+impl StagingLock {
+    fn take(root: &Path, out: &Path) -> Result<Self, ArtifactError> {
+        let mut name = root.file_name().unwrap_or_default().to_os_string();
+        name.push(".lock");
+        let path = root.with_file_name(name);
+        let busy = || {
+            ArtifactError::Refused(format!(
+                "another spark-tool run is writing {} (it holds {}); wait for it to end or \
+                 choose another {}",
+                out.display(),
+                path.display(),
+                Setting::Out
+            ))
+        };
+        // The file the path names when we hold its lock (a holder that is ending removes its
+        // file: a lock on that unlinked file would lock nothing).
+        let current = |f: &std::fs::File| match (std::fs::metadata(&path), f.metadata()) {
+            (Ok(p), Ok(f)) => p.ino() == f.ino() && p.dev() == f.dev(),
+            _ => false,
+        };
+        for _ in 0..50 {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(io_err(&path))?;
+            match file.try_lock() {
+                Ok(()) if current(&file) => {
+                    track(&path, OnInterrupt::Remove);
+                    return Ok(StagingLock {
+                        path,
+                        _file: Some(file),
+                    });
+                }
+                Ok(()) => {}
+                Err(std::fs::TryLockError::WouldBlock) if current(&file) => return Err(busy()),
+                Err(std::fs::TryLockError::WouldBlock) => {}
+                // A filesystem without flock (some network mounts): go on unlocked, as before.
+                Err(std::fs::TryLockError::Error(e))
+                    if e.kind() == std::io::ErrorKind::Unsupported =>
+                {
+                    return Ok(StagingLock { path, _file: None });
+                }
+                Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&path)(e)),
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        Err(busy())
+    }
+}
+
+impl Drop for StagingLock {
+    fn drop(&mut self) {
+        if self._file.is_some() {
+            untrack(&self.path);
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 impl Staging {
@@ -454,6 +529,7 @@ impl Staging {
             parent.join(format!(".{name}.partial"))
         };
         Ok(Staging {
+            _lock: StagingLock::take(&root, out)?,
             out: out.to_path_buf(),
             root,
             kind: kind.into(),
@@ -487,9 +563,11 @@ impl Staging {
             .file_name()
             .expect("checked: a file path")
             .to_string_lossy();
+        let root = parent.join(format!(".{name}.partial"));
         Ok(Staging {
+            _lock: StagingLock::take(&root, out)?,
             out: out.to_path_buf(),
-            root: parent.join(format!(".{name}.partial")),
+            root,
             kind: kind.into(),
             force,
             file_is_ours: Some(is_ours),
@@ -658,7 +736,7 @@ fn swap_contents(out: &Path, built: &Path, aside: &Path) -> Result<(), ArtifactE
     std::fs::create_dir_all(aside).map_err(io_err(aside))?;
     let mut old: Vec<String> = entries_of(out)?
         .into_iter()
-        .filter(|e| e != INNER_STAGING && e != MARKER)
+        .filter(|e| e != INNER_STAGING && e != INNER_LOCK && e != MARKER)
         .collect();
     if out.join(MARKER).exists() {
         old.insert(0, MARKER.into());
@@ -772,6 +850,7 @@ mod tests {
         let st = Staging::plan(&out, "thing", &[], false).unwrap();
         let b = build(&st, &[("x", "1")]);
         st.commit(&b).unwrap();
+        drop(st);
         let e = Staging::plan(&out, "thing", &[], false).err().unwrap();
         assert!(e.to_string().contains(&Setting::Force.to_string()), "{e}");
         let st = Staging::plan(&out, "thing", &[], true).unwrap();
@@ -787,6 +866,35 @@ mod tests {
         std::fs::remove_file(out.join("notes.txt")).unwrap();
         let e = Staging::plan(&out, "other", &[], true).err().unwrap();
         assert!(e.to_string().contains("not a other"), "{e}");
+    }
+
+    #[test]
+    fn one_run_at_a_time_writes_an_output() {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("a");
+        let first = Staging::plan(&out, "thing", &[], false).unwrap();
+        first.reset().unwrap();
+        // A second run planning the same output is refused at once, before it clears anything.
+        let e = Staging::plan(&out, "thing", &[], true).err().unwrap();
+        assert!(
+            e.to_string().contains("another spark-tool run is writing"),
+            "{e}"
+        );
+        assert!(first.exists(), "the first run's staging folder was cleared");
+        let lock = d.path().join(".a.partial.lock");
+        assert!(lock.is_file());
+        // Once the first is done, its lock file goes and the output is free again.
+        let b = build(&first, &[("x", "1")]);
+        first.commit(&b).unwrap();
+        drop(first);
+        assert!(!lock.exists());
+        let again = Staging::plan(&out, "thing", &[], true).unwrap();
+        drop(again);
+        assert_eq!(
+            std::fs::read_dir(d.path()).unwrap().count(),
+            1,
+            "only the artifact is left"
+        );
     }
 
     #[test]
