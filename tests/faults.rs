@@ -110,6 +110,10 @@ fn resume_refuses_weights_changed_in_place_at_the_same_size() {
     );
 }
 
+fn os_refs(v: &[std::ffi::OsString]) -> Vec<&std::ffi::OsStr> {
+    v.iter().map(|a| a.as_os_str()).collect()
+}
+
 /// Spawn (with the signals in `ignored` set to be ignored, as `nohup` does), send `signal` as soon
 /// as `now()` holds, and return the exit status and stderr, or `None` when the command finished
 /// first.
@@ -158,8 +162,21 @@ fn signal_when(
 fn an_interruption_keeps_finished_layers_with_a_note_and_removes_what_cannot_resume() {
     let d = tempfile::tempdir().unwrap();
     let model = copy_fixture(d.path());
+    // Calibration long enough that each layer takes a while: a loaded machine (the other tests
+    // of this file run beside this one) must still see the run between two layers.
+    let slow = |out: &Path| -> Vec<std::ffi::OsString> {
+        let mut v: Vec<std::ffi::OsString> = quantize_args(&model, out)
+            .into_iter()
+            .map(Into::into)
+            .collect();
+        for (flag, value) in [("--samples", "32"), ("--seq-len", "256")] {
+            let i = v.iter().position(|a| a == flag).unwrap();
+            v[i + 1] = value.into();
+        }
+        v
+    };
     let reference = d.path().join("reference");
-    let o = spark(&quantize_args(&model, &reference));
+    let o = spark(&os_refs(&slow(&reference)));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let same_as_reference = |out: &Path, what: &str| {
         assert!(
@@ -174,7 +191,7 @@ fn an_interruption_keeps_finished_layers_with_a_note_and_removes_what_cannot_res
     let layer1 = staging.join("layers/layer_001.safetensors");
     let mut landed = None;
     for _ in 0..3 {
-        match signal_when(&quantize_args(&model, &out), &[], libc::SIGINT, &|| {
+        match signal_when(&os_refs(&slow(&out)), &[], libc::SIGINT, &|| {
             layer1.exists()
         }) {
             Some((code, err)) if !out.exists() => {
@@ -193,15 +210,15 @@ fn an_interruption_keeps_finished_layers_with_a_note_and_removes_what_cannot_res
         "{err}"
     );
     assert!(layer1.exists());
-    let mut args = quantize_args(&model, &out);
-    args.push("--resume".as_ref());
-    let o = spark(&args);
+    let mut args = slow(&out);
+    args.push("--resume".into());
+    let o = spark(&os_refs(&args));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     same_as_reference(&out, "resumed after Ctrl-C");
     std::fs::remove_dir_all(&out).unwrap();
     // A signal the parent ignores stays ignored (nohup): the run goes on to the end.
     let (code, err) = signal_when(
-        &quantize_args(&model, &out),
+        &os_refs(&slow(&out)),
         &[libc::SIGHUP],
         libc::SIGHUP,
         &|| staging.exists(),
