@@ -110,6 +110,21 @@ fn resume_refuses_weights_changed_in_place_at_the_same_size() {
     );
 }
 
+/// `export-phone` of `model` to `out` as f32 (no calibration, so no ONNX Runtime needed).
+fn export_args<'a>(model: &'a Path, out: &'a Path, context: &'a str) -> Vec<&'a std::ffi::OsStr> {
+    let mut v: Vec<&std::ffi::OsStr> = vec!["export-phone".as_ref(), model.as_os_str()];
+    v.extend([
+        "--out".as_ref(),
+        out.as_os_str(),
+        "--context".as_ref(),
+        context.as_ref(),
+    ]);
+    for a in ["--precision", "f32", "--quiet"] {
+        v.push(a.as_ref());
+    }
+    v
+}
+
 fn os_refs(v: &[std::ffi::OsString]) -> Vec<&std::ffi::OsStr> {
     v.iter().map(|a| a.as_os_str()).collect()
 }
@@ -229,17 +244,7 @@ fn an_interruption_keeps_finished_layers_with_a_note_and_removes_what_cannot_res
     // SIGTERM during an export (nothing to resume there): its staging folder is removed.
     let exp = d.path().join("phone");
     let exp_staging = d.path().join(".phone.partial");
-    let eargs: Vec<&std::ffi::OsStr> = vec![
-        "export-phone".as_ref(),
-        model.as_os_str(),
-        "--out".as_ref(),
-        exp.as_os_str(),
-        "--context".as_ref(),
-        "2048".as_ref(),
-        "--precision".as_ref(),
-        "f32".as_ref(),
-        "--quiet".as_ref(),
-    ];
+    let eargs = export_args(&model, &exp, "2048");
     let mut landed = 0;
     for _ in 0..5 {
         let Some((code, err)) = signal_when(&eargs, &[], libc::SIGTERM, &|| exp_staging.exists())
@@ -345,18 +350,7 @@ fn sigkill_at_any_point_leaves_the_destination_alone_and_resume_finishes_identic
 
     // export-phone: killed anywhere, --out never appears; the next run clears the staging.
     let exp = d.path().join("phone");
-    let eargs: Vec<&std::ffi::OsStr> = vec![
-        "export-phone".as_ref(),
-        model.as_os_str(),
-        "--out".as_ref(),
-        exp.as_os_str(),
-        "--context".as_ref(),
-        "64".as_ref(),
-        // f32: no calibration, so no ONNX Runtime needed.
-        "--precision".as_ref(),
-        "f32".as_ref(),
-        "--quiet".as_ref(),
-    ];
+    let eargs = export_args(&model, &exp, "64");
     let t = Instant::now();
     assert!(spark(&eargs).status.success());
     let full = t.elapsed();
