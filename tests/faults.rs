@@ -148,6 +148,11 @@ fn signal_when(
     // SAFETY: only async-signal-safe calls (signal(2)) between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
+            // A background job of a script (as CI may run this) inherits SIGINT ignored: start
+            // from the defaults, then ignore what the case asks.
+            for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+                libc::signal(s, libc::SIG_DFL);
+            }
             for &s in ignored {
                 libc::signal(s, libc::SIG_IGN);
             }
