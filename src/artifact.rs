@@ -208,6 +208,13 @@ struct Marker {
     entries: BTreeSet<String>,
 }
 
+/// The folder holding `path`: its parent, or `.` for a bare name (whose parent is "").
+pub fn folder_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
 fn canonical(p: &Path) -> Option<PathBuf> {
     p.canonicalize().ok()
 }
@@ -221,13 +228,9 @@ pub fn check_not_input(out: &Path, inputs: &[&Path], flag: Setting) -> Result<()
     let mut base = out.to_path_buf();
     let mut rest = Vec::new();
     if std::fs::symlink_metadata(out).is_ok_and(|m| m.file_type().is_symlink()) {
-        if let (Some(n), Some(p)) = (out.file_name(), out.parent()) {
+        if let Some(n) = out.file_name() {
             rest.push(n.to_os_string());
-            base = if p.as_os_str().is_empty() {
-                PathBuf::from(".")
-            } else {
-                p.to_path_buf()
-            };
+            base = folder_of(out).to_path_buf();
         }
     }
     let resolved = loop {
@@ -235,13 +238,9 @@ pub fn check_not_input(out: &Path, inputs: &[&Path], flag: Setting) -> Result<()
             break Some(c);
         }
         match (base.file_name(), base.parent()) {
-            (Some(n), Some(p)) => {
+            (Some(n), Some(_)) => {
                 rest.push(n.to_os_string());
-                base = if p.as_os_str().is_empty() {
-                    PathBuf::from(".")
-                } else {
-                    p.to_path_buf()
-                };
+                base = folder_of(&base).to_path_buf();
             }
             _ => break None,
         }
@@ -481,10 +480,7 @@ impl Staging {
             .to_string_lossy()
             .into_owned();
         // A file where a folder of the path should be: say which, not just "Not a directory".
-        let parent = out
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
+        let parent = folder_of(out);
         if let Some(file) = parent
             .ancestors()
             .find(|a| a.exists())
@@ -507,10 +503,7 @@ impl Staging {
             }
             _ => {}
         }
-        let parent = out
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
+        let parent = folder_of(out);
         std::fs::create_dir_all(parent).map_err(io_err(parent))?;
         let inside = out.is_dir() && is_mount_point(out);
         // Refused now rather than when the first file is written, after the compute.
@@ -555,10 +548,7 @@ impl Staging {
                 Setting::Force
             )));
         }
-        let parent = out
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
+        let parent = folder_of(out);
         let name = out
             .file_name()
             .expect("checked: a file path")
@@ -783,10 +773,7 @@ pub fn check_output_file(
 ) -> Result<(), ArtifactError> {
     check_not_input(path, inputs, flag)?;
     // The file is written at the very end: a folder that cannot receive it is refused now.
-    let parent = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+    let parent = folder_of(path);
     if !parent.is_dir() {
         return Err(ArtifactError::Refused(format!(
             "{flag} {}: the folder {} does not exist",

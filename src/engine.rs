@@ -187,11 +187,8 @@ pub fn open(
         };
         // A GGUF carries its vocabulary, not a tokenizer.json: one beside the file serves when it
         // maps text to the file's ids (parity tokenizes with the reference's either way).
-        let beside = dir.parent().map(|p| match p.as_os_str().is_empty() {
-            true => std::path::Path::new("."),
-            false => p,
-        });
-        let tokenizer = match beside.filter(|d| d.join("tokenizer.json").is_file()) {
+        let beside = crate::artifact::folder_of(dir);
+        let tokenizer = match Some(beside).filter(|d| d.join("tokenizer.json").is_file()) {
             Some(d) => match gguf_tokenizer(dir, &f, model.config().vocab_size, d) {
                 Ok(p) => Some(p),
                 Err(e) => {
@@ -266,9 +263,7 @@ pub fn gguf_tokenizer(
     let dir = if tok.is_dir() {
         tok
     } else if tok.file_name() == Some(std::ffi::OsStr::new("tokenizer.json")) && tok.is_file() {
-        tok.parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."))
+        crate::artifact::folder_of(tok)
     } else {
         return Err(refuse(
             "expected a folder holding tokenizer.json, or a file named tokenizer.json".into(),

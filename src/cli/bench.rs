@@ -200,11 +200,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         .unwrap_or_else(spark_tool::bundled_fixture);
     let t = Instant::now();
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-    if a.exec.w4_numerics_given() && ck.config.gptq.is_none() && !a.kernels {
-        anyhow::bail!(
-            "--w4-numerics applies to GPTQ checkpoints; {} has no 4-bit GPTQ weights",
-            dir.display()
-        );
+    if !a.kernels {
+        a.exec.check_w4_numerics(&dir, ck.config.gptq.is_some())?;
     }
     if a.kernels {
         let c = &ck.config;

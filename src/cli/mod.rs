@@ -98,12 +98,7 @@ pub fn load(dir: &Path, exec: &run::ExecArgs, progress: bool) -> anyhow::Result<
         rayon::current_num_threads(),
     )?;
     let gptq = !spark_tool::phone::is_phone_export(dir) && opened.engine.config().gptq.is_some();
-    if exec.w4_numerics_given() && !gptq {
-        anyhow::bail!(
-            "--w4-numerics applies to GPTQ checkpoints; {} has no 4-bit GPTQ weights",
-            dir.display()
-        );
-    }
+    exec.check_w4_numerics(dir, gptq)?;
     Ok(opened)
 }
 

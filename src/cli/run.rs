@@ -61,9 +61,15 @@ impl ExecArgs {
         })
     }
 
-    /// Whether --w4-numerics was given (it applies to GPTQ checkpoints only).
-    pub fn w4_numerics_given(&self) -> bool {
-        !matches!(self.w4_numerics, NumericsArg::Auto)
+    /// --w4-numerics applies to GPTQ checkpoints only: refused for `dir` unless `gptq`.
+    pub fn check_w4_numerics(&self, dir: &std::path::Path, gptq: bool) -> anyhow::Result<()> {
+        if !matches!(self.w4_numerics, NumericsArg::Auto) && !gptq {
+            bail!(
+                "--w4-numerics applies to GPTQ checkpoints; {} has no 4-bit GPTQ weights",
+                dir.display()
+            );
+        }
+        Ok(())
     }
 
     pub fn options(&self, ck: &Checkpoint, progress: bool) -> LoadOptions {

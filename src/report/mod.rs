@@ -66,10 +66,7 @@ pub fn check_markdown_path(path: &Path, inputs: &[&Path]) -> Result<(), Artifact
 
 /// The file a path names, with its folder resolved (`a/../r.html` and `r.html` are one file).
 fn resolved(p: &Path) -> PathBuf {
-    let dir = match p.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+    let dir = crate::artifact::folder_of(p);
     match (dir.canonicalize(), p.file_name()) {
         (Ok(d), Some(n)) => d.join(n),
         _ => p.to_path_buf(),
