@@ -142,7 +142,46 @@ fn flags_that_do_not_apply_are_refused_before_any_work() {
     let g = g.to_str().unwrap();
     let e = d.path().join("e");
     let e = e.to_str().unwrap();
-    let cases: [(&[&str], &[&str]); 9] = [
+    let cases: [(&[&str], &[&str]); 12] = [
+        (
+            &[
+                "quantize",
+                fx,
+                "--out",
+                g,
+                "--format",
+                "gguf-q4_0",
+                "--scale-sign",
+                "signed",
+            ],
+            &["--scale-sign signed", "GGUF"],
+        ),
+        (
+            &[
+                "quantize",
+                fx,
+                "--out",
+                e,
+                "--target",
+                "phone",
+                "--scale-sign",
+                "signed",
+            ],
+            &["--scale-sign signed", "--target phone", "LPBQ"],
+        ),
+        (
+            &[
+                "quantize",
+                fx,
+                "--out",
+                e,
+                "--method",
+                "rtn",
+                "--scale-sign",
+                "positive",
+            ],
+            &["--scale-sign", "gptq-search"],
+        ),
         (
             &["bench", fx, "--kernels", "--only", "nosuch"],
             &["--only", "matches no kernel", "down_proj"],
@@ -513,6 +552,35 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
         serde_json::from_str(&std::fs::read_to_string(out.join("quant_report.json")).unwrap())
             .unwrap();
     assert!(report["memory_plan"]["activations"].as_u64().unwrap() > 0);
+    assert_eq!(report["scale_rule"], "signed_search", "the default");
+    // Positive scales on request, recorded as such.
+    let pos = d.path().join("pos");
+    ok(tool()
+        .args([
+            "quantize",
+            "--samples",
+            "2",
+            "--seq-len",
+            "16",
+            "--no-compare",
+        ])
+        .args(["--quiet", "--scale-sign", "positive", "--out"])
+        .arg(&pos));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(pos.join("quant_report.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["scale_rule"], "search");
+    let store =
+        spark_tool::checkpoint::TensorStore::open_file(&pos.join("model.safetensors")).unwrap();
+    let scales: Vec<_> = store
+        .entries()
+        .filter(|e| e.name.ends_with(".scales"))
+        .collect();
+    assert!(!scales.is_empty());
+    for e in scales {
+        let v = store.to_f32(e).unwrap();
+        assert!(v.iter().all(|&s| s > 0.0), "{}", e.name);
+    }
     let phone = d.path().join("p");
     ok(tool()
         .env("SPARK_MEM_AVAILABLE", "1000000")

@@ -1,5 +1,6 @@
 //! The Rust GPTQ solver against the independent float64 numpy reference
-//! (tools/gptq_ref.py) on the same W and H, in natural and in activation order (static groups).
+//! (tools/gptq_ref.py) on the same W and H, in natural and in activation order (static groups),
+//! with max/7.5 scales, the positive scale search and the signed one.
 //!
 //! Documented ties: the reference runs in float64 with the textbook
 //! column-by-column update, the solver in float32 with lazy 128-column
@@ -32,6 +33,8 @@ fn solver_matches_numpy_reference() {
         ("search", Order::Natural, ScaleRule::Search),
         ("act.plain", Order::ActStatic, ScaleRule::MaxOver7_5),
         ("act.search", Order::ActStatic, ScaleRule::Search),
+        ("signed", Order::Natural, ScaleRule::SignedSearch),
+        ("act.signed", Order::ActStatic, ScaleRule::SignedSearch),
     ] {
         let solver = GptqSolver::with_order("case", &h, 0.01, order).unwrap();
         assert_eq!(solver.dead_columns(), 1);
@@ -43,6 +46,15 @@ fn solver_matches_numpy_reference() {
             grid: spark_tool::quant::Grid::VLLM,
         };
         let q = solver.quantize(&w, n, &cfg).unwrap();
+        if rule == ScaleRule::SignedSearch {
+            // The reference takes the negative side for about half of this case's groups.
+            let negative = q.scales.iter().filter(|&&s| s < 0.0).count();
+            assert!(
+                negative * 4 > q.scales.len() && negative * 4 < 3 * q.scales.len(),
+                "{name}: {negative} of {} scales negative",
+                q.scales.len()
+            );
+        }
         let want_codes = store.bytes(store.get(&format!("{name}.codes")).unwrap());
         let want_scales = store
             .to_f32(store.get(&format!("{name}.scales")).unwrap())

@@ -103,6 +103,17 @@ fn w4a8_g128_fused_checkpoint() {
     assert!(i32s(&store, &format!("{p}.qzeros"))
         .iter()
         .all(|&z| z == QZEROS_V1_SYM));
+    // The default search takes negative scales where they fit better (vLLM multiplies by them).
+    assert_eq!(r.scale_rule, spark_tool::quant::ScaleRule::SignedSearch);
+    let scales = store
+        .to_f32(store.get(&format!("{p}.scales")).unwrap())
+        .unwrap();
+    let negative = scales.iter().filter(|&&s| s < 0.0).count();
+    assert!(
+        negative > 0 && negative < scales.len(),
+        "{negative} of {} scales negative",
+        scales.len()
+    );
     assert_eq!(
         i32s(&store, &format!("{p}.g_idx")),
         (0..256).map(|k| k / 128).collect::<Vec<i32>>()

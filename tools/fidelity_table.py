@@ -53,9 +53,13 @@ RECIPES = {
     "gptq-search": ["--method", "gptq-search", "--order", "natural", *QI],
     "gptq-search act-static": ["--method", "gptq-search", "--order", "act-static", *QI],
     "gptq-search act-static refit1": ["--method", "gptq-search", "--order", "act-static", "--refit-rounds", "1", *QI],
-    # The default since 2026-12-02: the float model's output as each linear's target (GPTAQ).
+    # The default since 2026-12-02: the float model's output as each linear's target (GPTAQ). Every
+    # gptq-search recipe runs with the tool's default scale sign: signed since 2026-12-07.
     "gptq-search act-static float-output": ["--method", "gptq-search", "--order", "act-static",
                                             "--objective", "float-output"],
+    # The same with positive scales only (the default before 2026-12-07).
+    "gptq-search act-static float-output positive": ["--method", "gptq-search", "--order", "act-static",
+                                                     "--objective", "float-output", "--scale-sign", "positive"],
     # Block tuning after the default recipe's solve (docs/FIDELITY.md "Block tuning after GPTQ").
     "gptq-search act-static float-output block-tune": ["--method", "gptq-search", "--order", "act-static",
                                                        "--objective", "float-output", "--block-tune"],

@@ -38,10 +38,10 @@ S_MIN, S_MAX = 2.0 ** -14, 65280.0
 
 
 def stored_scale(s: float) -> float:
-    """Clamp to fp16's normal range, then round to bf16 (nearest even)."""
-    s32 = np.array([min(max(s, S_MIN), S_MAX)], dtype=np.float32)
+    """Clamp the magnitude to fp16's normal range, then round to bf16 (nearest even); the sign is kept."""
+    s32 = np.array([min(max(abs(s), S_MIN), S_MAX)], dtype=np.float32)
     bits = st_numpy.to_bf16_bits(s32).astype(np.uint32) << 16
-    return float(bits.view(np.float32)[0])
+    return float(np.copysign(bits.view(np.float32)[0], s))
 
 
 def codes_for(w: np.ndarray, s: float) -> np.ndarray:
@@ -52,29 +52,41 @@ def werr(w, imp, s) -> float:
     return float(np.sum(imp * (w - s * (codes_for(w, s) - 8)) ** 2))
 
 
-def group_scale(w: np.ndarray, imp: np.ndarray, search: bool) -> float:
-    amax = float(np.max(np.abs(w)))
-    if amax == 0.0:
-        return stored_scale(2.0 / 15.0)
-    base = stored_scale(amax / 7.5)
-    if not search:
-        return base
+def search(w: np.ndarray, imp: np.ndarray, amax: float, sign: float) -> tuple[float, float]:
+    """Every candidate sign·amax/c and its least-squares refit (when the refit keeps the sign);
+    the least (error, scale) of those and of the base sign·amax/7.5."""
+    base = stored_scale(sign * amax / 7.5)
     best_e, best_s = werr(w, imp, base), base
     for i in range(41):
-        s = amax / (6.5 + 2.0 * i / 40)
+        s = sign * amax / (6.5 + 2.0 * i / 40)
         cands = [stored_scale(s)]
         L = codes_for(w, cands[0]) - 8
         num, den = float(np.sum(imp * w * L)), float(np.sum(imp * L * L))
-        if den > 0 and num > 0:
+        if den > 0 and num * sign > 0:
             cands.append(stored_scale(num / den))
         for c in cands:
             e = werr(w, imp, c)
             if e < best_e or (e == best_e and c < best_s):
                 best_e, best_s = e, c
-    return best_s
+    return best_e, best_s
 
 
-def gptq(W: np.ndarray, H: np.ndarray, search: bool, act: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def group_scale(w: np.ndarray, imp: np.ndarray, search_rule: str) -> float:
+    """`search_rule`: "max" (amax/7.5), "search" (positive scales) or "signed" (the positive and the
+    negative search, the lower error winning, ties to the positive)."""
+    amax = float(np.max(np.abs(w)))
+    if amax == 0.0:
+        return stored_scale(2.0 / 15.0)
+    if search_rule == "max":
+        return stored_scale(amax / 7.5)
+    pos = search(w, imp, amax, 1.0)
+    if search_rule == "search":
+        return pos[1]
+    neg = search(w, imp, amax, -1.0)
+    return neg[1] if neg[0] < pos[0] else pos[1]
+
+
+def gptq(W: np.ndarray, H: np.ndarray, search: str, act: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """W [N, K], H [K, K] → codes [K, N] (uint8), scales [K/G, N]."""
     W = W.astype(np.float64).copy()
     H = H.copy()
@@ -122,8 +134,9 @@ PERTURB = 1e-10
 
 def solve_all(W: np.ndarray, H: np.ndarray) -> dict[str, tuple[str, np.ndarray]]:
     out = {}
-    for name, search, act in (("plain", False, False), ("search", True, False),
-                              ("act.plain", False, True), ("act.search", True, True)):
+    for name, search, act in (("plain", "max", False), ("search", "search", False),
+                              ("act.plain", "max", True), ("act.search", "search", True),
+                              ("signed", "signed", False), ("act.signed", "signed", True)):
         c, s = gptq(W, H, search, act)
         out[f"{name}.codes"] = ("U8", c)
         out[f"{name}.scales"] = ("F32", s.astype(np.float32))
@@ -133,6 +146,9 @@ def solve_all(W: np.ndarray, H: np.ndarray) -> dict[str, tuple[str, np.ndarray]]
 def differences(old: dict, new: dict) -> list[str]:
     bad = []
     for k, (_, v) in new.items():
+        if k not in old:
+            bad.append(f"{k}: missing")
+            continue
         o = np.asarray(old[k])
         v = v.astype(o.dtype)
         if o.shape != v.shape:

@@ -72,6 +72,15 @@ pub enum OrderArg {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+pub enum ScaleSignArg {
+    /// A group's scale may be negative, giving its positive weights the grid's long side
+    /// (q − 8 reaches −8 but only +7).
+    Signed,
+    /// Positive scales only.
+    Positive,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 pub enum QkvArg {
     Fused,
     Split,
@@ -169,6 +178,11 @@ pub struct QuantizeArgs {
     /// that vLLM's CPU kernels take.
     #[arg(long, value_enum, default_value = "act-static")]
     order: OrderArg,
+    /// The sign of `gptq-search`'s group scales. Default: signed for GPTQ checkpoints (measured
+    /// better, docs/FIDELITY.md; vLLM multiplies by the scale whatever its sign), positive for
+    /// `--target phone` and GGUF, whose block scales are unsigned.
+    #[arg(long, value_enum)]
+    scale_sign: Option<ScaleSignArg>,
     /// After GPTQ, rounds of refitting each group's scale to the linear's output error (codes fixed)
     /// and re-solving GPTQ's codes for those scales; the lowest output error is kept (docs/QUANTIZE.md).
     #[arg(long, default_value_t = 0)]
@@ -306,6 +320,17 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
     if gguf.is_some() && !matches!(a.target, TargetArg::Auto) {
         bail!("--target does not apply to GGUF: llama.cpp runs its block types with its own kernels on any CPU");
     }
+    if a.scale_sign.is_some() && !matches!(a.method, MethodArg::GptqSearch) {
+        bail!("--scale-sign applies to --method gptq-search (rtn and gptq take max/7.5 scales)");
+    }
+    if matches!(a.scale_sign, Some(ScaleSignArg::Signed)) {
+        if gguf.is_some() {
+            bail!("--scale-sign signed does not apply to GGUF: its tensors are solved with positive scales (Q4_K's and Q6_K's block scales are unsigned)");
+        }
+        if path.lpbq {
+            bail!("--scale-sign signed does not apply to --target phone: QNN's LPBQ block multipliers are unsigned");
+        }
+    }
     let (format, group_size) = path.override_with(explicit, a.group_size);
     let opts = QuantizeOptions {
         model_dir: model_dir.clone(),
@@ -321,6 +346,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             OrderArg::Natural => Order::Natural,
             OrderArg::ActStatic => Order::ActStatic,
         },
+        signed_scales: !matches!(a.scale_sign, Some(ScaleSignArg::Positive)),
         refit_rounds: a.refit_rounds,
         descent_passes: a.descent_passes,
         objective: match (a.objective, gguf) {

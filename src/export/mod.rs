@@ -363,6 +363,8 @@ fn export_through_gptq(
         group_size: path.group_size,
         method: Method::GptqSearch,
         order: crate::quant::Order::ActStatic,
+        // The phone's LPBQ blocks take positive multipliers only.
+        signed_scales: false,
         refit_rounds: 0,
         descent_passes: 0,
         objective: crate::quantize::Objective::FloatOutput,

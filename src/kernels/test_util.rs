@@ -6,7 +6,8 @@ use rand::Rng;
 
 use super::w4::{round_bf16, Codes, W4Nibbles};
 
-/// Random GPTQ-like weights: nibbles, zeros (8, or random per group), bf16 scales.
+/// Random GPTQ-like weights: nibbles, zeros (8, or random per group), bf16 scales of either sign
+/// (`quantize` writes negative ones, docs/QUANTIZE.md).
 pub(crate) struct Case {
     pub q: Vec<u8>,
     pub zeros: Vec<i32>,
@@ -25,7 +26,14 @@ impl Case {
                 .map(|_| if sym { 8 } else { rng.random_range(1..=16) })
                 .collect(),
             scales: (0..n * groups)
-                .map(|_| round_bf16(rng.random_range(1e-4f32..2e-2)))
+                .map(|_| {
+                    let s = round_bf16(rng.random_range(1e-4f32..2e-2));
+                    if rng.random_bool(0.5) {
+                        -s
+                    } else {
+                        s
+                    }
+                })
                 .collect(),
             n,
             k,

@@ -175,7 +175,7 @@ pub fn rtn(
                 .map(|g| {
                     group(g, nn, &mut buf);
                     let imp = &imp[g * group_size..(g + 1) * group_size];
-                    grid.untiered().group_scale(&buf, imp, rule, 0.0)
+                    grid.untiered().group_scale(&buf, imp, rule.positive(), 0.0)
                 })
                 .collect();
             *d = grid.tier_scale(&free);
@@ -778,7 +778,7 @@ impl RowChunk {
                         free[nn * per + j] = grid.untiered().group_scale(
                             &self.buf[nn * gs..(nn + 1) * gs],
                             &self.imp,
-                            cfg.rule,
+                            cfg.rule.positive(),
                             0.0,
                         );
                     }

@@ -166,19 +166,31 @@ impl Grid {
         let base = self.stored(amax / half, d);
         match rule {
             ScaleRule::MaxOver7_5 => base,
-            ScaleRule::Search => search(self, w, imp, amax, base, d),
+            ScaleRule::Search => search(self, w, imp, amax, base, d, 1.0).1,
+            ScaleRule::SignedSearch if self.lattice == Lattice::Bf16 => {
+                let pos = search(self, w, imp, amax, base, d, 1.0);
+                let neg = search(self, w, imp, amax, -base, d, -1.0);
+                if neg.0 < pos.0 {
+                    neg.1
+                } else {
+                    pos.1
+                }
+            }
+            ScaleRule::SignedSearch => search(self, w, imp, amax, base, d, 1.0).1,
         }
     }
 }
 
-/// Round a positive scale to the value that will be stored on the bf16 lattice.
+/// Round a scale to the value that will be stored on the bf16 lattice (its magnitude clamped,
+/// its sign kept).
 pub fn stored_scale(s: f32) -> f32 {
+    let sign = if s < 0.0 { -1.0 } else { 1.0 };
     let s = if s.is_finite() {
-        s.clamp(S_MIN, S_MAX)
+        s.abs().clamp(S_MIN, S_MAX)
     } else {
         S_MAX
     };
-    let r = bf16::from_f32(s).to_f32();
+    let r = sign * bf16::from_f32(s).to_f32();
     debug_assert_eq!(
         f16::from_f32(r).to_f32(),
         r,
@@ -204,14 +216,15 @@ pub fn is_lpbq_gamma(g: f32) -> bool {
     g.is_finite() && lpbq_gamma(g) == g
 }
 
-/// Round a positive scale to the nearest normal fp16.
+/// Round a scale to the nearest normal fp16 (its magnitude clamped, its sign kept).
 fn fp16_scale(s: f32) -> f32 {
+    let sign = if s < 0.0 { -1.0 } else { 1.0 };
     let s = if s.is_finite() {
-        s.clamp(S_MIN, F16_MAX)
+        s.abs().clamp(S_MIN, F16_MAX)
     } else {
         F16_MAX
     };
-    f16::from_f32(s).to_f32()
+    sign * f16::from_f32(s).to_f32()
 }
 
 /// 4-bit code for `w` under stored scale `s` (the vLLM grid).
@@ -233,8 +246,25 @@ pub enum ScaleRule {
     MaxOver7_5,
     /// Importance-weighted search over s = max|w| / c, c ∈ [6.5, 8.5], each
     /// candidate followed by a weighted least-squares refit of s for its codes
-    /// (docs/GPTQ_FORMAT.md §14). Positive scales only (see QUANTIZE.md).
+    /// (docs/GPTQ_FORMAT.md §14). Positive scales only.
     Search,
+    /// [`ScaleRule::Search`] over s = −max|w| / c as well, the lower error winning (ties: the
+    /// positive). The grid is lopsided, q − 8 ∈ −8…7: a negative scale gives the group's
+    /// positive weights the long side. On the bf16 lattice only (vLLM multiplies by the scale
+    /// whatever its sign, docs/QUANTIZE.md); the positive search on every other lattice, whose
+    /// consumers read unsigned multipliers (LPBQ's k, Q4_K's 6-bit scales).
+    SignedSearch,
+}
+
+impl ScaleRule {
+    /// The rule with positive scales only: for the free scales a tiered lattice's `d` is chosen
+    /// from, whose groups then take positive multipliers.
+    pub fn positive(self) -> ScaleRule {
+        match self {
+            ScaleRule::SignedSearch => ScaleRule::Search,
+            r => r,
+        }
+    }
 }
 
 /// Number of denominators tried by [`ScaleRule::Search`].
@@ -247,8 +277,8 @@ fn weighted_error(grid: &Grid, w: &[f32], imp: &[f32], s: f32) -> f64 {
 }
 
 /// The least-squares scale from [`error_and_fit`]'s terms.
-fn refit(num: f64, den: f64) -> Option<f32> {
-    (den > 0.0 && num > 0.0).then(|| (num / den) as f32)
+fn refit(num: f64, den: f64, sign: f32) -> Option<f32> {
+    (den > 0.0 && num * sign as f64 > 0.0).then(|| (num / den) as f32)
 }
 
 /// The stored 4-bit bf16 scale for one group (the vLLM grid; see [`Grid::group_scale`]).
@@ -269,20 +299,38 @@ fn denominators(grid: &Grid) -> impl Iterator<Item = f32> {
 /// of its codes; the winner is the least (error, scale). Many candidates land on the same stored
 /// scale and many refits on a candidate or on one another, so each stored scale is evaluated
 /// once: a repeat has the same error, cannot beat the first try, and has the same refit, which
-/// is tried once (the base scale's only when a candidate lands on it, as before).
-fn search(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> f32 {
-    search_tries(grid, w, imp, amax, base, d).0
+/// is tried once (the base scale's only when a candidate lands on it, as before). `sign` (±1) is
+/// the sign of every scale tried, `base`'s included; refits of the other sign are not tried.
+/// Returns the winner's error and scale.
+fn search(
+    grid: &Grid,
+    w: &[f32],
+    imp: &[f32],
+    amax: f32,
+    base: f32,
+    d: f32,
+    sign: f32,
+) -> (f64, f32) {
+    search_tries(grid, w, imp, amax, base, d, sign).0
 }
 
 /// [`search`]'s choice and the stored scales it evaluated, each once.
-fn search_tries(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f32) -> (f32, Tries) {
+fn search_tries(
+    grid: &Grid,
+    w: &[f32],
+    imp: &[f32],
+    amax: f32,
+    base: f32,
+    d: f32,
+    sign: f32,
+) -> ((f64, f32), Tries) {
     let (e, num, den) = error_and_fit(w, imp, base, grid.zero(), grid.qmax());
     let mut best = (e, base);
     let mut tried = Tries::new();
-    tried.push(base, refit(num, den), false);
+    tried.push(base, refit(num, den, sign), false);
     let mut previous = f32::NAN;
     for c in denominators(grid) {
-        let s = grid.stored(amax / c, d);
+        let s = grid.stored(sign * amax / c, d);
         // Candidates fall monotonically, so most repeats are the previous candidate, whose
         // refit has been tried.
         if s == previous {
@@ -309,7 +357,7 @@ fn search_tries(grid: &Grid, w: &[f32], imp: &[f32], amax: f32, base: f32, d: f3
             }
         }
     }
-    (best.1, tried)
+    (best, tried)
 }
 
 /// The stored scales a search has evaluated, each with its refit and whether that refit has
@@ -349,7 +397,7 @@ fn consider(grid: &Grid, w: &[f32], imp: &[f32], s: f32, best: &mut (f64, f32)) 
     if e < best.0 || (e == best.0 && s < best.1) {
         *best = (e, s);
     }
-    refit(num, den)
+    refit(num, den, s.signum())
 }
 
 #[cfg(test)]
@@ -376,7 +424,7 @@ mod tests {
             if e < best.0 || (e == best.0 && s < best.1) {
                 *best = (e, s);
             }
-            refit(num, den)
+            refit(num, den, 1.0)
         };
         for c in denominators(grid) {
             if let Some(r) = try_one(amax / c, &mut best) {
@@ -431,7 +479,7 @@ mod tests {
                 };
                 let base = grid.stored(amax / (grid.zero() as f32 - 0.5), d);
                 let (want, want_tried) = search_every_try(&grid, &w, &imp, amax, base, d);
-                let (got, tried) = search_tries(&grid, &w, &imp, amax, base, d);
+                let ((_, got), tried) = search_tries(&grid, &w, &imp, amax, base, d, 1.0);
                 assert_eq!(got.to_bits(), want.to_bits(), "{grid:?} case {case}");
                 let mut tried = tried.scale[..tried.len].to_vec();
                 assert_eq!(
@@ -635,5 +683,55 @@ mod tests {
             sum_search < 0.9 * sum_base,
             "search {sum_search} vs base {sum_base}"
         );
+    }
+
+    /// The signed search keeps the positive search's scale unless a negative one has a lower
+    /// error; it takes the negative side often, lowers the summed error, and leaves every lattice
+    /// but bf16 to the positive search.
+    #[test]
+    fn the_signed_search_only_adds_negative_scales_that_win() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let (mut negative, mut sum_pos, mut sum_signed) = (0, 0.0, 0.0);
+        for case in 0..400 {
+            let g = [32, 64, 128][case % 3];
+            let w: Vec<f32> = (0..g)
+                .map(|_| rng.random_range(-1.0f32..1.0) * rng.random_range(0.0f32..1.0).powi(3))
+                .collect();
+            let imp: Vec<f32> = (0..g).map(|_| rng.random_range(0.01f32..2.0)).collect();
+            let grid = Grid::VLLM;
+            let p = grid.group_scale(&w, &imp, ScaleRule::Search, 0.0);
+            let s = grid.group_scale(&w, &imp, ScaleRule::SignedSearch, 0.0);
+            let (ep, es) = (
+                weighted_error(&grid, &w, &imp, p),
+                weighted_error(&grid, &w, &imp, s),
+            );
+            assert!(p > 0.0 && stored_scale(s) == s, "{p} {s}");
+            if s < 0.0 {
+                negative += 1;
+                assert!(
+                    es < ep,
+                    "case {case}: negative {s} ({es}) does not beat {p} ({ep})"
+                );
+            } else {
+                assert_eq!(s, p, "case {case}");
+            }
+            (sum_pos, sum_signed) = (sum_pos + ep, sum_signed + es);
+            for other in [Grid::fp16(4), Grid::tiered(4, 63), Grid::LPBQ] {
+                let d = other.tier_scale(&[other.untiered().group_scale(
+                    &w,
+                    &imp,
+                    ScaleRule::Search,
+                    0.0,
+                )]);
+                assert_eq!(
+                    other.group_scale(&w, &imp, ScaleRule::SignedSearch, d),
+                    other.group_scale(&w, &imp, ScaleRule::Search, d),
+                    "{other:?}"
+                );
+            }
+        }
+        assert!((100..300).contains(&negative), "{negative} of 400 negative");
+        assert!(sum_signed < 0.95 * sum_pos, "{sum_signed} vs {sum_pos}");
     }
 }

@@ -16,7 +16,8 @@ const ROWS: usize = 64;
 
 /// New stored scales (`[K/G, N]`) for `q`'s codes, least squares on the output error against `hm`
 /// (`[K, K]`, [`super::Hessian::matrix_f32`]). A row whose system is singular, or whose solution has a
-/// scale that is not positive and finite, keeps its scales.
+/// scale that is not finite or not of its old scale's sign (the codes were chosen for that sign), keeps
+/// its scales.
 pub fn refit_scales(w: &[f32], q: &QuantizedWeight, hm: &[f32]) -> Vec<f32> {
     let (k, n, gs) = (q.in_features, q.out_features, q.group_size);
     let groups = k / gs;
@@ -67,9 +68,11 @@ pub fn refit_scales(w: &[f32], q: &QuantizedWeight, hm: &[f32]) -> Vec<f32> {
                     .collect();
                 let old = |g: usize| q.scales[g * n + r0 + r];
                 let m = &mut a[r * groups * groups..(r + 1) * groups * groups];
+                // A refit keeps each scale's sign: the codes were chosen for it.
                 let fitted = solve_spd(m, b, groups).filter(|s| {
-                    s.iter()
-                        .all(|v| v.is_finite() && *v > 0.0 && *v < f32::MAX as f64)
+                    s.iter().enumerate().all(|(g, v)| {
+                        v.is_finite() && *v * old(g) as f64 > 0.0 && v.abs() < f32::MAX as f64
+                    })
                 });
                 for g in 0..groups {
                     out[r * groups + g] = match &fitted {
@@ -163,30 +166,46 @@ mod tests {
     fn refitted_scales_lower_the_output_error_of_the_same_codes() {
         let (n, k) = (40, 256);
         let (w, h) = case(n, k, 512);
+        for rule in [ScaleRule::Search, ScaleRule::SignedSearch] {
+            refit_lowers_the_error(&w, &h, n, k, rule);
+        }
+    }
+
+    fn refit_lowers_the_error(
+        w: &[f32],
+        h: &crate::quant::Hessian,
+        n: usize,
+        k: usize,
+        rule: ScaleRule,
+    ) {
         let cfg = GptqConfig {
             group_size: 64,
             block_size: 128,
             damp: 0.01,
-            rule: ScaleRule::Search,
+            rule,
             grid: crate::quant::Grid::VLLM,
         };
-        let solver = GptqSolver::new("t", &h, 0.01).unwrap();
-        let q = solver.quantize(&w, n, &cfg).unwrap();
+        let solver = GptqSolver::new("t", h, 0.01).unwrap();
+        let q = solver.quantize(w, n, &cfg).unwrap();
         let hm = h.matrix_f32();
         let err = |q: &QuantizedWeight| {
-            let (a, b) = output_error_parts(&w, &q.dequantize(), n, k, &hm);
+            let (a, b) = output_error_parts(w, &q.dequantize(), n, k, &hm);
             a / b
         };
         let refit = QuantizedWeight {
-            scales: refit_scales(&w, &q, &hm),
+            scales: refit_scales(w, &q, &hm),
             ..q.clone()
         };
         let (before, after) = (err(&q), err(&refit));
-        assert!(after < 0.99 * before, "refit {after} vs {before}");
-        // Every refitted scale is a stored value.
+        assert!(after < 0.99 * before, "{rule:?}: refit {after} vs {before}");
+        // Every refitted scale is a stored value of its old scale's sign.
         assert!(refit
             .scales
             .iter()
-            .all(|&v| stored_scale(v) == v && v > 0.0));
+            .zip(&q.scales)
+            .all(|(&v, &old)| stored_scale(v) == v && v * old > 0.0));
+        if rule == ScaleRule::SignedSearch {
+            assert!(q.scales.iter().any(|&s| s < 0.0));
+        }
     }
 }

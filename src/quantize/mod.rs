@@ -77,16 +77,6 @@ pub enum Method {
     GptqSearch = 2,
 }
 
-impl Method {
-    /// How this method chooses a group's scale.
-    pub fn scale_rule(self) -> ScaleRule {
-        match self {
-            Method::GptqSearch => ScaleRule::Search,
-            Method::Rtn | Method::Gptq => ScaleRule::MaxOver7_5,
-        }
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct QuantizeOptions {
     pub model_dir: PathBuf,
@@ -96,6 +86,9 @@ pub struct QuantizeOptions {
     pub method: Method,
     /// The order GPTQ visits each linear's inputs in (the stored layout is the natural one).
     pub order: Order,
+    /// Let `gptq-search` take negative group scales too ([`ScaleRule::SignedSearch`]) where the
+    /// checkpoint allows them: GPTQ checkpoints on vLLM's lattice (not LPBQ, not GGUF).
+    pub signed_scales: bool,
     /// Rounds of output-error scale refit ↔ fixed-scale GPTQ after the solve (0 = none).
     pub refit_rounds: usize,
     /// Passes of coordinate descent on the codes after the solve (0 = none; [`crate::quant::descent`]).
@@ -139,6 +132,20 @@ pub struct QuantizeOptions {
 }
 
 impl QuantizeOptions {
+    /// How method `v` chooses a group's scale under these options.
+    pub fn scale_rule(&self, v: Method) -> ScaleRule {
+        match v {
+            Method::GptqSearch if self.signs_scales() => ScaleRule::SignedSearch,
+            Method::GptqSearch => ScaleRule::Search,
+            Method::Rtn | Method::Gptq => ScaleRule::MaxOver7_5,
+        }
+    }
+
+    /// Whether scales may be negative: on request, in GPTQ checkpoints on vLLM's lattice.
+    pub fn signs_scales(&self) -> bool {
+        self.signed_scales && self.gguf.is_none() && !self.path.lpbq
+    }
+
     /// Whether the head is solved: on request, and always for GGUF (where the tied embedding
     /// is quantized, as llama.cpp does).
     pub fn solves_head(&self) -> bool {
@@ -462,7 +469,7 @@ fn solve_linear(
                 None,
             ),
             Method::Gptq | Method::GptqSearch => {
-                let s = solver.quantize_timed(w, n, &cfg(v.scale_rule()))?;
+                let s = solver.quantize_timed(w, n, &cfg(opts.scale_rule(v)))?;
                 (s.q, s.times, Some(s.error))
             }
         };
@@ -484,7 +491,7 @@ fn solve_linear(
     }
     let mut q = chosen.expect("the chosen method is always among the variants");
     if method != Method::Rtn && opts.refit_rounds > 0 {
-        let rule = method.scale_rule();
+        let rule = opts.scale_rule(method);
         let mut clock = Clock::start();
         let best = parts[method as usize].expect("the chosen method is measured");
         let (refined, err) = refine(
@@ -1654,7 +1661,7 @@ fn run(
         out: opts.out_dir.display().to_string(),
         format: opts.format,
         group_size: opts.group_size,
-        scale_rule: opts.method.scale_rule(),
+        scale_rule: opts.scale_rule(opts.method),
         order: opts.order,
         refit_rounds: opts.refit_rounds,
         descent_passes: opts.descent_passes,
@@ -1732,6 +1739,7 @@ mod tests {
             group_size: 32,
             method,
             order: Order::Natural,
+            signed_scales: false,
             refit_rounds: 0,
             descent_passes: 0,
             objective: Objective::QuantizedInput,

@@ -122,6 +122,7 @@ pub fn quantize_options(
         group_size,
         method: Method::GptqSearch,
         order: Order::Natural,
+        signed_scales: true,
         refit_rounds: 0,
         descent_passes: 0,
         objective: spark_tool::quantize::Objective::FloatOutput,
