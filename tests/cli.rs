@@ -531,18 +531,21 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
     // the plan is still printed and recorded.
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("q");
-    let (_, se) = ok(tool()
-        .env("SPARK_MEM_AVAILABLE", "1000000")
-        .args([
+    let quantize = || {
+        let mut c = tool();
+        c.args([
             "quantize",
             "--samples",
             "2",
             "--seq-len",
             "16",
             "--no-compare",
-            "--force-memory",
-            "--out",
-        ])
+        ]);
+        c
+    };
+    let (_, se) = ok(quantize()
+        .env("SPARK_MEM_AVAILABLE", "1000000")
+        .args(["--force-memory", "--out"])
         .arg(&out));
     assert!(
         se.contains("memory plan:") && se.contains("1.0 MB available"),
@@ -555,15 +558,7 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
     assert_eq!(report["scale_rule"], "signed_search", "the default");
     // Positive scales on request, recorded as such.
     let pos = d.path().join("pos");
-    ok(tool()
-        .args([
-            "quantize",
-            "--samples",
-            "2",
-            "--seq-len",
-            "16",
-            "--no-compare",
-        ])
+    ok(quantize()
         .args(["--quiet", "--scale-sign", "positive", "--out"])
         .arg(&pos));
     let report: serde_json::Value =

@@ -166,17 +166,17 @@ impl Grid {
         let base = self.stored(amax / half, d);
         match rule {
             ScaleRule::MaxOver7_5 => base,
-            ScaleRule::Search => search(self, w, imp, amax, base, d, 1.0).1,
+            ScaleRule::Search => search(self, w, imp, amax, base, d, 1.0).0 .1,
             ScaleRule::SignedSearch if self.lattice == Lattice::Bf16 => {
-                let pos = search(self, w, imp, amax, base, d, 1.0);
-                let neg = search(self, w, imp, amax, -base, d, -1.0);
+                let pos = search(self, w, imp, amax, base, d, 1.0).0;
+                let neg = search(self, w, imp, amax, -base, d, -1.0).0;
                 if neg.0 < pos.0 {
                     neg.1
                 } else {
                     pos.1
                 }
             }
-            ScaleRule::SignedSearch => search(self, w, imp, amax, base, d, 1.0).1,
+            ScaleRule::SignedSearch => search(self, w, imp, amax, base, d, 1.0).0 .1,
         }
     }
 }
@@ -301,21 +301,8 @@ fn denominators(grid: &Grid) -> impl Iterator<Item = f32> {
 /// once: a repeat has the same error, cannot beat the first try, and has the same refit, which
 /// is tried once (the base scale's only when a candidate lands on it, as before). `sign` (±1) is
 /// the sign of every scale tried, `base`'s included; refits of the other sign are not tried.
-/// Returns the winner's error and scale.
+/// Returns the winner's error and scale, and the stored scales evaluated, each once.
 fn search(
-    grid: &Grid,
-    w: &[f32],
-    imp: &[f32],
-    amax: f32,
-    base: f32,
-    d: f32,
-    sign: f32,
-) -> (f64, f32) {
-    search_tries(grid, w, imp, amax, base, d, sign).0
-}
-
-/// [`search`]'s choice and the stored scales it evaluated, each once.
-fn search_tries(
     grid: &Grid,
     w: &[f32],
     imp: &[f32],
@@ -479,7 +466,7 @@ mod tests {
                 };
                 let base = grid.stored(amax / (grid.zero() as f32 - 0.5), d);
                 let (want, want_tried) = search_every_try(&grid, &w, &imp, amax, base, d);
-                let ((_, got), tried) = search_tries(&grid, &w, &imp, amax, base, d, 1.0);
+                let ((_, got), tried) = search(&grid, &w, &imp, amax, base, d, 1.0);
                 assert_eq!(got.to_bits(), want.to_bits(), "{grid:?} case {case}");
                 let mut tried = tried.scale[..tried.len].to_vec();
                 assert_eq!(
