@@ -166,7 +166,6 @@ impl Grid {
         let base = self.stored(amax / half, d);
         match rule {
             ScaleRule::MaxOver7_5 => base,
-            ScaleRule::Search => search(self, w, imp, amax, base, d, 1.0).0 .1,
             ScaleRule::SignedSearch if self.lattice == Lattice::Bf16 => {
                 let pos = search(self, w, imp, amax, base, d, 1.0).0;
                 let neg = search(self, w, imp, amax, -base, d, -1.0).0;
@@ -176,7 +175,9 @@ impl Grid {
                     pos.1
                 }
             }
-            ScaleRule::SignedSearch => search(self, w, imp, amax, base, d, 1.0).0 .1,
+            ScaleRule::Search | ScaleRule::SignedSearch => {
+                search(self, w, imp, amax, base, d, 1.0).0 .1
+            }
         }
     }
 }
