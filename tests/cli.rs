@@ -150,11 +150,11 @@ fn flags_that_do_not_apply_are_refused_before_any_work() {
                 "--out",
                 g,
                 "--format",
-                "gguf-q4_0",
+                "gguf-q4_k_m",
                 "--scale-sign",
                 "signed",
             ],
-            &["--scale-sign signed", "GGUF"],
+            &["--scale-sign signed", "gguf-q4_k_m", "unsigned"],
         ),
         (
             &[

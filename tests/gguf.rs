@@ -9,11 +9,13 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
+use half::f16;
 use spark_tool::checkpoint::TensorStore;
 use spark_tool::device::WeightFormat;
 use spark_tool::engine::GgufNumerics;
 use spark_tool::formats::gguf::mix::FileType;
 use spark_tool::formats::gguf::{GgmlType, GgufFile, Value};
+use spark_tool::quant::grid::ScaleRule;
 use spark_tool::quantize::{quantize, ForwardPrecision, QuantizeOptions};
 
 fn options(out: &Path, ft: FileType) -> QuantizeOptions {
@@ -50,6 +52,37 @@ fn round_trip(ft: FileType, want: &[(&str, GgmlType)]) {
     for (name, ty) in want {
         let t = f.tensors().iter().find(|t| t.name == *name).unwrap();
         assert_eq!(t.ty, *ty, "{name}");
+    }
+    // Q4_0 and Q8_0 blocks open with a signed fp16 `d`: by default the solve gives some of them
+    // the negative sign (the grid's long side to the block's positive weights); the K-quants
+    // keep positive scales.
+    let signed = matches!(ft, FileType::Q4_0 | FileType::Q8_0);
+    assert_eq!(
+        report.scale_rule,
+        if signed {
+            ScaleRule::SignedSearch
+        } else {
+            ScaleRule::Search
+        }
+    );
+    let (mut negative, mut blocks) = (0, 0);
+    for t in f.tensors() {
+        if !matches!(t.ty, GgmlType::Q4_0 | GgmlType::Q8_0) {
+            continue;
+        }
+        let bytes = f.tensor_bytes(&t.name).unwrap();
+        for b in bytes.chunks_exact(t.ty.block_bytes()) {
+            negative += (f16::from_le_bytes([b[0], b[1]]).to_f32() < 0.0) as usize;
+            blocks += 1;
+        }
+    }
+    if signed {
+        // About half of Q4_0's blocks; fewer of Q8_0's, whose one extra step matters less.
+        assert!(
+            negative > blocks / 50 && negative < blocks,
+            "{negative} of {blocks} block scales negative"
+        );
+        eprintln!("{ft:?}: {negative} of {blocks} block scales negative");
     }
     assert_eq!(f.tensors().len(), 2 + 8 * 8, "tied: no output.weight");
     // Every solved tensor decodes to exactly what the solve computed with.

@@ -178,9 +178,10 @@ pub struct QuantizeArgs {
     /// that vLLM's CPU kernels take.
     #[arg(long, value_enum, default_value = "act-static")]
     order: OrderArg,
-    /// The sign of `gptq-search`'s group scales. Default: signed for GPTQ checkpoints (measured
-    /// better, docs/FIDELITY.md; vLLM multiplies by the scale whatever its sign), positive for
-    /// `--target phone` and GGUF, whose block scales are unsigned.
+    /// The sign of `gptq-search`'s group scales. Default: signed for GPTQ checkpoints and for
+    /// gguf-q4_0 / gguf-q8_0 blocks (measured better, docs/FIDELITY.md, docs/GGUF.md; vLLM and
+    /// llama.cpp multiply by the scale whatever its sign), positive for `--target phone` and the
+    /// K-quants, whose block multipliers are unsigned.
     #[arg(long, value_enum)]
     scale_sign: Option<ScaleSignArg>,
     /// After GPTQ, rounds of refitting each group's scale to the linear's output error (codes fixed)
@@ -324,8 +325,8 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         bail!("--scale-sign applies to --method gptq-search (rtn and gptq take max/7.5 scales)");
     }
     if matches!(a.scale_sign, Some(ScaleSignArg::Signed)) {
-        if gguf.is_some() {
-            bail!("--scale-sign signed does not apply to GGUF: its tensors are solved with positive scales (Q4_K's and Q6_K's block scales are unsigned)");
+        if gguf.is_some_and(|ft| !ft.signed_scales()) {
+            bail!("--scale-sign signed does not apply to gguf-q4_k_m: Q4_K's and Q6_K's sub-block scales are unsigned (gguf-q4_0 and gguf-q8_0 take signed block scales)");
         }
         if path.lpbq {
             bail!("--scale-sign signed does not apply to --target phone: QNN's LPBQ block multipliers are unsigned");

@@ -141,9 +141,10 @@ impl QuantizeOptions {
         }
     }
 
-    /// Whether scales may be negative: on request, in GPTQ checkpoints on vLLM's lattice.
+    /// Whether scales may be negative: on request, in GPTQ checkpoints on vLLM's lattice and
+    /// in GGUF types with a signed block scale (the tiered lattices stay positive in any case).
     pub fn signs_scales(&self) -> bool {
-        self.signed_scales && self.gguf.is_none() && !self.path.lpbq
+        self.signed_scales && !self.path.lpbq && self.gguf.is_none_or(FileType::signed_scales)
     }
 
     /// Whether the head is solved: on request, and always for GGUF (where the tied embedding

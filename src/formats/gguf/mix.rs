@@ -33,6 +33,14 @@ pub enum Tensor {
 }
 
 impl FileType {
+    /// Whether the solve may give this type's blocks negative scales: Q4_0 and Q8_0 store one
+    /// signed fp16 `d` per block and llama.cpp multiplies by it as stored (its own Q4_0
+    /// quantizer makes `d` negative whenever a block's largest magnitude is positive). Q4_K_M's
+    /// sub-block scales are unsigned.
+    pub fn signed_scales(self) -> bool {
+        matches!(self, FileType::Q4_0 | FileType::Q8_0)
+    }
+
     /// llama.cpp's `general.file_type` value (`LLAMA_FTYPE_MOSTLY_*`).
     pub fn id(self) -> u32 {
         match self {
