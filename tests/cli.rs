@@ -576,6 +576,46 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
         let v = store.to_f32(e).unwrap();
         assert!(v.iter().all(|&s| s > 0.0), "{}", e.name);
     }
+    // gguf-q4_0 takes either sign on request: the file records the rule, and only the signed
+    // one has negative Q4_0 block scales.
+    for (sign, rule, any_negative) in [
+        ("signed", "signed_search", true),
+        ("positive", "search", false),
+    ] {
+        let g = d.path().join(format!("{sign}.gguf"));
+        ok(quantize()
+            .args([
+                "--quiet",
+                "--format",
+                "gguf-q4_0",
+                "--scale-sign",
+                sign,
+                "--out",
+            ])
+            .arg(&g));
+        let f = spark_tool::formats::gguf::GgufFile::open(&g).unwrap();
+        let meta: serde_json::Value =
+            serde_json::from_str(f.get_str("spark_tool.quantization").unwrap()).unwrap();
+        assert_eq!(meta["scale_rule"], rule, "{sign}");
+        let q4 = spark_tool::formats::gguf::GgmlType::Q4_0;
+        let negative = f
+            .tensors()
+            .iter()
+            .filter(|t| t.ty == q4)
+            .flat_map(|t| {
+                let b = f.tensor_bytes(&t.name).unwrap();
+                b.chunks_exact(q4.block_bytes())
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32() < 0.0)
+                    .collect::<Vec<_>>()
+            })
+            .filter(|&n| n)
+            .count();
+        assert_eq!(
+            negative > 0,
+            any_negative,
+            "{sign}: {negative} negative blocks"
+        );
+    }
     let phone = d.path().join("p");
     ok(tool()
         .env("SPARK_MEM_AVAILABLE", "1000000")

@@ -65,6 +65,15 @@ fn round_trip(ft: FileType, want: &[(&str, GgmlType)]) {
             ScaleRule::Search
         }
     );
+    let Some(Value::String(meta)) = f.kv("spark_tool.quantization") else {
+        panic!("no spark_tool.quantization")
+    };
+    let meta: serde_json::Value = serde_json::from_str(meta).unwrap();
+    assert_eq!(
+        meta["scale_rule"],
+        serde_json::to_value(report.scale_rule).unwrap(),
+        "the file records the rule"
+    );
     let (mut negative, mut blocks) = (0, 0);
     for t in f.tensors() {
         if !matches!(t.ty, GgmlType::Q4_0 | GgmlType::Q8_0) {

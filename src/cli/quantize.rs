@@ -179,9 +179,9 @@ pub struct QuantizeArgs {
     #[arg(long, value_enum, default_value = "act-static")]
     order: OrderArg,
     /// The sign of `gptq-search`'s group scales. Default: signed for GPTQ checkpoints and for
-    /// gguf-q4_0 / gguf-q8_0 blocks (measured better, docs/FIDELITY.md, docs/GGUF.md; vLLM and
-    /// llama.cpp multiply by the scale whatever its sign), positive for `--target phone` and the
-    /// K-quants, whose block multipliers are unsigned.
+    /// gguf-q4_0 / gguf-q8_0 blocks (lower held-out KL, docs/FIDELITY.md, docs/GGUF.md; Q8_0 within
+    /// the spread; vLLM and llama.cpp multiply by the scale whatever its sign), positive for
+    /// `--target phone` and the K-quants, whose block multipliers are unsigned.
     #[arg(long, value_enum)]
     scale_sign: Option<ScaleSignArg>,
     /// After GPTQ, rounds of refitting each group's scale to the linear's output error (codes fixed)

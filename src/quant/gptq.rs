@@ -1086,13 +1086,15 @@ pub(crate) mod tests {
             (Grid::LPBQ, 128),
         ] {
             let tier = grid.tier_of(k).unwrap_or(k);
-            for order in [Order::Natural, Order::ActStatic] {
+            let orders = [Order::Natural, Order::ActStatic];
+            let rules = [ScaleRule::Search, ScaleRule::SignedSearch];
+            for (order, rule) in orders.into_iter().flat_map(|o| rules.map(|r| (o, r))) {
                 let solver = GptqSolver::with_order("t", &h, 0.01, order).unwrap();
                 let cfg = GptqConfig {
                     group_size: gs,
                     block_size: 128,
                     damp: 0.01,
-                    rule: ScaleRule::Search,
+                    rule,
                     grid,
                 };
                 let q = solver.quantize(&w, n, &cfg).unwrap();
@@ -1114,13 +1116,21 @@ pub(crate) mod tests {
                     q.tier_scales.len(),
                     grid.tier_of(k).map_or(0, |t| k / t * n)
                 );
+                // Only the free lattices take a sign; a tiered one's d and multipliers stay
+                // positive whatever the rule asks.
+                let negative = q.scales.iter().filter(|&&s| s < 0.0).count();
+                match (grid.tier_of(k), rule) {
+                    (None, ScaleRule::SignedSearch) => assert!(negative > 0, "{grid:?}"),
+                    _ => assert_eq!(negative, 0, "{grid:?} {rule:?}"),
+                }
+                assert!(q.tier_scales.iter().all(|&d| d > 0.0), "{grid:?} {rule:?}");
                 if grid == Grid::LPBQ {
                     assert!(q
                         .tier_scales
                         .iter()
                         .all(|&g| crate::quant::grid::is_lpbq_gamma(g)));
                 }
-                let r = rtn(&w, n, k, &h, gs, ScaleRule::Search, grid);
+                let r = rtn(&w, n, k, &h, gs, rule, grid);
                 let e = |q: &QuantizedWeight| relative_output_error(&w, &q.dequantize(), n, k, &h);
                 assert!(
                     e(&q) < e(&r),

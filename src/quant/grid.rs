@@ -133,6 +133,10 @@ impl Grid {
     /// A tier's `d` from the free (fp16) scales its groups would choose: the largest maps to
     /// `kmax`, so every group is reachable and the largest gets the finest step.
     pub fn tier_scale(&self, free: &[f32]) -> f32 {
+        debug_assert!(
+            free.iter().all(|&s| s > 0.0),
+            "a tier's d is chosen from positive free scales"
+        );
         let kmax = self.kmax() as f32;
         let top = free.iter().fold(0f32, |m, &s| m.max(s));
         if self.lattice == Lattice::Lpbq {
@@ -252,9 +256,10 @@ pub enum ScaleRule {
     /// [`ScaleRule::Search`] over s = −max|w| / c as well, the lower error winning (ties: the
     /// positive). The grid is lopsided, q − 8 ∈ −8…7: a negative scale gives the group's
     /// positive weights the long side. On the free lattices only, whose consumers multiply by
-    /// the stored scale whatever its sign: bf16 (vLLM, docs/QUANTIZE.md) and fp16 (GGUF Q4_0 and
-    /// Q8_0, whose `d` llama.cpp's own quantizer writes negative); the positive search on the
-    /// tiered ones, whose multipliers are unsigned (LPBQ's k, the K-quants' sub-block scales).
+    /// the stored scale whatever its sign: bf16 (vLLM, docs/QUANTIZE.md) and fp16 (GGUF Q4_0,
+    /// whose `d` llama.cpp's own quantizer writes negative, and Q8_0, whose `d` is signed too);
+    /// the positive search on the tiered ones, whose multipliers are unsigned (LPBQ's k, the
+    /// K-quants' sub-block scales).
     SignedSearch,
 }
 

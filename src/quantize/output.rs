@@ -109,7 +109,7 @@ pub fn settings_fingerprint(
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} signed{} refit{} descent{} {:?} {:?} gguf{:?} tune{:?}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} {:?} refit{} descent{} {:?} {:?} gguf{:?} tune{:?}",
         opts.format,
         opts.group_size,
         opts.samples,
@@ -119,7 +119,7 @@ pub fn settings_fingerprint(
         opts.damp,
         opts.method,
         opts.order,
-        opts.signs_scales(),
+        opts.scale_rule(opts.method),
         opts.refit_rounds,
         opts.descent_passes,
         opts.effective_objective(),
