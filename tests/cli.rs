@@ -594,22 +594,8 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
             ])
             .arg(&g));
         let f = spark_tool::formats::gguf::GgufFile::open(&g).unwrap();
-        let meta: serde_json::Value =
-            serde_json::from_str(f.get_str("spark_tool.quantization").unwrap()).unwrap();
-        assert_eq!(meta["scale_rule"], rule, "{sign}");
-        let q4 = spark_tool::formats::gguf::GgmlType::Q4_0;
-        let negative = f
-            .tensors()
-            .iter()
-            .filter(|t| t.ty == q4)
-            .flat_map(|t| {
-                let b = f.tensor_bytes(&t.name).unwrap();
-                b.chunks_exact(q4.block_bytes())
-                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32() < 0.0)
-                    .collect::<Vec<_>>()
-            })
-            .filter(|&n| n)
-            .count();
+        assert_eq!(common::gguf_scale_rule(&f), rule, "{sign}");
+        let (negative, _) = common::negative_block_scales(&f);
         assert_eq!(
             negative > 0,
             any_negative,

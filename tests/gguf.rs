@@ -9,7 +9,6 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use half::f16;
 use spark_tool::checkpoint::TensorStore;
 use spark_tool::device::WeightFormat;
 use spark_tool::engine::GgufNumerics;
@@ -65,26 +64,12 @@ fn round_trip(ft: FileType, want: &[(&str, GgmlType)]) {
             ScaleRule::Search
         }
     );
-    let Some(Value::String(meta)) = f.kv("spark_tool.quantization") else {
-        panic!("no spark_tool.quantization")
-    };
-    let meta: serde_json::Value = serde_json::from_str(meta).unwrap();
     assert_eq!(
-        meta["scale_rule"],
+        common::gguf_scale_rule(&f),
         serde_json::to_value(report.scale_rule).unwrap(),
         "the file records the rule"
     );
-    let (mut negative, mut blocks) = (0, 0);
-    for t in f.tensors() {
-        if !matches!(t.ty, GgmlType::Q4_0 | GgmlType::Q8_0) {
-            continue;
-        }
-        let bytes = f.tensor_bytes(&t.name).unwrap();
-        for b in bytes.chunks_exact(t.ty.block_bytes()) {
-            negative += (f16::from_le_bytes([b[0], b[1]]).to_f32() < 0.0) as usize;
-            blocks += 1;
-        }
-    }
+    let (negative, blocks) = common::negative_block_scales(&f);
     if signed {
         // About half of Q4_0's blocks; fewer of Q8_0's, whose one extra step matters less.
         assert!(

@@ -266,3 +266,31 @@ pub fn assert_calibrators_agree(model: &Path, mut o: spark_tool::export::ExportO
         );
     }
 }
+
+/// Of a GGUF's Q4_0 and Q8_0 blocks, how many have a negative `d` (the fp16 each block opens
+/// with), and how many there are.
+pub fn negative_block_scales(f: &spark_tool::formats::gguf::GgufFile) -> (usize, usize) {
+    use spark_tool::formats::gguf::GgmlType;
+    let (mut negative, mut blocks) = (0, 0);
+    for t in f.tensors() {
+        if !matches!(t.ty, GgmlType::Q4_0 | GgmlType::Q8_0) {
+            continue;
+        }
+        for b in f
+            .tensor_bytes(&t.name)
+            .unwrap()
+            .chunks_exact(t.ty.block_bytes())
+        {
+            negative += (half::f16::from_le_bytes([b[0], b[1]]).to_f32() < 0.0) as usize;
+            blocks += 1;
+        }
+    }
+    (negative, blocks)
+}
+
+/// The scale rule a GGUF of ours records in `spark_tool.quantization`.
+pub fn gguf_scale_rule(f: &spark_tool::formats::gguf::GgufFile) -> serde_json::Value {
+    let meta: serde_json::Value =
+        serde_json::from_str(f.get_str("spark_tool.quantization").unwrap()).unwrap();
+    meta["scale_rule"].clone()
+}
