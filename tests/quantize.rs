@@ -286,7 +286,7 @@ fn baseline_methods_write_their_own_weights() {
 }
 
 #[test]
-fn the_float_output_objective_corrects_only_where_the_inputs_differ() {
+fn the_float_objectives_correct_only_where_the_inputs_differ() {
     let d = tempfile::tempdir().unwrap();
     let run = |objective, method, name: &str| {
         let out = d.path().join(name);
@@ -322,6 +322,27 @@ fn the_float_output_objective_corrects_only_where_the_inputs_differ() {
     // RTN rounds W itself: it has no objective to follow.
     let (rtn, _) = run(Objective::FloatOutput, Method::Rtn, "rtn");
     assert_eq!(rtn.objective, Objective::QuantizedInput);
+
+    // float-stream: out_proj and down_proj reproduce the float stream after their add, so the
+    // quantized stream ends closer to the float one than with the float outputs as targets.
+    let (fs, fs_dir) = run(Objective::FloatStream, Method::GptqSearch, "fs");
+    let c = TensorStore::open_file(&fs_dir.join("model.safetensors")).unwrap();
+    // Layer 0's q/k/v see the same inputs and the same target under both.
+    assert_eq!(
+        codes(&b, "0.self_attn.q_k_v_proj"),
+        codes(&c, "0.self_attn.q_k_v_proj")
+    );
+    assert_ne!(codes(&b, "0.mlp.down_proj"), codes(&c, "0.mlp.down_proj"));
+    let (e_fo, e_fs) = (fo.stream_error.unwrap(), fs.stream_error.unwrap());
+    assert!(e_fs < 0.5 * e_fo, "stream error {e_fs} vs {e_fo}");
+    assert_eq!(qi.stream_error, None);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fs_dir.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        cfg["quantization_config"]["meta"]["spark_tool"]["objective"],
+        "float-stream"
+    );
 }
 
 /// The bf16 calibration forward (the default) feeds every linear bf16 values and takes the bf16

@@ -53,6 +53,7 @@ pub enum MethodArg {
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum ObjectiveArg {
+    FloatStream,
     FloatOutput,
     QuantizedInput,
 }
@@ -233,10 +234,12 @@ pub struct QuantizeArgs {
     /// by about ±1 % between seeds, docs/FIDELITY.md).
     #[arg(long, default_value_t = ModelTune::default().seed, requires = "model_tune")]
     model_tune_seed: u64,
-    /// What each linear is solved to reproduce: the float model's output from the quantized
-    /// model's input (GPTAQ), or the output of that input (classic GPTQ). Default: float-output for
-    /// GPTQ checkpoints (measured best, docs/FIDELITY.md); quantized-input for GGUF, whose
-    /// comparison with llama.cpp (docs/GGUF.md) was measured with it.
+    /// What each linear is solved to reproduce: float-stream (the float model's output from the
+    /// quantized model's input, and for out_proj and down_proj, which add to the residual stream,
+    /// the float model's stream after their add), float-output (the float output for every
+    /// linear, GPTAQ), or quantized-input (the output of the quantized input, classic GPTQ).
+    /// Default: float-stream, measured best for GPTQ checkpoints (docs/FIDELITY.md) and GGUF
+    /// (docs/GGUF.md §5.2).
     #[arg(long, value_enum)]
     objective: Option<ObjectiveArg>,
     /// What the calibration forward feeds each linear: bf16 values (as vLLM feeds a GPTQ
@@ -350,9 +353,10 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         signed_scales: !matches!(a.scale_sign, Some(ScaleSignArg::Positive)),
         refit_rounds: a.refit_rounds,
         descent_passes: a.descent_passes,
-        objective: match (a.objective, gguf) {
-            (Some(ObjectiveArg::FloatOutput), _) | (None, None) => Objective::FloatOutput,
-            (Some(ObjectiveArg::QuantizedInput), _) | (None, Some(_)) => Objective::QuantizedInput,
+        objective: match a.objective {
+            Some(ObjectiveArg::FloatStream) | None => Objective::FloatStream,
+            Some(ObjectiveArg::FloatOutput) => Objective::FloatOutput,
+            Some(ObjectiveArg::QuantizedInput) => Objective::QuantizedInput,
         },
         forward_precision: match (a.forward_precision, gguf) {
             (Some(ForwardArg::Bf16), _) | (None, None) => ForwardPrecision::Bf16,
@@ -455,6 +459,11 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
                 100.0 * w / l.error.max(f64::MIN_POSITIVE)
             );
         }
+    }
+    if let Some(s) = report.stream_error {
+        println!(
+            "residual stream after the last layer: {s:.3e} of the float model's (relative squared distance, calibration tokens)"
+        );
     }
     if !report.block_tune_layers.is_empty() {
         println!(

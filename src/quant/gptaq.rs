@@ -136,6 +136,24 @@ impl OutputMoment {
     }
 }
 
+/// The float-stream objective's target for a linear whose output the residual adds to the stream
+/// (`out_proj`, `down_proj`): the float stream `xf` advances by the float output `y`, and `y`
+/// becomes the output that puts the quantized stream `x` on it, y + (xf − x). Then
+/// ‖(xf + y) − (x + Ŵ·x̃)‖² is the output-moment objective of that target, so the linear also
+/// undoes what of the stream's error its input can predict. The error xf − x is taken first: the
+/// two streams are close, so it is exact, where (xf + y) − x would carry xf's rounding.
+pub fn stream_target(y: &mut [f32], xf: &mut [f32], x: &[f32]) {
+    assert_eq!((y.len(), xf.len()), (x.len(), x.len()));
+    y.par_iter_mut()
+        .zip(xf.par_iter_mut())
+        .zip(x.par_iter())
+        .for_each(|((y, f), q)| {
+            let float = *y;
+            *y = float + (*f - q);
+            *f += float;
+        });
+}
+
 /// What the float model contributes to the target.
 enum Moment {
     /// C, row-major `[k, k]`: W* = W + W·C·(H̃ + λI)⁻¹ for any W.
@@ -280,6 +298,17 @@ mod tests {
         (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect()
     }
 
+    /// x·Wᵀ for row-major `x` (`[m, k]`) and `w` (`[n, k]`): `[m, n]`.
+    fn outputs(w: &[f32], x: &[f32], k: usize) -> Vec<f32> {
+        x.chunks(k)
+            .flat_map(|x| {
+                w.chunks(k)
+                    .map(|wr| wr.iter().zip(x).map(|(a, b)| a * b).sum::<f32>())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     #[test]
     fn the_same_input_leaves_the_weight_alone() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
@@ -320,14 +349,7 @@ mod tests {
             .map(|v| v + 0.2 * rng.random_range(-1.0f32..1.0))
             .collect();
         let w = rows(&mut rng, n, k);
-        let y: Vec<f32> = xf
-            .chunks(k)
-            .flat_map(|x| {
-                w.chunks(k)
-                    .map(|wr| wr.iter().zip(x).map(|(a, b)| a * b).sum::<f32>())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        let y = outputs(&w, &xf, k);
         let mut h = Hessian::new(k);
         h.add(&xq, m);
         let mut c = CrossMoment::new(k);
@@ -363,6 +385,89 @@ mod tests {
             let tc = FloatOutputTarget::new(&h, &c, damp).unwrap();
             assert_eq!(tc.energy(&w, &a), None);
         }
+    }
+
+    /// The float-stream target: the float stream advances by the float output, and the W* of the
+    /// target is the least-squares fit of the float stream after the add, (s + W·x) − (s̃ + W*·x̃)
+    /// orthogonal to x̃. Where the stream's error is partly predictable from x̃ the fit takes it
+    /// up, so the stream ends closer to the float one than with the float output as the target.
+    #[test]
+    fn the_stream_target_fits_the_float_stream_after_the_add() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let (m, k, n) = (CHUNK + 100, 24, 6);
+        let xf = rows(&mut rng, m, k);
+        let xq: Vec<f32> = xf
+            .iter()
+            .map(|v| v + 0.1 * rng.random_range(-1.0f32..1.0))
+            .collect();
+        let w = rows(&mut rng, n, k);
+        let a = rows(&mut rng, n, k);
+        let matvec = |w: &[f32], x: &[f32]| outputs(w, x, k);
+        let y = matvec(&w, &xf);
+        // The float stream s, and the quantized s̃ off by 0.1·A·x̃ plus noise.
+        let sf: Vec<f32> = rows(&mut rng, m, n).iter().map(|v| 10.0 * v).collect();
+        let ax = matvec(&a, &xq);
+        let sq: Vec<f32> = sf
+            .iter()
+            .zip(&ax)
+            .map(|(s, e)| s - 0.1 * e + 0.01 * rng.random_range(-1.0f32..1.0))
+            .collect();
+        let (mut t, mut s_after) = (y.clone(), sf.clone());
+        stream_target(&mut t, &mut s_after, &sq);
+        for i in 0..m * n {
+            assert_eq!(s_after[i], sf[i] + y[i]);
+            assert_eq!(t[i], y[i] + (sf[i] - sq[i]));
+        }
+        let mut h = Hessian::new(k);
+        h.add(&xq, m);
+        let solve = |target: &[f32]| {
+            let mut o = OutputMoment::new(n, k);
+            o.add(target, &xq, m);
+            FloatOutputTarget::from_outputs(&h, &o, 1e-9)
+                .unwrap()
+                .apply(&w, n)
+        };
+        let (ws, wo) = (solve(&t), solve(&y));
+        // r = (s + y) − (s̃ + V·x̃) for a weight V, and the largest |Σ_t r_ti·x̃_tj|.
+        let residual = |v: &[f32]| -> Vec<f64> {
+            let vx = matvec(v, &xq);
+            (0..m * n)
+                .map(|i| s_after[i] as f64 - (sq[i] as f64 + vx[i] as f64))
+                .collect()
+        };
+        let gradient = |r: &[f64]| -> f64 {
+            let mut worst = 0f64;
+            for i in 0..n {
+                for j in 0..k {
+                    let g: f64 = (0..m).map(|tk| r[tk * n + i] * xq[tk * k + j] as f64).sum();
+                    worst = worst.max(g.abs());
+                }
+            }
+            worst
+        };
+        let norm = |r: &[f64]| r.iter().map(|v| v * v).sum::<f64>();
+        let (rs, ro) = (residual(&ws), residual(&wo));
+        assert!(
+            gradient(&rs) < 1e-3 * gradient(&ro),
+            "{} vs {}",
+            gradient(&rs),
+            gradient(&ro)
+        );
+        // The fit takes up 0.1·A: W* − W*_float-output is that term (to the noise's share).
+        let worst = ws
+            .iter()
+            .zip(&wo)
+            .zip(&a)
+            .fold(0f32, |s, ((s1, o), a)| s.max((s1 - o - 0.1 * a).abs()));
+        assert!(worst < 2e-3, "{worst}");
+        // What remains is what x̃ cannot predict (the float input's own part and the noise):
+        // 0.53 of the float-output target's stream error here.
+        assert!(
+            norm(&rs) < 0.6 * norm(&ro),
+            "{} vs {}",
+            norm(&rs),
+            norm(&ro)
+        );
     }
 
     fn normal_equations(value: fn(f32) -> f32, tolerance: f64) {

@@ -32,7 +32,7 @@ use crate::device::{WeightFormat, WeightPath};
 use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
 use crate::model::block::residual_add;
 use crate::model::{Bf16Data, DecoderLayer, DenseLinear, DenseWeight, Linear, Proj, SparkModel};
-use crate::quant::gptaq::{CrossMoment, FloatOutputTarget, OutputMoment};
+use crate::quant::gptaq::{stream_target, CrossMoment, FloatOutputTarget, OutputMoment};
 use crate::quant::timing::Clock;
 use crate::quant::{
     delta_form, descend, quadratic_form, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian,
@@ -47,9 +47,22 @@ use phases::{Phase, PhaseReport, Phases};
 pub enum Objective {
     /// W·X̃ from the input X̃ the quantized layers below deliver (classic GPTQ).
     QuantizedInput,
-    /// W·X, the float model's output, from X̃ (GPTAQ; [`crate::quant::gptaq`]): the default,
-    /// measured best (docs/FIDELITY.md).
+    /// W·X, the float model's output, from X̃ (GPTAQ; [`crate::quant::gptaq`]).
     FloatOutput,
+    /// As `FloatOutput`, except that `out_proj` and `down_proj`, whose outputs the residual adds
+    /// to the stream, reproduce the float model's stream after their add: their target output
+    /// is y + (s − s̃), the float output plus what the quantized stream s̃ lacks of the float
+    /// stream s ([`crate::quant::gptaq::stream_target`]). The default, measured best
+    /// (docs/FIDELITY.md).
+    FloatStream,
+}
+
+impl Objective {
+    /// Whether the float model's stream is carried beside the quantized one (the objectives
+    /// that reproduce the float model).
+    pub fn carries_float_stream(self) -> bool {
+        matches!(self, Objective::FloatOutput | Objective::FloatStream)
+    }
 }
 
 /// What the calibration forward feeds each linear (and so what its Hessian is made of).
@@ -124,7 +137,7 @@ pub struct QuantizeOptions {
     /// checkpoint: every tensor is solved on the grid of its GGML type.
     pub gguf: Option<FileType>,
     /// Tune each layer's codes, scales and norms to the float block's output after its solve
-    /// ([`block_tune`]; GPTQ checkpoints on vLLM's grid, float-output objective).
+    /// ([`block_tune`]; GPTQ checkpoints on vLLM's grid, an objective that carries the float stream).
     pub block_tune: Option<block_tune::BlockTune>,
     /// After every layer is solved, tune all group scales and norm gains together to the float
     /// model's next-token distribution ([`model_tune`]; same conditions as block tuning).
@@ -278,6 +291,12 @@ pub struct QuantReport {
     /// W4A8: the mean of every linear's `act_error` (what the int8 activation rounding adds).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mean_act_error: Option<f64>,
+    /// How far the quantized model's residual stream s̃ is from the float model's s after the last
+    /// layer, ‖s̃ − s‖² / ‖s‖² over the calibration tokens: what the objectives that carry the float
+    /// stream work against. None without the float stream, and after model tuning (which changes
+    /// every layer once the stream has passed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream_error: Option<f64>,
     pub bits_per_weight: f64,
     pub output_bytes: u64,
     pub wall_seconds: f64,
@@ -749,8 +768,8 @@ impl LayerSolve<'_> {
     /// One true-sequential step: the projections `projs` of `layer`, which all read `input`
     /// (`[rows, K]`), are quantized against its Hessian and installed, so that later stages
     /// see the deployed numerics. With `float` (the float model's input of the same stage, or the
-    /// one projection's float output: float-output objective) each is solved for the W* that
-    /// reproduces the float output.
+    /// one projection's float output, or under float-stream its stream target) each is solved for
+    /// the W* that reproduces it.
     fn step(
         &mut self,
         layer: &mut DecoderLayer,
@@ -840,13 +859,13 @@ impl LayerSolve<'_> {
     }
 }
 
-/// What the float model's stream gives a step of the float-output objective.
+/// What the float model's stream gives a step of the float objectives.
 #[derive(Clone, Copy)]
 enum Float<'a> {
     /// The float model's input of the stage (`[rows, K]`): the cross moment, for any linears.
     Inputs(&'a [f32]),
-    /// The float output of the stage's one linear (`[rows, N]`): the output moment, cheaper when
-    /// N < K (`down_proj`; docs/QUANTIZE.md "Objective").
+    /// The target output of the stage's one linear (`[rows, N]`): the output moment, cheaper when
+    /// N < K (`down_proj`), and the form of float-stream's targets (docs/QUANTIZE.md "Objective").
     Outputs(&'a [f32]),
 }
 
@@ -923,7 +942,7 @@ fn quantize_layer(
         phases,
     };
 
-    // x ─ norm → h ─ q, k, v; with the float-output objective the float model's stream `xf` goes
+    // x ─ norm → h ─ q, k, v; with the float objectives the float model's stream `xf` goes
     // through the same stages, each computed while the linears it needs are still float.
     bar.set_message(format!("layer {li}: q/k/v"));
     check_finite(x, li, "input_layernorm")?;
@@ -931,7 +950,7 @@ fn quantize_layer(
     let h = solve.phases.time(Phase::Forward, || {
         linear_input(layer.input_layernorm.forward(x), fp)
     });
-    let (h_f, attn_f) = match xf.as_deref() {
+    let (h_f, mut attn_f) = match xf.as_deref() {
         Some(xf) => solve.phases.time(Phase::Forward, || {
             let h_f = linear_input(layer.input_layernorm.forward(xf), fp);
             let attn_f = linear_input(attend_samples(layer, &h_f, samples, seq_len, &ctx), fp);
@@ -955,21 +974,29 @@ fn quantize_layer(
     });
     drop(h);
     check_finite(&attn, li, "out_proj")?;
-    let out_f = attn_f.as_ref().map(|a| {
+    let mut out_f = attn_f.as_ref().map(|a| {
         solve
             .phases
             .time(Phase::Forward, || layer.self_attn.out_proj.project(a, rows))
     });
-    solve.step(
-        layer,
-        &[Proj::Out],
-        &attn,
-        attn_f.as_deref().map(Float::Inputs),
-    )?;
+    // float-stream: the float stream moves on first, and out_proj's target is what puts the
+    // quantized stream on it; its float input is not needed any more.
+    let stream = opts.effective_objective() == Objective::FloatStream;
+    if let (true, Some(xf), Some(o)) = (stream, xf.as_deref_mut(), out_f.as_deref_mut()) {
+        attn_f = None;
+        solve
+            .phases
+            .time(Phase::Forward, || stream_target(o, xf, x));
+    }
+    let float = match &attn_f {
+        Some(a) => Some(Float::Inputs(a)),
+        None => out_f.as_deref().map(Float::Outputs),
+    };
+    solve.step(layer, &[Proj::Out], &attn, float)?;
     drop(attn_f);
     solve.phases.time(Phase::Forward, || {
         residual_add(x, &layer.self_attn.out_proj.project(&attn, rows));
-        if let (Some(xf), Some(o)) = (xf.as_deref_mut(), &out_f) {
+        if let (false, Some(xf), Some(o)) = (stream, xf.as_deref_mut(), &out_f) {
             residual_add(xf, o);
         }
     });
@@ -1000,14 +1027,20 @@ fn quantize_layer(
     });
     drop(h2);
     check_finite(&act, li, "down_proj")?;
-    let down_f = act_f.as_ref().map(|a| {
+    let mut down_f = act_f.as_ref().map(|a| {
         solve
             .phases
             .time(Phase::Forward, || layer.mlp.down_proj.project(a, rows))
     });
     // down_proj has fewer outputs than inputs: its target comes from the float output it just
-    // gave, and the float input is not needed any more.
+    // gave (with float-stream, what puts the quantized stream on the float one), and the float
+    // input is not needed any more.
     drop(act_f);
+    if let (true, Some(xf), Some(d)) = (stream, xf.as_deref_mut(), down_f.as_deref_mut()) {
+        solve
+            .phases
+            .time(Phase::Forward, || stream_target(d, xf, x));
+    }
     solve.step(
         layer,
         &[Proj::Down],
@@ -1016,7 +1049,7 @@ fn quantize_layer(
     )?;
     solve.phases.time(Phase::Forward, || {
         residual_add(x, &layer.mlp.down_proj.project(&act, rows));
-        if let (Some(xf), Some(d)) = (xf, &down_f) {
+        if let (false, Some(xf), Some(d)) = (stream, xf, &down_f) {
             residual_add(xf, d);
         }
     });
@@ -1131,6 +1164,19 @@ fn tune_model(
         .collect();
     out.stage_model_tuned(&layers)?;
     Ok(report)
+}
+
+/// ‖a − b‖² / ‖b‖², summed in f64.
+fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
+    let (d, n) = a
+        .par_iter()
+        .zip(b)
+        .map(|(&a, &b)| {
+            let (a, b) = (a as f64, b as f64);
+            ((a - b) * (a - b), b * b)
+        })
+        .reduce(|| (0.0, 0.0), |x, y| (x.0 + y.0, x.1 + y.1));
+    d / n.max(f64::MIN_POSITIVE)
 }
 
 /// Advance the stream `x` of every calibration sample through `layer`, as the calibration
@@ -1275,14 +1321,14 @@ fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
             Some("GGUF block scales")
         } else if opts.path.lpbq {
             Some("the phone's LPBQ lattice (γ·k per channel)")
-        } else if opts.effective_objective() != Objective::FloatOutput {
-            Some("an objective other than float-output (its target is the float model's stream)")
+        } else if !opts.effective_objective().carries_float_stream() {
+            Some("the quantized-input objective (the target is the float model's stream)")
         } else {
             None
         };
         if let Some(why) = why {
             return Err(QuantizeError::Invalid(format!(
-                "{setting} tunes GPTQ checkpoints on the bf16 scale lattice with the float-output objective, not {why}"
+                "{setting} tunes GPTQ checkpoints on the bf16 scale lattice with the float-stream or float-output objective, not {why}"
             )));
         }
     }
@@ -1448,7 +1494,7 @@ fn run(
         .filter(|e| e.dtype != safetensors::Dtype::BF16)
         .map(|e| e.numel() as u64 * 4)
         .sum();
-    let float_output = opts.effective_objective() == Objective::FloatOutput;
+    let float_output = opts.effective_objective().carries_float_stream();
     let mut memory_plan = plan::MemoryPlan::new(
         &ck.config,
         opts.samples.saturating_mul(opts.seq_len),
@@ -1633,6 +1679,10 @@ fn run(
     // The last layer's blocks go back to the system before the head and the write.
     drop(heap);
     layers_solved?;
+    let stream_error = match (&opts.model_tune, xf.as_deref()) {
+        (None, Some(xf)) => Some(relative_distance(&x, xf)),
+        _ => None,
+    };
     let model_tune_result = match (&opts.model_tune, xf.as_deref()) {
         (Some(mt), Some(teacher)) => Some(phases.time(Phase::ModelTune, || {
             tune_model(&model, out, &aux, teacher, &windows, mt, &bar)
@@ -1685,6 +1735,7 @@ fn run(
         mean_error: mean(&|r| r.error),
         mean_gptq_search_error: mean_opt(&|r| r.gptq_search_error),
         mean_act_error: mean_opt(&|r| r.act_error),
+        stream_error,
         linears: reports,
         bits_per_weight: 0.0,
         output_bytes: 0,

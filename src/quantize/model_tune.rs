@@ -10,8 +10,8 @@
 //!   calibration windows, linearly decaying step; every `check` steps the stored state is scored
 //!   on all windows and the best kept; if nothing beat the starting state it is kept.
 //!
-//! The teacher is the float model's final residual stream, which the float-output objective
-//! already carries through the layers, so each step costs one student forward and backward.
+//! The teacher is the float model's final residual stream, which the float objectives
+//! already carry through the layers, so each step costs one student forward and backward.
 
 use candle_core::{Device, Tensor, Var, D};
 use serde::{Deserialize, Serialize};

@@ -74,7 +74,7 @@ pub struct ResumeState {
     pub completed: usize,
     pub reports: Vec<LinearReport>,
     pub x: Vec<f32>,
-    /// The float model's stream (float-output objective).
+    /// The float model's stream (float-stream and float-output objectives).
     pub x_float: Option<Vec<f32>>,
     /// What block tuning did to the finished layers.
     pub block_tune: Vec<LayerTuneReport>,

@@ -42,9 +42,9 @@ fn is_zero(v: &u64) -> bool {
 impl MemoryPlan {
     /// `rows` calibration tokens; `widened`: bytes of checkpoint weights stored in a dtype the
     /// model widens to f32 (bf16 stays mapped).
-    /// `float_output`: the float-output objective, which carries the float model's stream and
-    /// stage inputs beside the quantized ones and solves for W* against the cross moment (the
-    /// output moment for `down_proj`).
+    /// `float_output`: an objective that carries the float model's stream and stage inputs beside
+    /// the quantized ones and solves for W* against the cross moment or the output moment
+    /// (float-output, float-stream).
     pub fn new(
         cfg: &SparkConfig,
         rows: usize,
@@ -76,13 +76,15 @@ impl MemoryPlan {
         // Σxxᵀ in f64 with either the f32 factor and inverse or the f32 copy the error is
         // measured against beside U (16 bytes per entry). For W*, beside Σxxᵀ and the damped f32
         // factor: the f64 cross moment and its f32 copy for the linears of the narrow inputs, and
-        // down_proj's output moment (f64, with an f32 chunk product, then an f32 copy: N·K).
+        // down_proj's output moment (f64, with an f32 chunk product, then an f32 copy: N·K), and
+        // out_proj's under the float-stream objective.
         let k = hidden.max(q_dim).max(inter);
         let narrow = hidden.max(q_dim);
         let hessian = if float_output {
             (16 * k * k)
                 .max(12 * inter * inter + 16 * hidden * inter)
                 .max(24 * narrow * narrow)
+                .max(12 * q_dim * q_dim + 16 * hidden * q_dim)
         } else {
             16 * k * k
         };
@@ -210,8 +212,8 @@ mod tests {
         assert_eq!(MemoryPlan::new(&deep, 16384, 0, false, false), b);
         // The 4B at 16K calibration tokens plans under the 8 GB target of docs/SCALE.md.
         assert!(b.total() < 8_000_000_000, "{b}");
-        // The float-output objective (the default) adds its stream, stage inputs and cross
-        // moment, and stays under the same target.
+        // The objectives that carry the float stream (float-stream, the default) add it, the stage
+        // inputs and the cross or output moments, and stay under the same target.
         let fo = MemoryPlan::new(&cfg, 16384, 0, false, true);
         assert!(fo.total() > b.total() && fo.total() < 8_000_000_000, "{fo}");
     }

@@ -293,6 +293,12 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
                 "per linear in quant_report.json as act_error)."
             }
         }
+        @if let Some(s) = r.stream_error {
+            p.note {
+                "The quantized model's residual stream after the last layer is " (page::sci(s))
+                " of the float model's (‖s̃ − s‖² / ‖s‖² over the calibration tokens)."
+            }
+        }
         h2 { "Relative output error per layer and projection" }
         p.note {
             "‖(W − Q)X‖² / ‖WX‖² on each linear's calibration inputs, by layer; lower is better. Log scale, floored at "

@@ -125,7 +125,7 @@ pub fn quantize_options(
         signed_scales: true,
         refit_rounds: 0,
         descent_passes: 0,
-        objective: spark_tool::quantize::Objective::FloatOutput,
+        objective: spark_tool::quantize::Objective::FloatStream,
         forward_precision: spark_tool::quantize::ForwardPrecision::Bf16,
         path: device::decide(
             &device::CpuFeatures::default(),
@@ -290,7 +290,10 @@ pub fn negative_block_scales(f: &spark_tool::formats::gguf::GgufFile) -> (usize,
 
 /// The scale rule a GGUF of ours records in `spark_tool.quantization`.
 pub fn gguf_scale_rule(f: &spark_tool::formats::gguf::GgufFile) -> serde_json::Value {
-    let meta: serde_json::Value =
-        serde_json::from_str(f.get_str("spark_tool.quantization").unwrap()).unwrap();
-    meta["scale_rule"].clone()
+    gguf_quantization(f)["scale_rule"].clone()
+}
+
+/// The quantize settings a GGUF records (`spark_tool.quantization`).
+pub fn gguf_quantization(f: &spark_tool::formats::gguf::GgufFile) -> serde_json::Value {
+    serde_json::from_str(f.get_str("spark_tool.quantization").unwrap()).unwrap()
 }
