@@ -140,8 +140,8 @@ impl OutputMoment {
 /// (`out_proj`, `down_proj`): the float stream `xf` advances by the float output `y`, and `y`
 /// becomes the output that puts the quantized stream `x` on it, y + (xf − x). Then
 /// ‖(xf + y) − (x + Ŵ·x̃)‖² is the output-moment objective of that target, so the linear also
-/// undoes what of the stream's error its input can predict. The error xf − x is taken first: the
-/// two streams are close, so it is exact, where (xf + y) − x would carry xf's rounding.
+/// undoes what of the stream's error its input can predict. The error xf − x is taken first: where
+/// the two streams are within a factor of 2 it is exact, where (xf + y) − x would carry xf's rounding.
 pub fn stream_target(y: &mut [f32], xf: &mut [f32], x: &[f32]) {
     assert_eq!((y.len(), xf.len()), (x.len(), x.len()));
     y.par_iter_mut()

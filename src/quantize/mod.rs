@@ -47,13 +47,14 @@ use phases::{Phase, PhaseReport, Phases};
 pub enum Objective {
     /// W·X̃ from the input X̃ the quantized layers below deliver (classic GPTQ).
     QuantizedInput,
-    /// W·X, the float model's output, from X̃ (GPTAQ; [`crate::quant::gptaq`]).
+    /// W·X, the float model's output, from X̃ (GPTAQ; [`crate::quant::gptaq`]): the default,
+    /// measured best (docs/FIDELITY.md).
     FloatOutput,
     /// As `FloatOutput`, except that `out_proj` and `down_proj`, whose outputs the residual adds
     /// to the stream, reproduce the float model's stream after their add: their target output
     /// is y + (s − s̃), the float output plus what the quantized stream s̃ lacks of the float
-    /// stream s ([`crate::quant::gptaq::stream_target`]). The default, measured best
-    /// (docs/FIDELITY.md).
+    /// stream s ([`crate::quant::gptaq::stream_target`]). Lower held-out KL than `FloatOutput`
+    /// with many calibration tokens per input, higher with few (docs/FIDELITY.md): not the default.
     FloatStream,
 }
 
@@ -1321,6 +1322,8 @@ fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
             Some("GGUF block scales")
         } else if opts.path.lpbq {
             Some("the phone's LPBQ lattice (γ·k per channel)")
+        } else if opts.method == Method::Rtn {
+            Some("RTN, which has no objective (the target is the float model's stream)")
         } else if !opts.effective_objective().carries_float_stream() {
             Some("the quantized-input objective (the target is the float model's stream)")
         } else {

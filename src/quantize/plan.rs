@@ -212,7 +212,7 @@ mod tests {
         assert_eq!(MemoryPlan::new(&deep, 16384, 0, false, false), b);
         // The 4B at 16K calibration tokens plans under the 8 GB target of docs/SCALE.md.
         assert!(b.total() < 8_000_000_000, "{b}");
-        // The objectives that carry the float stream (float-stream, the default) add it, the stage
+        // The objectives that carry the float stream (float-output, the default, and float-stream) add it, the stage
         // inputs and the cross or output moments, and stay under the same target.
         let fo = MemoryPlan::new(&cfg, 16384, 0, false, true);
         assert!(fo.total() > b.total() && fo.total() < 8_000_000_000, "{fo}");

@@ -125,7 +125,7 @@ pub fn quantize_options(
         signed_scales: true,
         refit_rounds: 0,
         descent_passes: 0,
-        objective: spark_tool::quantize::Objective::FloatStream,
+        objective: spark_tool::quantize::Objective::FloatOutput,
         forward_precision: spark_tool::quantize::ForwardPrecision::Bf16,
         path: device::decide(
             &device::CpuFeatures::default(),
