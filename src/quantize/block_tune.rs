@@ -730,10 +730,7 @@ mod tests {
     use crate::model::{DenseLinear, SparkModel};
     use rand::{Rng, SeedableRng};
 
-    fn rel_error(a: &[f32], b: &[f32]) -> f64 {
-        let se: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-        se / b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>()
-    }
+    use crate::quantize::relative_distance as rel_error;
 
     #[test]
     fn the_differentiable_block_is_the_models_layer() {

@@ -1168,7 +1168,7 @@ fn tune_model(
 }
 
 /// ‖a − b‖² / ‖b‖², summed in f64.
-fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
+pub(crate) fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
     let (d, n) = a
         .par_iter()
         .zip(b)
