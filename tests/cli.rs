@@ -556,7 +556,12 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
             .unwrap();
     assert!(report["memory_plan"]["activations"].as_u64().unwrap() > 0);
     assert_eq!(report["scale_rule"], "signed_search", "the default");
-    assert_eq!(report["objective"], "float-output", "the default");
+    assert_eq!(report["objective"], "float-stream", "the default");
+    assert!(report["linears"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|l| l["stream_weight"].is_number()));
     assert!(report["stream_error"].as_f64().unwrap() > 0.0);
     // Positive scales on request, recorded as such.
     let pos = d.path().join("pos");
@@ -597,10 +602,7 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
             .arg(&g));
         let f = spark_tool::formats::gguf::GgufFile::open(&g).unwrap();
         assert_eq!(common::gguf_scale_rule(&f), rule, "{sign}");
-        assert_eq!(
-            common::gguf_quantization(&f)["objective"],
-            "quantized-input"
-        );
+        assert_eq!(common::gguf_quantization(&f)["objective"], "float-stream");
         let (negative, _) = common::negative_block_scales(&f);
         assert_eq!(
             negative > 0,

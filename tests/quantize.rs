@@ -335,6 +335,28 @@ fn the_float_objectives_correct_only_where_the_inputs_differ() {
     assert_ne!(codes(&b, "0.mlp.down_proj"), codes(&c, "0.mlp.down_proj"));
     let (e_fo, e_fs) = (fo.stream_error.unwrap(), fs.stream_error.unwrap());
     assert!(e_fs < 0.5 * e_fo, "stream error {e_fs} vs {e_fo}");
+    // Each of them weighs its correction by the split half; nothing else has a weight.
+    for l in &fs.linears {
+        let adds = l.name.ends_with("out_proj") || l.name.ends_with("down_proj");
+        match l.stream_weight {
+            Some(w) => assert!(adds && (0.0..=1.0).contains(&w), "{}: {w}", l.name),
+            None => assert!(!adds, "{} has no weight", l.name),
+        }
+    }
+    // Layer 0's out_proj comes before any quantized linear has changed the stream.
+    assert_eq!(
+        fs.linears
+            .iter()
+            .find(|l| l.name.ends_with("layers.0.self_attn.out_proj"))
+            .unwrap()
+            .stream_weight,
+        Some(0.0)
+    );
+    assert!(
+        fs.stream_weights().unwrap().2 > 0.0,
+        "some correction is trusted"
+    );
+    assert!(fo.linears.iter().all(|l| l.stream_weight.is_none()));
     assert_eq!(qi.stream_error, None);
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fs_dir.join("config.json")).unwrap())

@@ -82,6 +82,18 @@ fn quantize_and_parity_pages_of_the_fixture() {
     let mean = qr["mean_error"].as_f64().unwrap();
     assert!(page.contains(&format!("{mean:.2e}")), "mean error {mean}");
     assert!(page.contains(qr["linears"][0]["name"].as_str().unwrap()));
+    // The default float-stream objective: the page gives the mean of the JSON's split-half weights.
+    let w: Vec<f64> = qr["linears"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l["stream_weight"].as_f64())
+        .collect();
+    let mean_w = w.iter().sum::<f64>() / w.len() as f64;
+    assert!(
+        page.contains(&format!("split-half weight α, mean {mean_w:.2}")),
+        "stream weights {w:?}"
+    );
     // One chart per projection (q, k, v, out, gate, up, down) and the phase chart.
     assert_eq!(page.matches("<svg").count(), 8);
 

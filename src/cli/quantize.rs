@@ -234,14 +234,12 @@ pub struct QuantizeArgs {
     /// by about ±1 % between seeds, docs/FIDELITY.md).
     #[arg(long, default_value_t = ModelTune::default().seed, requires = "model_tune")]
     model_tune_seed: u64,
-    /// What each linear is solved to reproduce: float-stream (the float model's output from the
-    /// quantized model's input, and for out_proj and down_proj, which add to the residual stream,
-    /// the float model's stream after their add), float-output (the float output for every
-    /// linear, GPTAQ), or quantized-input (the output of the quantized input, classic GPTQ).
-    /// Default: float-output for GPTQ checkpoints, quantized-input for GGUF (whose comparison with
-    /// llama.cpp, docs/GGUF.md, was measured with it). float-stream lowers held-out KL by 10–28 % at
-    /// 64K calibration tokens on the fixtures but raises it below about 12K (docs/FIDELITY.md), and
-    /// the real shapes have far more inputs per token, so it is not the default.
+    /// What each linear is solved to reproduce: float-stream (the default: the float model's
+    /// output from the quantized model's input, and for out_proj and down_proj, which add to the
+    /// residual stream, as much of the float model's stream after their add as the calibration
+    /// shows their input can predict), float-output (the float output for every linear, GPTAQ), or
+    /// quantized-input (the output of the quantized input, classic GPTQ). docs/FIDELITY.md and
+    /// docs/GGUF.md measure all three.
     #[arg(long, value_enum)]
     objective: Option<ObjectiveArg>,
     /// What the calibration forward feeds each linear: bf16 values (as vLLM feeds a GPTQ
@@ -355,10 +353,10 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         signed_scales: !matches!(a.scale_sign, Some(ScaleSignArg::Positive)),
         refit_rounds: a.refit_rounds,
         descent_passes: a.descent_passes,
-        objective: match (a.objective, gguf) {
-            (Some(ObjectiveArg::FloatStream), _) => Objective::FloatStream,
-            (Some(ObjectiveArg::FloatOutput), _) | (None, None) => Objective::FloatOutput,
-            (Some(ObjectiveArg::QuantizedInput), _) | (None, Some(_)) => Objective::QuantizedInput,
+        objective: match a.objective {
+            Some(ObjectiveArg::FloatStream) | None => Objective::FloatStream,
+            Some(ObjectiveArg::FloatOutput) => Objective::FloatOutput,
+            Some(ObjectiveArg::QuantizedInput) => Objective::QuantizedInput,
         },
         forward_precision: match (a.forward_precision, gguf) {
             (Some(ForwardArg::Bf16), _) | (None, None) => ForwardPrecision::Bf16,
@@ -465,6 +463,11 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
     if let Some(s) = report.stream_error {
         println!(
             "residual stream after the last layer: {s:.3e} of the float model's (relative squared distance, calibration tokens)"
+        );
+    }
+    if let Some((mean, lo, hi, n)) = report.stream_weights() {
+        println!(
+            "stream correction weight (split half) over {n} out_proj/down_proj: mean {mean:.2}, {lo:.2}–{hi:.2}"
         );
     }
     if !report.block_tune_layers.is_empty() {

@@ -367,7 +367,7 @@ fn export_through_gptq(
         signed_scales: false,
         refit_rounds: 0,
         descent_passes: 0,
-        objective: crate::quantize::Objective::FloatOutput,
+        objective: crate::quantize::Objective::FloatStream,
         forward_precision: crate::quantize::ForwardPrecision::Bf16,
         path,
         calibration: if opts.calibration.is_empty() {

@@ -142,16 +142,88 @@ impl OutputMoment {
 /// ‖(xf + y) − (x + Ŵ·x̃)‖² is the output-moment objective of that target, so the linear also
 /// undoes what of the stream's error its input can predict. The error xf − x is taken first: where
 /// the two streams are within a factor of 2 it is exact, where (xf + y) − x would carry xf's rounding.
-pub fn stream_target(y: &mut [f32], xf: &mut [f32], x: &[f32]) {
+///
+/// `weight` (α in [0, 1], [`stream_weight`]) scales the correction: y + α·(xf − x).
+pub fn stream_target(y: &mut [f32], xf: &mut [f32], x: &[f32], weight: f32) {
     assert_eq!((y.len(), xf.len()), (x.len(), x.len()));
     y.par_iter_mut()
         .zip(xf.par_iter_mut())
         .zip(x.par_iter())
         .for_each(|((y, f), q)| {
             let float = *y;
-            *y = float + (*f - q);
+            *y = float + weight * (*f - q);
             *f += float;
         });
+}
+
+/// Output channels of the stream error the split-half weight reads: a ratio of sums over
+/// channels needs no more.
+const WEIGHT_CHANNELS: usize = 256;
+
+/// How much of the stream correction to trust, from the calibration itself: a split half.
+///
+/// The correction is the least-squares fit ΔW = M_E·(H̃ + λI)⁻¹ of the stream error e = xf − x
+/// onto the linear's input x̃ (`input`, `[rows, k]`). Fitted on alternate blocks of rows (the
+/// calibration windows, or the two halves of a single window) as A and B, the halves agree on
+/// the signal and disagree on the noise. In H̃'s metric, c = ⟨ΔW_A, M_B⟩ estimates the signal's
+/// energy and (a + b)/2 − c, with a = ⟨ΔW_A, M_A⟩ and b = ⟨ΔW_B, M_B⟩, a half's noise. The fit
+/// on all rows halves that noise, and the James–Stein weight of that fit is
+/// α = 2c / (c + (a + b)/2), clamped to [0, 1]. The moments are taken on a strided subset of at
+/// most [`WEIGHT_CHANNELS`] of the `n` output channels; `factor` is H̃ + λI's, which the
+/// linear's target then uses too.
+pub fn stream_weight(
+    factor: &DampedFactor,
+    input: &[f32],
+    (xf, x): (&[f32], &[f32]),
+    n: usize,
+    seq_len: usize,
+) -> f64 {
+    let k = factor.k;
+    let rows = x.len() / n;
+    assert_eq!((xf.len(), input.len()), (rows * n, rows * k));
+    let stride = n.div_ceil(WEIGHT_CHANNELS);
+    let channels: Vec<usize> = (0..n).step_by(stride).collect();
+    let nc = channels.len();
+    let block = if rows >= 2 * seq_len {
+        seq_len
+    } else {
+        rows.div_ceil(2).max(1)
+    };
+    let mut halves = [OutputMoment::new(nc, k), OutputMoment::new(nc, k)];
+    let mut e = vec![0f32; block * nc];
+    for (bi, r0) in (0..rows).step_by(block).enumerate() {
+        let t = block.min(rows - r0);
+        e[..t * nc]
+            .par_chunks_mut(nc)
+            .enumerate()
+            .for_each(|(r, out)| {
+                let row = (r0 + r) * n;
+                for (o, &c) in out.iter_mut().zip(&channels) {
+                    *o = xf[row + c] - x[row + c];
+                }
+            });
+        halves[bi % 2].add(&e[..t * nc], &input[r0 * k..(r0 + t) * k], t);
+    }
+    let [a_half, b_half] = halves;
+    if a_half.sum.tokens == 0 || b_half.sum.tokens == 0 {
+        return 0.0;
+    }
+    let (dw_a, dw_b) = (factor.solve_outputs(&a_half), factor.solve_outputs(&b_half));
+    let (m_a, m_b) = (a_half.sum.matrix_f32(), b_half.sum.matrix_f32());
+    let dot = |p: &[f32], q: &[f32]| -> f64 {
+        p.par_iter()
+            .zip(q.par_iter())
+            .map(|(p, q)| *p as f64 * *q as f64)
+            .sum()
+    };
+    let c = (dot(&dw_a, &m_b) + dot(&dw_b, &m_a)) / 2.0;
+    let (a, b) = (dot(&dw_a, &m_a), dot(&dw_b, &m_b));
+    let weight = 2.0 * c / (c + (a + b) / 2.0);
+    if weight.is_finite() {
+        weight.clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
 }
 
 /// What the float model contributes to the target.
@@ -165,33 +237,95 @@ enum Moment {
 /// The damped H̃ factored once, for every linear that reads the same input. In f32 like GPTQ's own
 /// factor (docs/QUANTIZE.md): W* differs from W by a correction term, and a failed factorisation
 /// only means more damping.
-pub struct FloatOutputTarget {
+pub struct DampedFactor {
     k: usize,
-    moment: Moment,
     /// The damping λ the factor holds.
     lambda: f32,
     /// Lower Cholesky factor of H̃ + λ·I, column-major.
     l: Vec<f32>,
 }
 
+/// W*, the weight that gives the float model's output from the quantized model's input.
+pub struct FloatOutputTarget {
+    factor: DampedFactor,
+    moment: Moment,
+}
+
 impl FloatOutputTarget {
-    /// Factor H̃ + λ·I, λ = `damp` × mean diag(H̃), raised ×10 while the factorisation fails
-    /// (as GPTQ raises its own damping).
+    /// For every linear that reads the input of `h`, from the cross moment.
     pub fn new(h: &Hessian, cross: &CrossMoment, damp: f64) -> Option<Self> {
         assert_eq!(h.dim(), cross.k);
-        Self::factor(h, damp, || Moment::Cross(cross.sum.matrix_f32()))
+        let factor = DampedFactor::new(h, damp)?;
+        Some(FloatOutputTarget {
+            factor,
+            moment: Moment::Cross(cross.sum.matrix_f32()),
+        })
     }
 
     /// The target of the one linear whose float outputs `outputs` accumulated: for `apply` with
     /// that linear's weight only.
     pub fn from_outputs(h: &Hessian, outputs: &OutputMoment, damp: f64) -> Option<Self> {
-        assert_eq!(h.dim(), outputs.k);
-        Self::factor(h, damp, || {
-            Moment::Outputs(outputs.sum.matrix_f32(), outputs.n)
-        })
+        Some(Self::on(DampedFactor::new(h, damp)?, outputs))
     }
 
-    fn factor(h: &Hessian, damp: f64, moment: impl FnOnce() -> Moment) -> Option<Self> {
+    /// As [`Self::from_outputs`], on a factor already made.
+    pub fn on(factor: DampedFactor, outputs: &OutputMoment) -> Self {
+        assert_eq!(factor.k, outputs.k);
+        FloatOutputTarget {
+            factor,
+            moment: Moment::Outputs(outputs.sum.matrix_f32(), outputs.n),
+        }
+    }
+
+    /// tr(W*·H̃·W*ᵀ) in O(N·K) where the target came from the output moment: W*·(H̃ + λI) =
+    /// M + λ·W, so it is ⟨M + λ·W, W*⟩ − λ‖W*‖² (H̃ scaled as [`Hessian::matrix`]). `None` for
+    /// the cross moment, whose W*·(H̃ + λI) = W·(H̃ + λI) + W·C needs W·H̃.
+    pub fn energy(&self, w: &[f32], wstar: &[f32]) -> Option<f64> {
+        let Moment::Outputs(m, _) = &self.moment else {
+            return None;
+        };
+        assert_eq!((w.len(), wstar.len()), (m.len(), m.len()));
+        let lambda = self.factor.lambda as f64;
+        let e: f64 = m
+            .par_iter()
+            .zip(w.par_iter().zip(wstar))
+            .map(|(&m, (&w, &ws))| {
+                let ws = ws as f64;
+                (m as f64 + lambda * w as f64) * ws - lambda * ws * ws
+            })
+            .sum();
+        Some(e.max(0.0))
+    }
+
+    /// W* for a row-major `[n, k]` weight: W + W·C·(H̃ + λI)⁻¹, or (M + λ·W)·(H̃ + λI)⁻¹ from the
+    /// output moment (which belongs to this one weight).
+    pub fn apply(&self, w: &[f32], n: usize) -> Vec<f32> {
+        let k = self.factor.k;
+        let wm = faer::MatRef::from_row_major_slice(w, n, k);
+        // Zᵀ·(H̃ + λI) = R with H̃ symmetric: L·Lᵀ·Z = Rᵀ.
+        let (z, add_w): (Mat<f32>, bool) = match &self.moment {
+            Moment::Cross(c) => {
+                let cm = faer::MatRef::from_row_major_slice(c, k, k);
+                // (W·C)ᵀ as Cᵀ·Wᵀ: the same products and sums (the same bits), written in the
+                // solves' column-major layout directly instead of copied there by a strided
+                // transposition (half of this step's time at the 1.7B's gate/up shape).
+                (cm.transpose() * wm.transpose(), true)
+            }
+            Moment::Outputs(m, rows) => {
+                assert_eq!(*rows, n, "an output moment belongs to one linear");
+                let lambda = self.factor.lambda;
+                let z = Mat::from_fn(k, n, |j, i| m[i * k + j] + lambda * w[i * k + j]);
+                (z, false)
+            }
+        };
+        self.factor.solve(z, n, add_w.then_some(w))
+    }
+}
+
+impl DampedFactor {
+    /// Factor H̃ + λ·I, λ = `damp` × mean diag(H̃), raised ×10 while the factorisation fails
+    /// (as GPTQ raises its own damping).
+    pub fn new(h: &Hessian, damp: f64) -> Option<Self> {
         use faer::dyn_stack::{MemBuffer, MemStack};
         use faer::linalg::cholesky::llt::factor::{cholesky_in_place, cholesky_in_place_scratch};
         let k = h.dim();
@@ -219,9 +353,8 @@ impl FloatOutputTarget {
             .is_ok();
             if ok && l.par_iter().all(|v| v.is_finite()) {
                 // The solves below read the lower triangle only.
-                return Some(FloatOutputTarget {
+                return Some(DampedFactor {
                     k,
-                    moment: moment(),
                     lambda: lambda as f32,
                     l,
                 });
@@ -231,55 +364,25 @@ impl FloatOutputTarget {
         None
     }
 
-    /// tr(W*·H̃·W*ᵀ) in O(N·K) where the target came from the output moment: W*·(H̃ + λI) =
-    /// M + λ·W, so it is ⟨M + λ·W, W*⟩ − λ‖W*‖² (H̃ scaled as [`Hessian::matrix`]). `None` for
-    /// the cross moment, whose W*·(H̃ + λI) = W·(H̃ + λI) + W·C needs W·H̃.
-    pub fn energy(&self, w: &[f32], wstar: &[f32]) -> Option<f64> {
-        let Moment::Outputs(m, _) = &self.moment else {
-            return None;
-        };
-        assert_eq!((w.len(), wstar.len()), (m.len(), m.len()));
-        let lambda = self.lambda as f64;
-        let e: f64 = m
-            .par_iter()
-            .zip(w.par_iter().zip(wstar))
-            .map(|(&m, (&w, &ws))| {
-                let ws = ws as f64;
-                (m as f64 + lambda * w as f64) * ws - lambda * ws * ws
-            })
-            .sum();
-        Some(e.max(0.0))
+    /// M·(H̃ + λI)⁻¹ for an output moment `m` (`[n, k]`).
+    pub fn solve_outputs(&self, m: &OutputMoment) -> Vec<f32> {
+        assert_eq!(m.k, self.k);
+        let (n, k) = (m.n, self.k);
+        let mm = m.sum.matrix_f32();
+        self.solve(Mat::from_fn(k, n, |j, i| mm[i * k + j]), n, None)
     }
 
-    /// W* for a row-major `[n, k]` weight: W + W·C·(H̃ + λI)⁻¹, or (M + λ·W)·(H̃ + λI)⁻¹ from the
-    /// output moment (which belongs to this one weight).
-    pub fn apply(&self, w: &[f32], n: usize) -> Vec<f32> {
+    /// Zᵀ for Z = (H̃ + λI)⁻¹·R (`r`: `[k, n]`, column-major), added to `base` when given.
+    fn solve(&self, mut z: Mat<f32>, n: usize, base: Option<&[f32]>) -> Vec<f32> {
         use faer::linalg::triangular_solve::{
             solve_lower_triangular_in_place, solve_upper_triangular_in_place,
         };
         let k = self.k;
-        let wm = faer::MatRef::from_row_major_slice(w, n, k);
-        // Zᵀ·(H̃ + λI) = R with H̃ symmetric: L·Lᵀ·Z = Rᵀ.
-        let (mut z, add_w): (Mat<f32>, bool) = match &self.moment {
-            Moment::Cross(c) => {
-                let cm = faer::MatRef::from_row_major_slice(c, k, k);
-                // (W·C)ᵀ as Cᵀ·Wᵀ: the same products and sums (the same bits), written in the
-                // solves' column-major layout directly instead of copied there by a strided
-                // transposition (half of this step's time at the 1.7B's gate/up shape).
-                (cm.transpose() * wm.transpose(), true)
-            }
-            Moment::Outputs(m, rows) => {
-                assert_eq!(*rows, n, "an output moment belongs to one linear");
-                let lambda = self.lambda;
-                let z = Mat::from_fn(k, n, |j, i| m[i * k + j] + lambda * w[i * k + j]);
-                (z, false)
-            }
-        };
         let l = faer::MatRef::from_column_major_slice(&self.l, k, k);
         let par = faer::get_global_parallelism();
         solve_lower_triangular_in_place(l, z.as_mut(), par);
         solve_upper_triangular_in_place(l.transpose(), z.as_mut(), par);
-        let mut out = if add_w { w.to_vec() } else { vec![0f32; n * k] };
+        let mut out = base.map_or_else(|| vec![0f32; n * k], <[f32]>::to_vec);
         out.par_chunks_mut(k).enumerate().for_each(|(i, row)| {
             for (j, v) in row.iter_mut().enumerate() {
                 *v += z[(j, i)];
@@ -413,7 +516,7 @@ mod tests {
             .map(|(s, e)| s - 0.1 * e + 0.01 * rng.random_range(-1.0f32..1.0))
             .collect();
         let (mut t, mut s_after) = (y.clone(), sf.clone());
-        stream_target(&mut t, &mut s_after, &sq);
+        stream_target(&mut t, &mut s_after, &sq, 1.0);
         for i in 0..m * n {
             assert_eq!(s_after[i], sf[i] + y[i]);
             assert_eq!(t[i], y[i] + (sf[i] - sq[i]));
@@ -468,6 +571,44 @@ mod tests {
             norm(&rs),
             norm(&ro)
         );
+    }
+
+    /// The split-half weight trusts a stream error its input predicts and distrusts one it
+    /// does not: near 1 for an error linear in x̃, near 0 for noise independent of it, between
+    /// for a weak signal in noise; 0 where the streams agree.
+    #[test]
+    fn the_stream_weight_separates_signal_from_noise() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (windows, seq_len, k, n) = (16, 64, 32, 8);
+        let m = windows * seq_len;
+        let xq = rows(&mut rng, m, k);
+        let mut h = Hessian::new(k);
+        h.add(&xq, m);
+        let factor = DampedFactor::new(&h, 0.01).unwrap();
+        let a = rows(&mut rng, n, k);
+        let ax = outputs(&a, &xq, k);
+        let xf = rows(&mut rng, m, n);
+        let weight = |signal: f32, noise: f32, rng: &mut rand::rngs::StdRng| {
+            let x: Vec<f32> = xf
+                .iter()
+                .zip(&ax)
+                .map(|(f, e)| f - signal * e - noise * rng.random_range(-1.0f32..1.0))
+                .collect();
+            stream_weight(&factor, &xq, (&xf, &x), n, seq_len)
+        };
+        let clean = weight(1.0, 0.0, &mut rng);
+        let noise = weight(0.0, 1.0, &mut rng);
+        let weak = weight(0.05, 1.0, &mut rng);
+        // Not exactly 1: each half's moment is read through the whole H̃, whose sample differs
+        // from the half's (0.97 here).
+        assert!(clean > 0.9, "{clean}");
+        assert!(noise < 0.1, "{noise}");
+        assert!(weak > noise && weak < clean, "{weak}");
+        assert_eq!(stream_weight(&factor, &xq, (&xf, &xf), n, seq_len), 0.0);
+        // One window: the halves are its two halves.
+        let x: Vec<f32> = xf.iter().zip(&ax).map(|(f, e)| f - e).collect();
+        let one = stream_weight(&factor, &xq, (&xf, &x), n, m);
+        assert!(one > 0.9, "{one}");
     }
 
     fn normal_equations(value: fn(f32) -> f32, tolerance: f64) {

@@ -32,7 +32,9 @@ use crate::device::{WeightFormat, WeightPath};
 use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
 use crate::model::block::residual_add;
 use crate::model::{Bf16Data, DecoderLayer, DenseLinear, DenseWeight, Linear, Proj, SparkModel};
-use crate::quant::gptaq::{stream_target, CrossMoment, FloatOutputTarget, OutputMoment};
+use crate::quant::gptaq::{
+    self, stream_target, CrossMoment, DampedFactor, FloatOutputTarget, OutputMoment,
+};
 use crate::quant::timing::Clock;
 use crate::quant::{
     delta_form, descend, quadratic_form, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian,
@@ -47,14 +49,14 @@ use phases::{Phase, PhaseReport, Phases};
 pub enum Objective {
     /// W·X̃ from the input X̃ the quantized layers below deliver (classic GPTQ).
     QuantizedInput,
-    /// W·X, the float model's output, from X̃ (GPTAQ; [`crate::quant::gptaq`]): the default,
-    /// measured best (docs/FIDELITY.md).
+    /// W·X, the float model's output, from X̃ (GPTAQ; [`crate::quant::gptaq`]).
     FloatOutput,
     /// As `FloatOutput`, except that `out_proj` and `down_proj`, whose outputs the residual adds
     /// to the stream, reproduce the float model's stream after their add: their target output
-    /// is y + (s − s̃), the float output plus what the quantized stream s̃ lacks of the float
-    /// stream s ([`crate::quant::gptaq::stream_target`]). Lower held-out KL than `FloatOutput`
-    /// with many calibration tokens per input, higher with few (docs/FIDELITY.md): not the default.
+    /// is y + α·(s − s̃), the float output plus the part of what the quantized stream s̃ lacks of
+    /// the float stream s that the calibration shows to be predictable, α from a split half
+    /// ([`crate::quant::gptaq::stream_weight`], [`crate::quant::gptaq::stream_target`]). The
+    /// default, measured best on both testbeds at every calibration size (docs/FIDELITY.md).
     FloatStream,
 }
 
@@ -256,6 +258,9 @@ pub struct LinearReport {
     /// rows).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub act_error: Option<f64>,
+    /// float-stream: the weight α of this linear's stream correction ([`gptaq::stream_weight`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_weight: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -327,6 +332,27 @@ pub struct QuantReport {
     pub model_tune: Option<model_tune::ModelTune>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_tune_result: Option<model_tune::ModelTuneReport>,
+}
+
+impl QuantReport {
+    /// float-stream: the mean, least and largest stream-correction weight α over the linears that
+    /// have one, and how many do.
+    pub fn stream_weights(&self) -> Option<(f64, f64, f64, usize)> {
+        let w: Vec<f64> = self
+            .linears
+            .iter()
+            .filter_map(|l| l.stream_weight)
+            .collect();
+        let n = w.len();
+        (n > 0).then(|| {
+            let (lo, hi) = w
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| {
+                    (lo.min(v), hi.max(v))
+                });
+            (w.iter().sum::<f64>() / n as f64, lo, hi, n)
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -615,6 +641,7 @@ fn linear_report(
         dead_columns: solver.dead_columns(),
         seconds,
         act_error: None,
+        stream_weight: None,
     }
 }
 
@@ -799,8 +826,10 @@ impl LayerSolve<'_> {
         });
         // Each linear's tr(WHWᵀ) where the target gives it for free.
         let mut energies = vec![None; projs.len()];
+        let mut stream_weight = None;
         if let Some(float) = float {
             // Solve for W* (the float output from this input) instead of W.
+            let (damp, seq_len) = (self.opts.damp, self.seq_len);
             let target = self.phases.time(Phase::Hessian, || match float {
                 Float::Inputs(xf) => {
                     let mut c = CrossMoment::new(h.dim());
@@ -811,7 +840,17 @@ impl LayerSolve<'_> {
                     assert_eq!(outs.len(), 1, "an output moment belongs to one linear");
                     let mut m = OutputMoment::new(outs[0], h.dim());
                     m.add(y, input, self.rows);
-                    FloatOutputTarget::from_outputs(&h, &m, self.opts.damp)
+                    FloatOutputTarget::from_outputs(&h, &m, damp)
+                }
+                Float::Stream { y, xf, x } => {
+                    assert_eq!(outs.len(), 1, "an output moment belongs to one linear");
+                    let factor = DampedFactor::new(&h, damp)?;
+                    let w = gptaq::stream_weight(&factor, input, (xf, x), outs[0], seq_len);
+                    stream_target(y, xf, x, w as f32);
+                    stream_weight = Some(w);
+                    let mut m = OutputMoment::new(outs[0], h.dim());
+                    m.add(y, input, self.rows);
+                    Some(FloatOutputTarget::on(factor, &m))
                 }
             });
             let target = target.ok_or_else(|| {
@@ -837,6 +876,9 @@ impl LayerSolve<'_> {
             self.opts,
             self.phases,
         )?;
+        if let Some(r) = reports.first_mut() {
+            r.stream_weight = stream_weight;
+        }
         drop(h);
         let clock = Clock::start();
         for (&p, q) in projs.iter().zip(qs) {
@@ -861,13 +903,20 @@ impl LayerSolve<'_> {
 }
 
 /// What the float model's stream gives a step of the float objectives.
-#[derive(Clone, Copy)]
 enum Float<'a> {
     /// The float model's input of the stage (`[rows, K]`): the cross moment, for any linears.
     Inputs(&'a [f32]),
     /// The target output of the stage's one linear (`[rows, N]`): the output moment, cheaper when
-    /// N < K (`down_proj`), and the form of float-stream's targets (docs/QUANTIZE.md "Objective").
+    /// N < K (`down_proj`; docs/QUANTIZE.md "Objective").
     Outputs(&'a [f32]),
+    /// float-stream, for a linear the residual adds to the stream: its float output `y`
+    /// (`[rows, N]`), which becomes the target in place, the float stream `xf`, which the step
+    /// advances by it, and the quantized stream `x` before the add.
+    Stream {
+        y: &'a mut [f32],
+        xf: &'a mut [f32],
+        x: &'a [f32],
+    },
 }
 
 /// The gated attention output `[samples·seq_len, q_dim]` of the normed rows `h`, each sample from
@@ -980,18 +1029,16 @@ fn quantize_layer(
             .phases
             .time(Phase::Forward, || layer.self_attn.out_proj.project(a, rows))
     });
-    // float-stream: the float stream moves on first, and out_proj's target is what puts the
-    // quantized stream on it; its float input is not needed any more.
-    let stream = opts.effective_objective() == Objective::FloatStream;
-    if let (true, Some(xf), Some(o)) = (stream, xf.as_deref_mut(), out_f.as_deref_mut()) {
+    // float-stream: out_proj's target is the float stream after the add (the step advances the
+    // float stream); its float input is not needed any more.
+    let stream = opts.effective_objective() == Objective::FloatStream && xf.is_some();
+    if stream {
         attn_f = None;
-        solve
-            .phases
-            .time(Phase::Forward, || stream_target(o, xf, x));
     }
-    let float = match &attn_f {
-        Some(a) => Some(Float::Inputs(a)),
-        None => out_f.as_deref().map(Float::Outputs),
+    let float = match (&attn_f, out_f.as_deref_mut(), xf.as_deref_mut()) {
+        (Some(a), _, _) => Some(Float::Inputs(a)),
+        (None, Some(y), Some(xf)) => Some(Float::Stream { y, xf, x: &*x }),
+        _ => None,
     };
     solve.step(layer, &[Proj::Out], &attn, float)?;
     drop(attn_f);
@@ -1037,17 +1084,12 @@ fn quantize_layer(
     // gave (with float-stream, what puts the quantized stream on the float one), and the float
     // input is not needed any more.
     drop(act_f);
-    if let (true, Some(xf), Some(d)) = (stream, xf.as_deref_mut(), down_f.as_deref_mut()) {
-        solve
-            .phases
-            .time(Phase::Forward, || stream_target(d, xf, x));
-    }
-    solve.step(
-        layer,
-        &[Proj::Down],
-        &act,
-        down_f.as_deref().map(Float::Outputs),
-    )?;
+    let float = match (stream, down_f.as_deref_mut(), xf.as_deref_mut()) {
+        (true, Some(y), Some(xf)) => Some(Float::Stream { y, xf, x: &*x }),
+        (false, Some(y), _) => Some(Float::Outputs(&*y)),
+        _ => None,
+    };
+    solve.step(layer, &[Proj::Down], &act, float)?;
     solve.phases.time(Phase::Forward, || {
         residual_add(x, &layer.mlp.down_proj.project(&act, rows));
         if let (false, Some(xf), Some(d)) = (stream, xf, &down_f) {

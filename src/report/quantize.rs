@@ -299,6 +299,13 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
                 " of the float model's (‖s̃ − s‖² / ‖s‖² over the calibration tokens)."
             }
         }
+        @if let Some((mean, lo, hi, n)) = r.stream_weights() {
+            p.note {
+                "float-stream: " (n) " out_proj and down_proj took the float stream's error into their "
+                "targets with the split-half weight α, mean " (format!("{mean:.2}")) ", from "
+                (format!("{lo:.2}")) " to " (format!("{hi:.2}")) " (per linear in quant_report.json as stream_weight)."
+            }
+        }
         h2 { "Relative output error per layer and projection" }
         p.note {
             "‖(W − Q)X‖² / ‖WX‖² on each linear's calibration inputs, by layer; lower is better. Log scale, floored at "
@@ -358,6 +365,7 @@ mod tests {
             dead_columns: 0,
             seconds: 0.1,
             act_error: None,
+            stream_weight: None,
         }
     }
 
