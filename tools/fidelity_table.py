@@ -53,12 +53,13 @@ RECIPES = {
     "gptq-search": ["--method", "gptq-search", "--order", "natural", *QI],
     "gptq-search act-static": ["--method", "gptq-search", "--order", "act-static", *QI],
     "gptq-search act-static refit1": ["--method", "gptq-search", "--order", "act-static", "--refit-rounds", "1", *QI],
-    # The default since 2026-12-02: the float model's output as each linear's target (GPTAQ). Every
-    # gptq-search recipe runs with the tool's default scale sign: signed since 2026-12-07.
+    # The default from 2026-12-02 to 2026-12-07: the float model's output as each linear's target (GPTAQ).
+    # Every gptq-search recipe runs with the tool's default scale sign: signed since 2026-12-07.
     "gptq-search act-static float-output": ["--method", "gptq-search", "--order", "act-static",
                                             "--objective", "float-output"],
-    # out_proj and down_proj reproduce the float model's residual stream after their add (docs/FIDELITY.md
-    # "The float stream as the target"; an option: it loses below about 12K calibration tokens there).
+    # The default since 2026-12-07: out_proj and down_proj also reproduce the share of the float model's
+    # residual stream after their add that a split half shows their input predicts (docs/FIDELITY.md
+    # "float-stream with a split-half weight").
     "gptq-search act-static float-stream": ["--method", "gptq-search", "--order", "act-static",
                                             "--objective", "float-stream"],
     "gptq-search act-static float-stream block-tune": ["--method", "gptq-search", "--order", "act-static",
