@@ -143,7 +143,8 @@ impl OutputMoment {
 /// undoes what of the stream's error its input can predict. The error xf − x is taken first: where
 /// the two streams are within a factor of 2 it is exact, where (xf + y) − x would carry xf's rounding.
 ///
-/// `weight` (α in [0, 1], [`stream_weight`]) scales the correction: y + α·(xf − x).
+/// `weight` (α in [0, 1], [`stream_weight`]) scales the correction: y + α·(xf − x); at 0 the
+/// target is y itself.
 pub fn stream_target(y: &mut [f32], xf: &mut [f32], x: &[f32], weight: f32) {
     assert_eq!((y.len(), xf.len()), (x.len(), x.len()));
     y.par_iter_mut()
@@ -151,7 +152,9 @@ pub fn stream_target(y: &mut [f32], xf: &mut [f32], x: &[f32], weight: f32) {
         .zip(x.par_iter())
         .for_each(|((y, f), q)| {
             let float = *y;
-            *y = float + weight * (*f - q);
+            if weight != 0.0 {
+                *y = float + weight * (*f - q);
+            }
             *f += float;
         });
 }
@@ -164,13 +167,16 @@ const WEIGHT_CHANNELS: usize = 256;
 ///
 /// The correction is the least-squares fit ΔW = M_E·(H̃ + λI)⁻¹ of the stream error e = xf − x
 /// onto the linear's input x̃ (`input`, `[rows, k]`). Fitted on alternate blocks of rows (the
-/// calibration windows, or the two halves of a single window) as A and B, the halves agree on
-/// the signal and disagree on the noise. In H̃'s metric, c = ⟨ΔW_A, M_B⟩ estimates the signal's
-/// energy and (a + b)/2 − c, with a = ⟨ΔW_A, M_A⟩ and b = ⟨ΔW_B, M_B⟩, a half's noise. The fit
-/// on all rows halves that noise, and the James–Stein weight of that fit is
-/// α = 2c / (c + (a + b)/2), clamped to [0, 1]. The moments are taken on a strided subset of at
-/// most [`WEIGHT_CHANNELS`] of the `n` output channels; `factor` is H̃ + λI's, which the
-/// linear's target then uses too.
+/// calibration windows, or the two halves of a single window) as folds A and B of N_A and N_B
+/// tokens, the folds agree on the signal and disagree on the noise. In H̃'s metric,
+/// c = ⟨ΔW_A, M_B⟩ (symmetrised) estimates the signal's energy, and a − c and b − c, with
+/// a = ⟨ΔW_A, M_A⟩ and b = ⟨ΔW_B, M_B⟩, each fold's noise, which falls as 1/N. So the fit on all
+/// N_A + N_B tokens has noise ν = (N_A·(a − c) + N_B·(b − c)) / (2·(N_A + N_B)), and its
+/// James–Stein weight is α = c / (c + ν), clamped to [0, 1] (with equal folds,
+/// 2c / (c + (a + b)/2)). Each fold is read through the whole sample's H̃, not its own, so even a
+/// noiseless correction gets α ≈ 1/(1 + k/N) below 1: the weight errs towards shrinking. The
+/// moments are taken on a strided subset of at most [`WEIGHT_CHANNELS`] of the `n` output
+/// channels; `factor` is H̃ + λI's, which the linear's target then uses too.
 pub fn stream_weight(
     factor: &DampedFactor,
     input: &[f32],
@@ -205,7 +211,8 @@ pub fn stream_weight(
         halves[bi % 2].add(&e[..t * nc], &input[r0 * k..(r0 + t) * k], t);
     }
     let [a_half, b_half] = halves;
-    if a_half.sum.tokens == 0 || b_half.sum.tokens == 0 {
+    let (na, nb) = (a_half.sum.tokens as f64, b_half.sum.tokens as f64);
+    if na == 0.0 || nb == 0.0 {
         return 0.0;
     }
     let (dw_a, dw_b) = (factor.solve_outputs(&a_half), factor.solve_outputs(&b_half));
@@ -218,7 +225,8 @@ pub fn stream_weight(
     };
     let c = (dot(&dw_a, &m_b) + dot(&dw_b, &m_a)) / 2.0;
     let (a, b) = (dot(&dw_a, &m_a), dot(&dw_b, &m_b));
-    let weight = 2.0 * c / (c + (a + b) / 2.0);
+    let noise = (na * (a - c) + nb * (b - c)) / (2.0 * (na + nb));
+    let weight = c / (c + noise);
     if weight.is_finite() {
         weight.clamp(0.0, 1.0)
     } else {
@@ -521,6 +529,19 @@ mod tests {
             assert_eq!(s_after[i], sf[i] + y[i]);
             assert_eq!(t[i], y[i] + (sf[i] - sq[i]));
         }
+        // The weight scales the correction; at 0 the target is the float output, even where the
+        // streams' difference is not finite.
+        for weight in [0.5f32, 0.0] {
+            let (mut t, mut s_after) = (y.clone(), sf.clone());
+            let mut sq = sq.clone();
+            sq[0] = f32::NAN;
+            stream_target(&mut t, &mut s_after, &sq, weight);
+            for i in 1..m * n {
+                assert_eq!(s_after[i], sf[i] + y[i]);
+                assert_eq!(t[i], y[i] + weight * (sf[i] - sq[i]));
+            }
+            assert_eq!(t[0].is_nan(), weight != 0.0);
+        }
         let mut h = Hessian::new(k);
         h.add(&xq, m);
         let solve = |target: &[f32]| {
@@ -573,42 +594,54 @@ mod tests {
         );
     }
 
+    /// A quantized stream off the float one `xf` by `signal`·A·x̃ (`ax`) and uniform noise of
+    /// amplitude `noise`.
+    fn off_stream(xf: &[f32], ax: &[f32], signal: f32, noise: f32, rng: &mut impl Rng) -> Vec<f32> {
+        xf.iter()
+            .zip(ax)
+            .map(|(f, e)| f - signal * e - noise * rng.random_range(-1.0f32..1.0))
+            .collect()
+    }
+
     /// The split-half weight trusts a stream error its input predicts and distrusts one it
     /// does not: near 1 for an error linear in x̃, near 0 for noise independent of it, between
     /// for a weak signal in noise; 0 where the streams agree.
     #[test]
     fn the_stream_weight_separates_signal_from_noise() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let (windows, seq_len, k, n) = (16, 64, 32, 8);
+        let (windows, seq_len, k) = (16, 64, 32);
         let m = windows * seq_len;
         let xq = rows(&mut rng, m, k);
         let mut h = Hessian::new(k);
         h.add(&xq, m);
         let factor = DampedFactor::new(&h, 0.01).unwrap();
-        let a = rows(&mut rng, n, k);
-        let ax = outputs(&a, &xq, k);
-        let xf = rows(&mut rng, m, n);
-        let weight = |signal: f32, noise: f32, rng: &mut rand::rngs::StdRng| {
-            let x: Vec<f32> = xf
-                .iter()
-                .zip(&ax)
-                .map(|(f, e)| f - signal * e - noise * rng.random_range(-1.0f32..1.0))
-                .collect();
-            stream_weight(&factor, &xq, (&xf, &x), n, seq_len)
-        };
-        let clean = weight(1.0, 0.0, &mut rng);
-        let noise = weight(0.0, 1.0, &mut rng);
-        let weak = weight(0.05, 1.0, &mut rng);
-        // Not exactly 1: each half's moment is read through the whole H̃, whose sample differs
-        // from the half's (0.97 here).
-        assert!(clean > 0.9, "{clean}");
-        assert!(noise < 0.1, "{noise}");
-        assert!(weak > noise && weak < clean, "{weak}");
-        assert_eq!(stream_weight(&factor, &xq, (&xf, &xf), n, seq_len), 0.0);
-        // One window: the halves are its two halves.
-        let x: Vec<f32> = xf.iter().zip(&ax).map(|(f, e)| f - e).collect();
-        let one = stream_weight(&factor, &xq, (&xf, &x), n, m);
-        assert!(one > 0.9, "{one}");
+        // 8 output channels, and 600, more than the weight reads (a strided subset of 256).
+        for n in [8, 600] {
+            let a = rows(&mut rng, n, k);
+            let ax = outputs(&a, &xq, k);
+            let xf = rows(&mut rng, m, n);
+            let mut weight = |signal: f32, noise: f32| {
+                let x = off_stream(&xf, &ax, signal, noise, &mut rng);
+                stream_weight(&factor, &xq, (&xf, &x), n, seq_len)
+            };
+            let clean = weight(1.0, 0.0);
+            let noise = weight(0.0, 1.0);
+            let weak = weight(0.05, 1.0);
+            // Not exactly 1: each half's moment is read through the whole H̃, whose sample
+            // differs from the half's (0.97 here).
+            assert!(clean > 0.9, "{n}: {clean}");
+            assert!(noise < 0.1, "{n}: {noise}");
+            assert!(weak > noise && weak < clean, "{n}: {weak}");
+            assert_eq!(stream_weight(&factor, &xq, (&xf, &xf), n, seq_len), 0.0);
+            // One window: the folds are its two halves.
+            let x = off_stream(&xf, &ax, 1.0, 0.0, &mut rng);
+            let one = stream_weight(&factor, &xq, (&xf, &x), n, m);
+            assert!(one > 0.9, "{n}: {one}");
+            // Folds of unequal size (an odd number of windows): 3 windows of 341 tokens.
+            let r = 3 * 341;
+            let odd = stream_weight(&factor, &xq[..r * k], (&xf[..r * n], &x[..r * n]), n, 341);
+            assert!(odd > 0.9, "{n}: {odd}");
+        }
     }
 
     fn normal_equations(value: fn(f32) -> f32, tolerance: f64) {

@@ -14,7 +14,8 @@ use sha2::{Digest, Sha256};
 
 use super::block_tune::LayerTuneReport;
 use super::{
-    grid_for, LayerResult, LinearReport, Norms, QuantReport, QuantizeError, QuantizeOptions,
+    grid_for, LayerResult, LinearReport, Norms, Objective, QuantReport, QuantizeError,
+    QuantizeOptions,
 };
 use crate::artifact::{self, io_err, Staging};
 use crate::checkpoint::layout::{layer_prefix, stored_linears};
@@ -108,8 +109,13 @@ pub fn settings_fingerprint(
     for (p, d) in files.iter().zip(digests) {
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
+    // float-stream's targets changed with its split-half weight: a state saved before must not resume.
+    let objective = match opts.effective_objective() {
+        Objective::FloatStream => "FloatStream split-half".to_string(),
+        o => format!("{o:?}"),
+    };
     h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} {:?} refit{} descent{} {:?} {:?} gguf{:?} tune{:?}",
+        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} {:?} refit{} descent{} {objective} {:?} gguf{:?} tune{:?}",
         opts.format,
         opts.group_size,
         opts.samples,
@@ -122,7 +128,6 @@ pub fn settings_fingerprint(
         opts.scale_rule(opts.method),
         opts.refit_rounds,
         opts.descent_passes,
-        opts.effective_objective(),
         opts.forward_precision,
         opts.gguf,
         opts.block_tune
