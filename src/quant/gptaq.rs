@@ -215,8 +215,8 @@ pub fn stream_weight(
     if na == 0.0 || nb == 0.0 {
         return 0.0;
     }
-    let (dw_a, dw_b) = (factor.solve_outputs(&a_half), factor.solve_outputs(&b_half));
     let (m_a, m_b) = (a_half.sum.matrix_f32(), b_half.sum.matrix_f32());
+    let (dw_a, dw_b) = (factor.solve_rows(&m_a, nc), factor.solve_rows(&m_b, nc));
     let dot = |p: &[f32], q: &[f32]| -> f64 {
         p.par_iter()
             .zip(q.par_iter())
@@ -372,12 +372,11 @@ impl DampedFactor {
         None
     }
 
-    /// M·(H̃ + λI)⁻¹ for an output moment `m` (`[n, k]`).
-    pub fn solve_outputs(&self, m: &OutputMoment) -> Vec<f32> {
-        assert_eq!(m.k, self.k);
-        let (n, k) = (m.n, self.k);
-        let mm = m.sum.matrix_f32();
-        self.solve(Mat::from_fn(k, n, |j, i| mm[i * k + j]), n, None)
+    /// M·(H̃ + λI)⁻¹ for a row-major `[n, k]` matrix M.
+    pub fn solve_rows(&self, m: &[f32], n: usize) -> Vec<f32> {
+        let k = self.k;
+        assert_eq!(m.len(), n * k);
+        self.solve(Mat::from_fn(k, n, |j, i| m[i * k + j]), n, None)
     }
 
     /// Zᵀ for Z = (H̃ + λI)⁻¹·R (`r`: `[k, n]`, column-major), added to `base` when given.
