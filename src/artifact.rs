@@ -129,6 +129,18 @@ pub fn exit_on_interrupt(signal: i32) -> ! {
     std::process::exit(128 + signal)
 }
 
+/// End the process quietly because its stdout or stderr was closed (`spark-tool inspect | head -1`):
+/// outputs under construction are handled as after an interruption, without a word (there may be
+/// nowhere to say it), and the status is the shell's for a process that SIGPIPE ended, as `ls`'s is.
+pub fn exit_on_closed_output() -> ! {
+    for (path, what) in in_progress().iter() {
+        if matches!(what, OnInterrupt::Remove) {
+            let _ = remove_unfinished(path);
+        }
+    }
+    std::process::exit(128 + libc::SIGPIPE)
+}
+
 /// Remove a staging folder or file that other threads may still be writing into (a file they
 /// create during the walk makes one pass fail: try again).
 fn remove_unfinished(path: &Path) -> std::io::Result<()> {

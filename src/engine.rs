@@ -108,7 +108,50 @@ pub struct Opened {
     pub tokenizer: Option<std::path::PathBuf>,
     /// Bits per weight over everything the artifact ships.
     pub bpw: f64,
+    /// The coarsest store among its weights.
+    pub class: WeightClass,
     pub warnings: Vec<String>,
+}
+
+/// How coarsely an artifact stores its weights: its coarsest weight tensor's store. Parity's
+/// built-in policy is chosen by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WeightClass {
+    /// 4-bit or coarser (GPTQ 4-bit, GGUF Q4_*, phone w4a16).
+    Int4,
+    /// 5 to 8 bits (GGUF Q8_0 / Q6_K, phone w8a16).
+    Int8,
+    /// Floating point throughout (f32, bf16, f16).
+    Float,
+}
+
+impl WeightClass {
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightClass::Int4 => "4-bit",
+            WeightClass::Int8 => "8-bit",
+            WeightClass::Float => "float",
+        }
+    }
+
+    fn of_ggml(t: crate::formats::gguf::GgmlType) -> Self {
+        use crate::formats::gguf::GgmlType as G;
+        match t {
+            G::Q4_0 | G::Q4_1 | G::Q4_K => WeightClass::Int4,
+            G::Q8_0 | G::Q6_K => WeightClass::Int8,
+            G::F32 | G::F16 | G::BF16 => WeightClass::Float,
+        }
+    }
+
+    /// A phone export's class from its manifest's precision.
+    fn of_phone(precision: &str) -> Self {
+        match precision {
+            "w4a16" => WeightClass::Int4,
+            "w8a16" => WeightClass::Int8,
+            _ => WeightClass::Float,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -198,8 +241,16 @@ pub fn open(
             },
             None => None,
         };
+        let class = f
+            .tensors()
+            .iter()
+            .filter(|t| t.dims.len() == 2)
+            .map(|t| WeightClass::of_ggml(t.ty))
+            .min()
+            .unwrap_or(WeightClass::Float);
         return Ok(Opened {
             bpw: bytes as f64 * 8.0 / params,
+            class,
             tokenizer,
             engine: Box::new(model),
             warnings,
@@ -226,6 +277,7 @@ pub fn open(
         let params = crate::inspect::parameters(m.config()) as f64;
         return Ok(Opened {
             bpw: bytes as f64 * 8.0 / params,
+            class: WeightClass::of_phone(&m.manifest.precision),
             tokenizer: tok.is_file().then_some(tok),
             engine: Box::new(m),
             warnings: Vec::new(),
@@ -238,7 +290,13 @@ pub fn open(
     let ck = crate::checkpoint::Checkpoint::open(dir).map_err(checkpoint)?;
     let r = crate::inspect::inspect(&ck, 1);
     let model = SparkModel::load(&ck, options(&ck)).map_err(checkpoint)?;
+    // spark-tool reads 4-bit GPTQ only (the loader refuses other bit widths).
+    let class = match ck.config.gptq {
+        Some(_) => WeightClass::Int4,
+        None => WeightClass::Float,
+    };
     Ok(Opened {
+        class,
         engine: Box::new(model),
         tokenizer: ck.tokenizer_path(),
         bpw: r.bytes as f64 * 8.0 / r.parameters.max(1) as f64,

@@ -4,12 +4,14 @@
 
 pub mod artifact;
 pub mod bench;
+pub mod bundled;
 pub mod checkpoint;
 pub mod device;
 pub mod engine;
 pub mod export;
 pub mod formats;
 pub mod generate;
+pub mod hub;
 pub mod inspect;
 pub mod kernels;
 pub mod model;
@@ -25,7 +27,7 @@ pub mod tokenizer;
 
 use std::path::PathBuf;
 
-/// The trained fixture that ships with the repository; the default artifact.
+/// The trained fixture in this source tree, for tests and fuzzing (the binary never defaults to it).
 pub fn bundled_fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/spark-tiny")
 }

@@ -34,6 +34,14 @@ enum Command {
     Quantize(cli::quantize::QuantizeArgs),
     /// Export one decode step as a QNN-ready ONNX graph (calibrated w8a16, w4a16 from GPTQ codes, f16 or f32) with per-layer-type KV caches.
     ExportPhone(cli::export::ExportArgs),
+    /// Print a shell completion script: `spark-tool completions bash > /etc/bash_completion.d/spark-tool`.
+    Completions {
+        /// The shell the script is for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff): `spark-tool man > spark-tool.1`.
+    Man,
 }
 
 /// The command line, with every option that takes a value accepting a leading `-`: a negative
@@ -48,10 +56,34 @@ fn parse() -> Cli {
         }
     };
     let cmd = Cli::command()
+        .long_version(long_version())
         .mut_args(values)
         .mut_subcommands(move |sc| sc.mut_args(values));
     let matches = cmd.get_matches();
     Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// `--version`: the release, the commit and build profile, and the kernel tier and weight path
+/// this CPU gets.
+fn long_version() -> String {
+    let path = spark_tool::device::decide(
+        &spark_tool::device::detect(),
+        spark_tool::device::Target::Auto,
+        spark_tool::device::Priority::Speed,
+    );
+    format!(
+        "{} (commit {}, {} build)\nkernels: {:?} tier on this CPU\nweight path: {} g{} for {}",
+        env!("CARGO_PKG_VERSION"),
+        env!("SPARK_COMMIT"),
+        env!("SPARK_PROFILE"),
+        spark_tool::kernels::isa::isa(),
+        serde_json::to_value(path.format)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default(),
+        path.group_size,
+        path.target
+    )
 }
 
 /// The error and its causes, each cause added only when the message so far does not already end
@@ -99,12 +131,29 @@ fn interrupt_cleanly() {
     }
 }
 
+/// A write to a closed stdout or stderr ends the process quietly instead of with a panic: Rust
+/// ignores SIGPIPE, so `println!` panics on EPIPE, which would print a backtrace hint after
+/// `spark-tool inspect | head -1`.
+fn quiet_on_closed_output() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if message.starts_with("failed printing to std") && message.contains("Broken pipe") {
+            spark_tool::artifact::exit_on_closed_output();
+        }
+        default(info)
+    }));
+}
+
 fn main() {
+    quiet_on_closed_output();
     let cli = parse();
-    spark_tool::setting::spell_with(match cli.command {
-        Command::ExportPhone(_) => cli::export::flag,
-        _ => cli::flag,
-    });
+    spark_tool::setting::spell_with(cli::flag);
     if let Some(n) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))
@@ -123,12 +172,66 @@ fn main() {
         Command::Probe(a) => cli::quantize::probe(a).map(|_| 0),
         Command::Quantize(a) => cli::quantize::run(a).map(|_| 0),
         Command::ExportPhone(a) => cli::export::run(a),
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "spark-tool",
+                &mut std::io::stdout(),
+            );
+            Ok(0)
+        }
+        Command::Man => clap_mangen::Man::new(Cli::command().long_version(long_version()))
+            .render(&mut std::io::stdout())
+            .map(|_| 0)
+            .map_err(Into::into),
     };
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("error: {}", chain(&e));
             std::process::exit(2);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::CommandFactory;
+
+    /// Every option and argument of every command has a description (`--help` and the man page
+    /// show nothing else for it).
+    #[test]
+    fn every_flag_has_a_description() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for a in cmd.get_arguments() {
+                let id = a.get_id().as_str();
+                if id != "help" && id != "version" && a.get_help().is_none() {
+                    missing.push(format!("{path} {id}"));
+                }
+            }
+            for sc in cmd.get_subcommands() {
+                walk(sc, &format!("{path} {}", sc.get_name()), missing);
+            }
+        }
+        let mut cmd = Cli::command();
+        cmd.build();
+        let mut missing = Vec::new();
+        walk(&cmd, "spark-tool", &mut missing);
+        assert!(missing.is_empty(), "no description: {missing:?}");
+    }
+
+    /// Each command's --help fits a screen (options for experiments are hidden, listed at the end).
+    #[test]
+    fn each_commands_help_fits_a_screen() {
+        let mut cmd = Cli::command();
+        cmd.build();
+        for sc in cmd.get_subcommands_mut() {
+            let name = sc.get_name().to_string();
+            let help = sc.render_help().to_string();
+            let lines = help.lines().count();
+            assert!(lines <= 60, "{name} --help is {lines} lines:\n{help}");
         }
     }
 }

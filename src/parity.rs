@@ -58,11 +58,11 @@ pub enum ParityError {
 }
 
 pub fn bundled_prompts() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("calibration/parity_prompts.json")
+    crate::bundled::path("parity_prompts.json")
 }
 
 pub fn bundled_eval_text() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("calibration/heldout.jsonl")
+    crate::bundled::path("heldout.jsonl")
 }
 
 /// Held-out windows for perplexity: `tokens` tokens of `text` in windows of `seq_len` (at most
@@ -86,7 +86,7 @@ pub fn read_prompts(path: &Path) -> Result<Vec<Prompt>, ParityError> {
         path: path.display().to_string(),
         message,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let text = crate::bundled::read_to_string(path).map_err(|e| bad(e.to_string()))?;
     let f: PromptFile = serde_json::from_str(&text).map_err(|e| {
         bad(format!(
             "expected {{\"prompts\": [{{\"name\", \"text\" | \"tokens\", \"chat\"?}}]}}: {e}"
@@ -118,6 +118,25 @@ pub struct Policy {
     pub max_kl_p99: Option<f64>,
     pub min_snr_db: Option<f64>,
     pub max_ppl_ratio: Option<f64>,
+}
+
+/// The policy `parity` applies when none is given: a gate against a broken artifact for each weight
+/// class, set well outside what sound artifacts measure (docs/REPORTS.md "Built-in policies") and
+/// far inside what a broken one does (a scrambled 4-bit fixture: top-1 0.002, KL mean 6.9).
+pub fn builtin_policy(class: crate::engine::WeightClass) -> Policy {
+    use crate::engine::WeightClass as C;
+    let (top1, kl_mean, kl_p99, ppl) = match class {
+        C::Int4 => (0.85, 0.1, 1.5, 1.15),
+        C::Int8 => (0.95, 0.02, 0.2, 1.03),
+        C::Float => (0.98, 0.005, 0.05, 1.01),
+    };
+    Policy {
+        min_top1: Some(top1),
+        max_kl_mean: Some(kl_mean),
+        max_kl_p99: Some(kl_p99),
+        max_ppl_ratio: Some(ppl),
+        ..Policy::default()
+    }
 }
 
 /// Each threshold key, with the range a meaningful value lies in.
@@ -210,7 +229,7 @@ pub struct PromptReport {
     pub kl_per_position: Vec<f64>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Overall {
     pub greedy_identical: usize,
     pub prompts: usize,
@@ -246,9 +265,31 @@ pub struct ParityReport {
     pub passed: bool,
     /// Why the policy failed (empty when it passed).
     pub failures: Vec<String>,
+    /// Each threshold the policy sets, with its figure and how far inside it that is.
+    pub gates: Vec<Gate>,
+    /// Where the thresholds came from: a file, the built-in policy for the candidate's weight
+    /// class, or none.
+    pub policy_source: String,
+}
+
+/// A parity run's outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Pass,
+    Drift,
+    /// Nothing failed, but no threshold was checked either: not a pass.
+    NotGated,
 }
 
 impl ParityReport {
+    pub fn verdict(&self) -> Verdict {
+        match (self.passed, self.gates.is_empty()) {
+            (false, _) => Verdict::Drift,
+            (true, true) => Verdict::NotGated,
+            (true, false) => Verdict::Pass,
+        }
+    }
+
     /// Refuse a `--json` path that is an input, lies inside one, or would overwrite a file that
     /// is not a previous parity report.
     pub fn check_path(path: &Path, inputs: &[&Path]) -> Result<(), crate::artifact::ArtifactError> {
@@ -456,6 +497,8 @@ pub struct ParityInputs<'a> {
     /// Held-out token windows for perplexity.
     pub eval_windows: Vec<Vec<u32>>,
     pub policy: Policy,
+    /// Where `policy` came from, for the report.
+    pub policy_source: String,
     /// How the candidate's tokenizer differs from the reference's ([`tokenizer_difference`]);
     /// any difference fails parity: the same ids would print different text.
     pub tokenizer_difference: Option<String>,
@@ -755,6 +798,7 @@ pub fn run(
             "perplexity is not finite (reference {ppl_reference}, candidate {ppl_candidate})"
         ));
     }
+    let gates = gates(&inp.policy, &overall);
     failures.extend(check(&inp.policy, &overall));
     Ok(ParityReport {
         reference: inp.reference_name,
@@ -765,40 +809,136 @@ pub fn run(
         prompts: reports,
         passed: failures.is_empty(),
         failures,
+        gates,
+        policy_source: inp.policy_source,
         policy: inp.policy,
         overall,
     })
 }
 
-pub fn check(p: &Policy, o: &Overall) -> Vec<String> {
-    let mut f = Vec::new();
+/// One threshold of a policy against its figure.
+#[derive(Debug, Clone, Serialize)]
+pub struct Gate {
+    pub name: &'static str,
+    pub figure: f64,
+    pub limit: f64,
+    /// `figure >= limit` passes (else `figure <= limit`).
+    pub at_least: bool,
+    /// How far inside its limit the figure is, as a fraction of the limit's distance from the
+    /// figure's ideal (1 for fractions and the perplexity ratio, 0 for KL; the limit itself for
+    /// SNR in dB, which has none): 0 on the limit, 1 at the ideal, negative outside.
+    pub headroom: f64,
+    pub passed: bool,
+}
+
+/// Every threshold the policy sets, with its figure and headroom.
+pub fn gates(p: &Policy, o: &Overall) -> Vec<Gate> {
     let greedy = o.greedy_identical as f64 / o.prompts.max(1) as f64;
-    let mut min = |name: &str, got: f64, want: Option<f64>| {
-        if let Some(w) = want {
-            if got.is_nan() || got < w {
-                f.push(format!("{name} {got:.4} < {w}"));
-            }
-        }
-    };
-    min("greedy match", greedy, p.min_greedy_match);
-    min("top-1", o.top1, p.min_top1);
-    min("top-5 overlap", o.top5, p.min_top5);
-    min("logits SNR dB", o.snr_db, p.min_snr_db);
-    let mut max = |name: &str, got: f64, want: Option<f64>| {
-        if let Some(w) = want {
-            if got.is_nan() || got > w {
-                f.push(format!("{name} {got:.4} > {w}"));
-            }
-        }
-    };
-    max("KL mean", o.kl_mean, p.max_kl_mean);
-    max("KL p99", o.kl_p99, p.max_kl_p99);
-    max("perplexity ratio", o.ppl_ratio, p.max_ppl_ratio);
-    f
+    // (name, figure, limit, at_least, ideal; None = measured against the limit's own size)
+    type Row = (&'static str, f64, Option<f64>, bool, Option<f64>);
+    let all: [Row; 7] = [
+        ("greedy match", greedy, p.min_greedy_match, true, Some(1.0)),
+        ("top-1", o.top1, p.min_top1, true, Some(1.0)),
+        ("top-5 overlap", o.top5, p.min_top5, true, Some(1.0)),
+        ("logits SNR dB", o.snr_db, p.min_snr_db, true, None),
+        ("KL mean", o.kl_mean, p.max_kl_mean, false, Some(0.0)),
+        ("KL p99", o.kl_p99, p.max_kl_p99, false, Some(0.0)),
+        (
+            "perplexity ratio",
+            o.ppl_ratio,
+            p.max_ppl_ratio,
+            false,
+            Some(1.0),
+        ),
+    ];
+    all.into_iter()
+        .filter_map(|(name, figure, limit, at_least, ideal)| {
+            let limit = limit?;
+            let passed = if at_least {
+                figure >= limit
+            } else {
+                figure <= limit
+            };
+            let scale = ideal.map_or(limit.abs(), |i| (i - limit).abs());
+            let inside = if at_least {
+                figure - limit
+            } else {
+                limit - figure
+            };
+            let headroom = match (figure.is_nan(), scale > 0.0) {
+                (true, _) => f64::NEG_INFINITY,
+                (false, true) => inside / scale,
+                // A limit at the ideal: on it is all the room there is.
+                (false, false) if inside >= 0.0 => 0.0,
+                (false, false) => f64::NEG_INFINITY,
+            };
+            Some(Gate {
+                name,
+                figure,
+                limit,
+                at_least,
+                headroom,
+                passed,
+            })
+        })
+        .collect()
+}
+
+pub fn check(p: &Policy, o: &Overall) -> Vec<String> {
+    gates(p, o)
+        .into_iter()
+        .filter(|g| !g.passed)
+        .map(|g| {
+            let op = if g.at_least { "<" } else { ">" };
+            format!("{} {:.4} {op} {}", g.name, g.figure, g.limit)
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
+    use super::{gates, Overall, Policy};
+
+    /// Headroom is the share of the limit's distance from the ideal that the figure has left:
+    /// 0 on the limit, 1 at the ideal, negative (and failed) outside; NaN fails.
+    #[test]
+    fn gates_measure_headroom_from_the_ideal() {
+        let o = Overall {
+            greedy_identical: 3,
+            prompts: 4,
+            top1: 0.96,
+            top5: 0.5,
+            kl_mean: 0.008,
+            kl_p99: f64::NAN,
+            snr_db: 24.0,
+            ppl_ratio: 0.99,
+            ..Default::default()
+        };
+        let p = Policy {
+            min_greedy_match: Some(0.5),
+            min_top1: Some(0.92),
+            min_top5: Some(0.6),
+            max_kl_mean: Some(0.01),
+            max_kl_p99: Some(0.1),
+            min_snr_db: Some(20.0),
+            max_ppl_ratio: Some(1.05),
+        };
+        let g = gates(&p, &o);
+        let h = |name: &str| g.iter().find(|g| g.name == name).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(h("greedy match").headroom, 0.5));
+        assert!(close(h("top-1").headroom, 0.5));
+        assert!(close(h("KL mean").headroom, 0.2));
+        assert!(close(h("logits SNR dB").headroom, 0.2));
+        // Better than the reference: more than all the room.
+        assert!(h("perplexity ratio").headroom > 1.0 && h("perplexity ratio").passed);
+        assert!(!h("top-5 overlap").passed && h("top-5 overlap").headroom < 0.0);
+        assert!(!h("KL p99").passed && h("KL p99").headroom == f64::NEG_INFINITY);
+        assert_eq!(super::check(&p, &o).len(), 2);
+        // Unset thresholds are not gates.
+        assert!(gates(&Policy::default(), &o).is_empty());
+    }
+
     /// The one-pass top-k against sorting every index (value descending, lower index first).
     #[test]
     fn top_k_is_the_head_of_the_full_sort() {

@@ -79,7 +79,7 @@ fn logits_out_never_overwrites_the_model_or_a_foreign_file() {
     let d = tempfile::tempdir().unwrap();
     let model = copy_fixture(d.path());
     let run = |out: &Path| {
-        Command::new(env!("CARGO_BIN_EXE_spark-tool"))
+        common::tool()
             .arg("run")
             .arg(&model)
             .args(["--tokens", "1,2,3", "--max-new-tokens", "2", "--quiet"])

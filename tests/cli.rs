@@ -1,12 +1,7 @@
 //! The `spark-tool` binary end to end on the bundled fixtures.
 
 mod common;
-
 use std::process::Command;
-
-fn tool() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_spark-tool"))
-}
 
 fn ok(cmd: &mut Command) -> (String, String) {
     let out = cmd.output().expect("spawn spark-tool");
@@ -20,7 +15,7 @@ fn ok(cmd: &mut Command) -> (String, String) {
 
 #[test]
 fn inspect_json_reports_the_fixture() {
-    let (so, _) = ok(tool()
+    let (so, _) = ok(common::tool()
         .args(["inspect", "--json", "--context", "1000"])
         .arg(common::fixture("spark-random")));
     let v: serde_json::Value = serde_json::from_str(&so).unwrap();
@@ -44,7 +39,7 @@ fn inspect_json_reports_the_fixture() {
 fn run_tokens_writes_logits_file() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("logits.safetensors");
-    let (so, _) = ok(tool()
+    let (so, _) = ok(common::tool()
         .args([
             "run",
             "--tokens",
@@ -74,8 +69,9 @@ fn run_tokens_writes_logits_file() {
 
 #[test]
 fn run_prompt_on_default_fixture_streams_text() {
-    let (so, se) = ok(tool().args([
+    let (so, se) = ok(common::tool().args([
         "run",
+        common::fixture("spark-tiny").to_str().unwrap(),
         "--prompt",
         "def add(a, b):",
         "--max-new-tokens",
@@ -91,8 +87,10 @@ fn run_prompt_on_default_fixture_streams_text() {
 
 #[test]
 fn seeded_sampling_is_reproducible() {
+    let fx = common::fixture("spark-tiny");
     let args = [
         "run",
+        fx.to_str().unwrap(),
         "--prompt",
         "The weather",
         "--max-new-tokens",
@@ -105,27 +103,27 @@ fn seeded_sampling_is_reproducible() {
         "--seed",
         "7",
     ];
-    let (a, _) = ok(tool().args(args));
-    let (b, _) = ok(tool().args(args));
+    let (a, _) = ok(common::tool().args(args));
+    let (b, _) = ok(common::tool().args(args));
     assert_eq!(a, b);
 }
 
 #[test]
 fn errors_exit_2_with_a_reason() {
-    let out = tool()
+    let out = common::tool()
         .args(["run", "/definitely/not/here", "--tokens", "1"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/definitely/not/here"));
-    let out = tool()
+    let out = common::tool()
         .args(["run", "--tokens", "999999"])
         .arg(common::fixture("spark-random"))
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary"));
-    let out = tool()
+    let out = common::tool()
         .args(["run", "--prompt", "hi"])
         .arg(common::fixture("spark-random"))
         .output()
@@ -263,7 +261,7 @@ fn flags_that_do_not_apply_are_refused_before_any_work() {
         ),
     ];
     for (args, want) in cases {
-        let out = tool().args(args).output().unwrap();
+        let out = common::tool().args(args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         for w in want {
@@ -276,7 +274,7 @@ fn flags_that_do_not_apply_are_refused_before_any_work() {
     );
     // No held-out tokens: perplexity is reported as not measured, not as NaN; a model compared
     // with itself is named as such.
-    let out = tool()
+    let out = common::tool()
         .args([
             "parity",
             fx,
@@ -322,7 +320,7 @@ fn a_non_finite_weight_stops_run_and_bench_naming_the_tensor() {
         &["run", "--prompt", "hello", "--max-new-tokens", "4"][..],
         &["bench", "--prompt-len", "8", "--gen", "2", "--repeat", "1"][..],
     ] {
-        let out = tool()
+        let out = common::tool()
             .args(&args[..1])
             .arg(&model)
             .args(&args[1..])
@@ -341,7 +339,7 @@ fn a_non_finite_weight_stops_run_and_bench_naming_the_tensor() {
 
 #[test]
 fn bench_reports_throughput_with_spread() {
-    let (so, _) = ok(tool()
+    let (so, _) = ok(common::tool()
         .args([
             "bench",
             "--prompt-len",
@@ -370,10 +368,11 @@ fn bench_reports_throughput_with_spread() {
 /// named is also a measured peak.
 #[test]
 fn bench_kernels_bound_each_w4a16_decode_kernel_by_its_own_step() {
-    let (so, _) = ok(tool().args([
+    let (so, _) = ok(common::tool().args([
         "--threads",
         "1",
         "bench",
+        common::fixture("spark-tiny").to_str().unwrap(),
         "--kernels",
         "--json",
         "--repeat",
@@ -415,7 +414,7 @@ fn bench_kernels_bound_each_w4a16_decode_kernel_by_its_own_step() {
 #[test]
 fn bench_ceiling_counts_what_a_decode_step_reads() {
     let dir = common::fixture("spark-random");
-    let (so, _) = ok(tool()
+    let (so, _) = ok(common::tool()
         .args(["bench", "--prompt-len", "20", "--gen", "6", "--repeat", "2"])
         .args(["--ceiling", "--json"])
         .arg(&dir));
@@ -490,8 +489,9 @@ fn bench_ceiling_counts_what_a_decode_step_reads() {
 
 #[test]
 fn bench_stages_cover_the_forward_pass() {
-    let (so, _) = ok(tool().args([
+    let (so, _) = ok(common::tool().args([
         "bench",
+        common::fixture("spark-tiny").to_str().unwrap(),
         "--prompt-len",
         "16",
         "--gen",
@@ -532,37 +532,37 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("q");
     let quantize = || {
-        let mut c = tool();
-        c.args([
-            "quantize",
-            "--samples",
-            "2",
-            "--seq-len",
-            "16",
-            "--no-compare",
-        ]);
+        let mut c = common::tool();
+        c.arg("quantize").arg(common::fixture("spark-tiny"));
+        c.args(["--samples", "2", "--seq-len", "16", "--no-compare"]);
         c
     };
-    let (_, se) = ok(quantize()
-        .env("SPARK_MEM_AVAILABLE", "1000000")
-        .args(["--force-memory", "--out"])
-        .arg(&out));
-    assert!(
-        se.contains("memory plan:") && se.contains("1.0 MB available"),
-        "{se}"
-    );
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("quant_report.json")).unwrap())
-            .unwrap();
-    assert!(report["memory_plan"]["activations"].as_u64().unwrap() > 0);
-    assert_eq!(report["scale_rule"], "signed_search", "the default");
-    assert_eq!(report["objective"], "float-stream", "the default");
-    assert!(report["linears"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|l| l["stream_weight"].is_number()));
-    assert!(report["stream_error"].as_f64().unwrap() > 0.0);
+    // The defaults, under each of the probe's answers.
+    for answer in common::PROBE_ANSWERS {
+        let (_, se) = ok(quantize()
+            .env("SPARK_TARGET", answer)
+            .env("SPARK_MEM_AVAILABLE", "1000000")
+            .args(["--force-memory", "--force", "--out"])
+            .arg(&out));
+        assert!(
+            se.contains("memory plan:") && se.contains("1.0 MB available"),
+            "{se}"
+        );
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("quant_report.json")).unwrap())
+                .unwrap();
+        let format = if answer == "x86-amx" { "w4a8" } else { "w4a16" };
+        assert_eq!(report["format"], format, "{answer}");
+        assert!(report["memory_plan"]["activations"].as_u64().unwrap() > 0);
+        assert_eq!(report["scale_rule"], "signed_search", "the default");
+        assert_eq!(report["objective"], "float-stream", "the default");
+        assert!(report["linears"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["stream_weight"].is_number()));
+        assert!(report["stream_error"].as_f64().unwrap() > 0.0);
+    }
     // Positive scales on request, recorded as such.
     let pos = d.path().join("pos");
     ok(quantize()
@@ -611,15 +611,15 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
         );
     }
     let phone = d.path().join("p");
-    ok(tool()
+    ok(common::tool()
         .env("SPARK_MEM_AVAILABLE", "1000000")
         .args([
             "export-phone",
             "--context",
             "32",
-            "--calib-samples",
+            "--samples",
             "1",
-            "--calib-seq-len",
+            "--seq-len",
             "8",
         ])
         .args(["--quiet", "--force-memory", "--out"])
@@ -643,7 +643,7 @@ fn block_tune_settings_without_block_tune_are_refused() {
         (&["--model-tune-seed", "1"], "--model-tune"),
     ] {
         let d = tempfile::tempdir().unwrap();
-        let out = tool()
+        let out = common::tool()
             .arg("quantize")
             .arg(common::fixture("spark-tiny"))
             .args(flag)
@@ -653,7 +653,227 @@ fn block_tune_settings_without_block_tune_are_refused() {
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{flag:?}");
         let se = String::from_utf8_lossy(&out.stderr);
-        assert!(se.contains(flag[0]) && se.contains(needs), "{flag:?}: {se}");
+        assert!(se.contains(needs), "{flag:?}: {se}");
         assert!(!d.path().join("q").exists());
     }
+}
+
+#[test]
+fn spark_target_stands_in_for_the_probe_and_a_bad_value_is_refused() {
+    for (answer, format, group) in [("x86-amx", "w4a8", 128), ("x86", "w4a16", 64)] {
+        let (so, _) = ok(common::tool()
+            .env("SPARK_TARGET", answer)
+            .args(["probe", "--json"]));
+        let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+        assert_eq!(v["decision"]["format"], format, "{answer}");
+        assert_eq!(v["decision"]["group_size"], group, "{answer}");
+        assert!(
+            v["decision"]["reasons"][0]
+                .as_str()
+                .unwrap()
+                .contains("SPARK_TARGET"),
+            "{so}"
+        );
+    }
+    // An explicit --target wins over the variable.
+    let (so, _) = ok(common::tool()
+        .env("SPARK_TARGET", "x86")
+        .args(["probe", "--json", "--target", "x86-amx"]));
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["decision"]["format"], "w4a8");
+    let fx = common::fixture("spark-tiny");
+    let fx = fx.to_str().unwrap();
+    for cmd in [&["probe"][..], &["quantize", fx, "--out", "never"][..]] {
+        let o = common::tool()
+            .env("SPARK_TARGET", "amx")
+            .args(cmd)
+            .output()
+            .unwrap();
+        let se = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{cmd:?}: {se}");
+        assert!(
+            se.contains("SPARK_TARGET") && se.contains("x86-amx"),
+            "{se}"
+        );
+        assert!(!std::path::Path::new("never").exists());
+    }
+}
+
+/// A closed stdout (`spark-tool inspect | head -1`) ends the process quietly with the shell's
+/// SIGPIPE status, as `ls` does, instead of a panic (exit 101).
+#[test]
+fn a_closed_stdout_ends_the_process_quietly() {
+    let fx = common::fixture("spark-tiny");
+    let prompts = common::root().join("tests/golden/prompts/spark-tiny.json");
+    let parity: Vec<&std::ffi::OsStr> = vec![
+        "parity".as_ref(),
+        fx.as_os_str(),
+        fx.as_os_str(),
+        "--prompts".as_ref(),
+        prompts.as_os_str(),
+        "--eval-tokens".as_ref(),
+        "0".as_ref(),
+    ];
+    for args in [vec!["inspect".as_ref(), fx.as_os_str()], parity] {
+        let mut child = common::tool()
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader is gone before the first line is written.
+        drop(child.stdout.take());
+        let o = child.wait_with_output().unwrap();
+        let se = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(141), "{args:?}: {se}");
+        assert!(
+            !se.contains("panicked") && !se.contains("error"),
+            "{args:?}: {se}"
+        );
+    }
+}
+
+/// GGUF types in llama.cpp's spelling, any case; a GGUF's name must end in .gguf, and a GPTQ
+/// folder's must not.
+#[test]
+fn gguf_formats_take_llama_cpp_spellings_and_a_gguf_name() {
+    let d = tempfile::tempdir().unwrap();
+    let fx = common::fixture("spark-tiny");
+    let quantize = |format: &str, out: &std::path::Path| {
+        common::tool()
+            .arg("quantize")
+            .arg(&fx)
+            .args(["--format", format, "--samples", "2", "--seq-len", "16"])
+            .args(["--quiet", "--no-compare", "--out"])
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    let g = d.path().join("m.gguf");
+    let o = quantize("Q4_K_M", &g);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let f = spark_tool::formats::gguf::GgufFile::open(&g).unwrap();
+    assert_eq!(
+        f.get_u32("general.file_type").unwrap(),
+        spark_tool::formats::gguf::mix::FileType::Q4KM.id()
+    );
+    for (format, out, needs) in [
+        ("q4_0", "model", ".gguf"),
+        ("w4a16", "model.GGUF", "--format gguf-q4_k_m"),
+    ] {
+        let out = d.path().join(out);
+        let o = quantize(format, &out);
+        let se = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{format}: {se}");
+        assert!(se.contains("--out") && se.contains(needs), "{format}: {se}");
+        assert!(!out.exists());
+    }
+}
+
+/// `--version` names the commit, the build and this CPU's kernels; completions and the man page
+/// are generated for the whole command tree.
+#[test]
+fn version_completions_and_man_page() {
+    let (so, _) = ok(common::tool().arg("--version"));
+    assert!(
+        so.starts_with(&format!("spark-tool {}", env!("CARGO_PKG_VERSION"))),
+        "{so}"
+    );
+    assert!(
+        so.contains("commit ") && so.contains("release build"),
+        "{so}"
+    );
+    assert!(
+        so.contains("kernels: ") && so.contains("weight path: "),
+        "{so}"
+    );
+    for shell in ["bash", "zsh", "fish"] {
+        let (so, _) = ok(common::tool().args(["completions", shell]));
+        for word in ["spark-tool", "quantize", "export-phone", "max-kl-mean"] {
+            assert!(so.contains(word), "{shell}: no {word}");
+        }
+    }
+    let (so, _) = ok(common::tool().arg("man"));
+    assert!(
+        so.starts_with(".ie") || so.contains(".TH spark-tool"),
+        "{}",
+        &so[..200.min(so.len())]
+    );
+    for word in ["quantize", "parity", "export\\-phone"] {
+        assert!(so.contains(word), "man page without {word}");
+    }
+}
+
+/// The README's jobs from a folder outside the repository, on a copy of the fixture: the
+/// binary needs nothing of the checkout it was built from (calibration, prompts and held-out text
+/// are compiled in), and no artifact records a path of that checkout.
+#[test]
+fn the_readme_jobs_run_from_a_folder_outside_the_checkout() {
+    let d = tempfile::tempdir().unwrap();
+    common::copy_dir(
+        &common::fixture("spark-tiny"),
+        &d.path().join("Spark-X2.5-tiny"),
+    );
+    let run = |args: &[&str]| {
+        let o = common::tool()
+            .current_dir(d.path())
+            .args(args)
+            .output()
+            .unwrap();
+        let text =
+            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{args:?}: {text}");
+        text
+    };
+    let m = "Spark-X2.5-tiny";
+    let calib = ["--samples", "8", "--seq-len", "128"];
+    let q = run(&[&["quantize", m, "--out", "spark-4bit"][..], &calib].concat());
+    assert!(
+        q.contains("next: spark-tool parity Spark-X2.5-tiny spark-4bit"),
+        "{q}"
+    );
+    run(&["parity", m, "spark-4bit"]);
+    run(&[
+        &["quantize", m, "--format", "Q4_K_M", "--out", "spark.gguf"][..],
+        &calib,
+    ]
+    .concat());
+    run(&["parity", m, "spark.gguf", "--max-new-tokens", "8"]);
+    run(&[
+        "export-phone",
+        m,
+        "--out",
+        "spark-phone",
+        "--context",
+        "2048",
+        "--samples",
+        "2",
+    ]);
+    run(&["parity", m, "spark-phone", "--max-new-tokens", "8"]);
+    run(&[
+        "run",
+        "spark-4bit",
+        "--chat",
+        "--prompt",
+        "What's the weather in Paris?",
+        "--max-new-tokens",
+        "8",
+    ]);
+    let checkout = env!("CARGO_MANIFEST_DIR");
+    for f in [
+        "spark-4bit/config.json",
+        "spark-4bit/quant_report.json",
+        "spark-4bit/quant_report.html",
+        "spark.gguf",
+        "spark-phone/phone_manifest.json",
+    ] {
+        let bytes = std::fs::read(d.path().join(f)).unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(
+            !text.contains(checkout),
+            "{f} records the checkout's path {checkout}"
+        );
+    }
+    let config = std::fs::read_to_string(d.path().join("spark-4bit/config.json")).unwrap();
+    assert!(config.contains("bundled:spark-calib.jsonl"), "{config}");
 }

@@ -15,12 +15,6 @@ use spark_tool::checkpoint::TensorStore;
 use spark_tool::device::WeightFormat;
 use spark_tool::quantize::{quantize, QuantizeError};
 
-/// The binary under test: this build's, or `SPARK_TOOL_BIN` (docs/RELIABILITY.md runs the data-loss cases
-/// against an older build to show they catch what it did).
-fn bin() -> String {
-    std::env::var("SPARK_TOOL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_spark-tool").into())
-}
-
 fn copy_fixture(to: &Path) -> PathBuf {
     let dst = to.join("model");
     common::copy_dir(&common::fixture("spark-tiny"), &dst);
@@ -39,7 +33,7 @@ fn names(dir: &Path) -> Vec<String> {
 }
 
 fn spark(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(bin())
+    common::tool()
         .args(args)
         .env("RAYON_NUM_THREADS", "2")
         .output()
@@ -140,7 +134,7 @@ fn signal_when(
 ) -> Option<(Option<i32>, String)> {
     use std::os::unix::process::CommandExt;
     let log = tempfile::NamedTempFile::new().unwrap();
-    let mut cmd = Command::new(bin());
+    let mut cmd = common::tool();
     cmd.args(args)
         .env("RAYON_NUM_THREADS", "2")
         .stdout(Stdio::null())
@@ -230,6 +224,21 @@ fn an_interruption_keeps_finished_layers_with_a_note_and_removes_what_cannot_res
         "{err}"
     );
     assert!(layer1.exists());
+    // A run without --resume starts over, and says what it discards and how to resume instead.
+    let kept = d.path().join("kept");
+    common::copy_dir(&staging, &kept);
+    let o = spark(&os_refs(&slow(&out)));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("starting over")
+            && err.contains("finished layer(s)")
+            && err.contains("--resume"),
+        "{err}"
+    );
+    same_as_reference(&out, "started over");
+    std::fs::remove_dir_all(&out).unwrap();
+    common::copy_dir(&kept, &staging);
     let mut args = slow(&out);
     args.push("--resume".into());
     let o = spark(&os_refs(&args));
@@ -281,7 +290,7 @@ type KillPoint<'a> = Box<dyn Fn() -> bool + 'a>;
 
 /// Spawn, SIGKILL as soon as `now()` holds, and return whether it was still running then.
 fn kill_when(args: &[&std::ffi::OsStr], now: &dyn Fn() -> bool) -> bool {
-    let mut child = Command::new(bin())
+    let mut child = common::tool()
         .args(args)
         .env("RAYON_NUM_THREADS", "2")
         .stdout(Stdio::null())

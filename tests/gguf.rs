@@ -292,7 +292,7 @@ fn run_encodes_a_gguf_prompt_only_with_a_tokenizer_of_the_files_vocabulary() {
     (o.samples, o.seq_len) = (4, 64);
     quantize(&o).unwrap();
     let run = |extra: &[&str], logits: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_spark-tool"))
+        let out = common::tool()
             .arg("run")
             .arg(&path)
             .args(extra)

@@ -16,18 +16,13 @@ mod common;
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-/// The binary under test: this build's, or `SPARK_TOOL_BIN` (docs/RELIABILITY.md runs the data-loss cases
-/// against an older build to show they catch what it did).
-fn bin() -> String {
-    std::env::var("SPARK_TOOL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_spark-tool").into())
-}
 /// A case running longer than this is a hang.
 const HANG: Duration = Duration::from_secs(120);
 
@@ -161,7 +156,7 @@ fn shared() -> &'static Shared {
         common::copy_dir(&common::fixture("spark-tiny"), &tiny);
         common::copy_dir(&common::fixture("spark-random"), &random);
         let gptq = dir.path().join("gptq");
-        let o = Command::new(bin())
+        let o = common::tool()
             .args(["quantize"])
             .arg(&tiny)
             .arg("--out")
@@ -172,7 +167,7 @@ fn shared() -> &'static Shared {
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let phone = dir.path().join("phone");
-        let o = Command::new(bin())
+        let o = common::tool()
             .args(["export-phone"])
             .arg(&tiny)
             .arg("--out")
@@ -294,9 +289,9 @@ fn quick(cmd: &str) -> Vec<&'static str> {
         "export-phone" => vec![
             "--context",
             "32",
-            "--calib-samples",
+            "--samples",
             "1",
-            "--calib-seq-len",
+            "--seq-len",
             "8",
             "--quiet",
         ],
@@ -347,8 +342,8 @@ fn cli_values() -> Vec<Case> {
         ("quantize", "--group-size", &["-1", "0"]),
         ("export-phone", "--context", &["0", "-1", "x"]),
         ("export-phone", "--parts", &["0", "-1"]),
-        ("export-phone", "--calib-samples", &["0", "-2"]),
-        ("export-phone", "--calib-seq-len", &["0"]),
+        ("export-phone", "--samples", &["0", "-2"]),
+        ("export-phone", "--seq-len", &["0"]),
         ("export-phone", "--range-margin", &["0.5", "NaN", "-1"]),
         ("parity", "--max-new-tokens", &["-1"]),
         ("parity", "--eval-tokens", &["-1"]),
@@ -975,8 +970,8 @@ fn calibration_cases() -> Vec<Case> {
             let culprits: Vec<String> = culprits
                 .iter()
                 .map(|s| match (*s, cmd) {
-                    ("--samples", "export-phone") => "--calib-samples".to_string(),
-                    ("--seq-len", "export-phone") => "--calib-seq-len".to_string(),
+                    ("--samples", "export-phone") => "--samples".to_string(),
+                    ("--seq-len", "export-phone") => "--seq-len".to_string(),
                     (s, _) => s.to_string(),
                 })
                 .collect();
@@ -1467,7 +1462,7 @@ fn resource_cases() -> Vec<Case> {
             .names([
                 "memory plan needs",
                 "1.0 MB is available",
-                "--calib-samples",
+                "--samples",
                 "--force-memory",
             ]),
     );
@@ -1557,7 +1552,7 @@ struct Outcome {
 /// Run the binary with `args` in `cwd`, killing it (a hang) after `limit`.
 fn run_bin(args: &[OsString], cwd: &Path, env: &[(&str, String)], limit: Duration) -> Outcome {
     let t = Instant::now();
-    let mut cmd = Command::new(bin());
+    let mut cmd = common::tool();
     cmd.args(args)
         .current_dir(cwd)
         .env("RAYON_NUM_THREADS", "2")

@@ -3,21 +3,15 @@
 
 mod common;
 
-use std::process::Command;
-
 use spark_tool::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use spark_tool::checkpoint::TensorStore;
-
-fn tool() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_spark-tool"))
-}
 
 fn parity(
     reference: &std::path::Path,
     candidate: &std::path::Path,
     extra: &[&str],
 ) -> (i32, String) {
-    let out = tool()
+    let out = common::tool()
         .arg("parity")
         .arg(reference)
         .arg(candidate)
@@ -96,7 +90,7 @@ fn every_prompt_scores_its_prompt_rows_and_each_generated_token_once() {
     let out_dir = tempfile::tempdir().unwrap();
     for new in [0usize, 5] {
         let json = out_dir.path().join(format!("r{new}.json"));
-        let out = tool()
+        let out = common::tool()
             .arg("parity")
             .arg(&fx)
             .arg(d.path())
@@ -144,6 +138,177 @@ fn damaged_artifact_is_reported_as_drift() {
     assert!(text.contains("DRIFT:"), "{text}");
 }
 
+/// A copy of spark-tiny whose out_proj and down_proj weights are scrambled (each tensor's elements
+/// reversed): finite, plausible magnitudes, a destroyed model.
+fn scrambled_copy(dir: &std::path::Path) {
+    common::copy_dir(&common::fixture("spark-tiny"), dir);
+    let store = TensorStore::open(&common::fixture("spark-tiny")).unwrap();
+    let tensors: Vec<OwnedTensor> = store
+        .entries()
+        .map(|e| {
+            let mut data = store.bytes(e).to_vec();
+            if e.name.ends_with("out_proj.weight") || e.name.ends_with("down_proj.weight") {
+                let mut elems: Vec<[u8; 2]> = data.chunks_exact(2).map(|c| [c[0], c[1]]).collect();
+                elems.reverse();
+                data = elems.concat();
+            }
+            OwnedTensor {
+                name: e.name.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                data,
+            }
+        })
+        .collect();
+    drop(store);
+    write_safetensors_atomic(&dir.join("model.safetensors"), &tensors, None).unwrap();
+}
+
+/// parity with no --policy and the bundled prompts: the built-in policy of the candidate's class.
+fn parity_by_default(candidate: &std::path::Path, extra: &[&std::ffi::OsStr]) -> (i32, String) {
+    let o = common::tool()
+        .arg("parity")
+        .arg(common::fixture("spark-tiny"))
+        .arg(candidate)
+        .args(extra)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    (o.status.code().unwrap_or(-1), text)
+}
+
+#[test]
+fn a_scrambled_model_drifts_without_a_policy_and_none_reports_without_gating() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("scrambled");
+    scrambled_copy(&model);
+    let (code, text) = parity_by_default(&model, &[]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("DRIFT:") && text.contains("policy: built-in, float weights"),
+        "{text}"
+    );
+    // --policy none reports, exits 0, and says in every output that nothing was checked.
+    let (md, html) = (d.path().join("p.md"), d.path().join("p.html"));
+    let (code, text) = parity_by_default(
+        &model,
+        &[
+            "--policy".as_ref(),
+            "none".as_ref(),
+            "--markdown".as_ref(),
+            md.as_os_str(),
+            "--html".as_ref(),
+            html.as_os_str(),
+        ],
+    );
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains("NOT GATED") && !text.contains("PASS"),
+        "{text}"
+    );
+    let md = std::fs::read_to_string(md).unwrap();
+    assert!(md.contains("NOT GATED") && !md.contains("PASS"), "{md}");
+    let html = std::fs::read_to_string(html).unwrap();
+    assert!(html.contains("NOT GATED") && !html.contains("PASS"), "html");
+}
+
+/// Our own artifacts of the fixture pass their class's built-in policy, with room to spare.
+#[test]
+fn our_artifacts_pass_the_built_in_policies() {
+    let d = tempfile::tempdir().unwrap();
+    let calib = [
+        "--samples",
+        "16",
+        "--seq-len",
+        "128",
+        "--quiet",
+        "--no-compare",
+    ];
+    let q = |format: &str, out: &std::path::Path| {
+        let o = common::tool()
+            .arg("quantize")
+            .arg(common::fixture("spark-tiny"))
+            .args(["--format", format])
+            .args(calib)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let mut cases: Vec<(std::path::PathBuf, &str)> = Vec::new();
+    for (format, out, class) in [
+        ("w4a8", "w4a8", "4-bit"),
+        ("w4a16", "w4a16", "4-bit"),
+        ("gguf-q4_k_m", "m.gguf", "4-bit"),
+        ("gguf-q8_0", "q8.gguf", "8-bit"),
+    ] {
+        let out = d.path().join(out);
+        q(format, &out);
+        cases.push((out, class));
+    }
+    // The phone's graphs (ONNX Runtime, tools/requirements.txt): w8a16 from the float model,
+    // w4a16 from a GPTQ solve on QNN's LPBQ lattice.
+    let lpbq = d.path().join("lpbq");
+    let o = common::tool()
+        .arg("quantize")
+        .arg(common::fixture("spark-tiny"))
+        .args(["--target", "phone"])
+        .args(calib)
+        .arg("--out")
+        .arg(&lpbq)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for (from, precision, class) in [
+        (common::fixture("spark-tiny"), "w8a16", "8-bit"),
+        (lpbq, "w4a16", "4-bit"),
+    ] {
+        let phone = d.path().join(format!("phone-{precision}"));
+        let o = common::tool()
+            .arg("export-phone")
+            .arg(&from)
+            .args([
+                "--precision",
+                precision,
+                "--context",
+                "2048",
+                "--quiet",
+                "--out",
+            ])
+            .arg(&phone)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        cases.push((phone, class));
+    }
+    for (artifact, class) in cases {
+        let json = d.path().join("p.json");
+        // The short golden prompts: ONNX Runtime steps the phone graphs one token at a time.
+        let prompts = common::root().join("tests/golden/prompts/spark-tiny.json");
+        let (code, text) = parity_by_default(
+            &artifact,
+            &[
+                "--json".as_ref(),
+                json.as_os_str(),
+                "--prompts".as_ref(),
+                prompts.as_os_str(),
+                "--max-new-tokens".as_ref(),
+                "16".as_ref(),
+                "--eval-tokens".as_ref(),
+                "1024".as_ref(),
+            ],
+        );
+        assert_eq!(code, 0, "{}: {text}", artifact.display());
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(r["policy_source"], format!("built-in, {class} weights"));
+        common::assert_headroom(&r, 0.5, &artifact.display().to_string());
+        std::fs::remove_file(json).unwrap();
+    }
+}
+
 #[test]
 fn non_finite_logits_fail_whatever_the_policy() {
     let d = tempfile::tempdir().unwrap();
@@ -160,7 +325,7 @@ fn non_finite_logits_fail_whatever_the_policy() {
     let out = tempfile::tempdir().unwrap();
     let json = out.path().join("nan-parity.json");
     // A KL-only policy that NaN would slip past (NaN < threshold is false).
-    let (code, text) = tool()
+    let (code, text) = common::tool()
         .arg("parity")
         .arg(&fx)
         .arg(d.path())
@@ -205,7 +370,7 @@ fn the_docs_testbed_predicts_unseen_text_imperfectly() {
     let d = tempfile::tempdir().unwrap();
     let json = d.path().join("p.json");
     let docs = common::root().join("calibration/docs");
-    let out = tool()
+    let out = common::tool()
         .arg("parity")
         .arg(common::fixture("spark-docs"))
         .arg(common::fixture("spark-docs"))

@@ -7,7 +7,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use spark_tool::engine::Engine;
@@ -155,7 +154,7 @@ fn w8a16_graph_passes_the_parity_gate_and_ties_cache_encodings() {
     assert_eq!(m.types["full"].past_len, 2047, "context − 1");
     assert!(dir.join("model.encodings").is_file());
 
-    let out = Command::new(env!("CARGO_BIN_EXE_spark-tool"))
+    let out = common::tool()
         .arg("parity")
         .arg(common::fixture("spark-tiny"))
         .arg(&dir)

@@ -7,7 +7,6 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use prost::Message;
@@ -244,7 +243,7 @@ fn the_w4a16_graph_is_within_1_25x_the_kl_of_its_checkpoint_on_cpu() {
     let parity = |cand: &Path, extra: &[&str]| -> f64 {
         let d = tempfile::tempdir().unwrap();
         let json = d.path().join("parity.json");
-        let out = Command::new(env!("CARGO_BIN_EXE_spark-tool"))
+        let out = common::tool()
             .arg("parity")
             .arg(common::fixture("spark-tiny"))
             .arg(cand)

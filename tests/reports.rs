@@ -5,11 +5,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn tool() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_spark-tool"))
-}
+use std::process::Output;
 
 fn text(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
@@ -38,12 +34,21 @@ fn assert_self_contained(path: &Path) -> String {
     page
 }
 
-/// The fixture quantized cheaply (4 × 32 calibration tokens; the comparison columns on, so the
-/// page has all three methods' bars).
-fn quantized(dir: &Path) -> std::path::PathBuf {
+/// The fixture quantized cheaply with the defaults for the probe's `answer` (CALIBRATION tokens;
+/// the comparison columns on, so the page has all three methods' bars).
+fn quantized(dir: &Path, answer: &str) -> std::path::PathBuf {
     let out = dir.join("q");
-    let o = tool()
-        .args(["quantize", "--samples", "4", "--seq-len", "32", "--quiet"])
+    let o = common::tool()
+        .env("SPARK_TARGET", answer)
+        .arg("quantize")
+        .arg(common::fixture("spark-tiny"))
+        .args([
+            "--quiet",
+            "--samples",
+            CALIBRATION.0,
+            "--seq-len",
+            CALIBRATION.1,
+        ])
         .arg("--out")
         .arg(&out)
         .output()
@@ -52,8 +57,13 @@ fn quantized(dir: &Path) -> std::path::PathBuf {
     out
 }
 
+/// Calibration samples × tokens: enough that both formats pass the committed policy with
+/// HEADROOM to spare.
+const CALIBRATION: (&str, &str) = ("16", "64");
+const HEADROOM: f64 = 0.2;
+
 fn parity(candidate: &Path, extra: &[&std::ffi::OsStr]) -> Output {
-    tool()
+    common::tool()
         .arg("parity")
         .arg(common::fixture("spark-tiny"))
         .arg(candidate)
@@ -69,8 +79,14 @@ fn parity(candidate: &Path, extra: &[&std::ffi::OsStr]) -> Output {
 
 #[test]
 fn quantize_and_parity_pages_of_the_fixture() {
+    for answer in common::PROBE_ANSWERS {
+        pages_for(answer);
+    }
+}
+
+fn pages_for(answer: &str) {
     let d = tempfile::tempdir().unwrap();
-    let q = quantized(d.path());
+    let q = quantized(d.path(), answer);
 
     // quantize: the page is beside the JSON, recorded as ours, and shows the JSON's figures.
     let page = assert_self_contained(&q.join("quant_report.html"));
@@ -79,6 +95,8 @@ fn quantize_and_parity_pages_of_the_fixture() {
     let qr: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(q.join("quant_report.json")).unwrap())
             .unwrap();
+    let format = if answer == "x86-amx" { "w4a8" } else { "w4a16" };
+    assert_eq!(qr["format"], format, "the probe's answer {answer}");
     let mean = qr["mean_error"].as_f64().unwrap();
     assert!(page.contains(&format!("{mean:.2e}")), "mean error {mean}");
     assert!(page.contains(qr["linears"][0]["name"].as_str().unwrap()));
@@ -117,6 +135,11 @@ fn quantize_and_parity_pages_of_the_fixture() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    common::assert_headroom(
+        &report,
+        HEADROOM,
+        &format!("{format} (probe answer {answer})"),
+    );
     let page = assert_self_contained(&html);
     assert!(page.contains("PASS: the candidate is within policy"));
     let positions: usize = report["prompts"]
@@ -225,7 +248,7 @@ fn report_outputs_follow_the_rules_of_json_and_fail_before_the_work() {
         ),
     ];
     for (args, want) in cases {
-        let o = tool()
+        let o = common::tool()
             .current_dir(d.path())
             .arg("parity")
             .arg(&fx)
@@ -282,8 +305,10 @@ fn bench_page_with_stages_and_the_llamacpp_comparison() {
     std::fs::write(&cmp, serde_json::to_string(&llamacpp_results()).unwrap()).unwrap();
     let html = d.path().join("b.html");
     let bench = |extra: &[&std::ffi::OsStr]| {
-        tool()
-            .args(["bench", "--prompt-len", "16", "--gen", "4", "--repeat", "2"])
+        common::tool()
+            .arg("bench")
+            .arg(common::fixture("spark-tiny"))
+            .args(["--prompt-len", "16", "--gen", "4", "--repeat", "2"])
             .args(extra)
             .output()
             .unwrap()

@@ -14,7 +14,8 @@ Steps (every artifact is cached under --cache and reused on the next run):
     (the BF16 intermediate is deleted unless --keep-gguf-src);
  4. llama-bench / llama-quantize: $LLAMA_BENCH (and $LLAMA_QUANTIZE, default: next to llama-bench), else
     /work/llama-src/build-bench/bin, else built in --cache from the PyPI sdist llama-cpp-python==0.3.36
-    (LLAMACPP_BASELINE.md section 1: Ninja, Release, GGML_NATIVE=ON, OpenMP, static, AMX GCC-12 barrier fix);
+    (Ninja, Release, GGML_NATIVE=ON, OpenMP, static, AMX GCC-12 barrier fix; docs/BENCHMARKS.md
+    "Side by side with llama.cpp");
  5. memory bandwidth (streaming read of a 2 GiB array, numpy in a child process, N threads) per thread count, then both
     engines at the same thread counts, prompt and generation lengths, interleaved ours/theirs;
  6. one table (stdout + --markdown) and the raw results (--json).
@@ -313,8 +314,8 @@ def find_cmake(py: str) -> tuple[str, str | None]:
 
 
 def apply_amx_fix(tree: Path) -> None:
-    """GCC 12 drops the stores filling the AMX tile config (LLAMACPP_BASELINE.md section 1): add a compiler
-    barrier before _tile_loadconfig. Idempotent; harmless on CPUs without AMX."""
+    """GCC 12 drops the stores filling the AMX tile config (docs/BENCHMARKS.md "Side by side with
+    llama.cpp"): add a compiler barrier before _tile_loadconfig. Idempotent; harmless on CPUs without AMX."""
     f = tree / "ggml/src/ggml-cpu/amx/mmq.cpp"
     if not f.exists():
         return

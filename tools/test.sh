@@ -22,7 +22,7 @@ fuzz_secs=${FUZZ_SECS:-60}
 if [ -n "${CI:-}" ] && [ "$fuzz_secs" -lt 60 ]; then fuzz_secs=60; fi
 
 # Disk is planned up front (a CI machine once ran out of it at minute 11): this run's measured peaks
-# (README "Tests") with a 25-30 % margin, in MiB, less what each build folder already holds. The build
+# (docs/TESTING.md "Stage times and disk") with a 25-30 % margin, in MiB, less what each build folder already holds. The build
 # stays to the end; the scratch folder is removed before the fuzz build starts, so a filesystem needs
 # the build's share plus the larger of the other two where they land on it.
 BUILD_MIB=1200 SCRATCH_MIB=2700 FUZZ_MIB=2800
@@ -58,6 +58,9 @@ done
 
 python3 -c "import numpy, scipy, tokenizers, onnx, onnxruntime as o; print('python packages: numpy', numpy.__version__, \
   'scipy', scipy.__version__, 'tokenizers', tokenizers.__version__, 'onnx', onnx.__version__, 'onnxruntime', o.__version__)"
+
+# Which of the probe's answers this machine gives (the tests pin theirs: docs/TESTING.md).
+cargo run --release -q -- probe
 
 stage "cargo fmt --check"
 cargo fmt --all -- --check
@@ -101,6 +104,16 @@ for fmt in "w4a8 --group-size 128" "w4a16 --group-size 64 --qkv-layout split --q
   # The CI gate users are meant to copy: the quantized artifact must stay within the committed policy.
   cargo run --release -q -- parity fixtures/spark-tiny "$fresh/$name" --policy tests/parity_policy.json \
     --json "$fresh/$name.parity.json"
+  # Passing is not enough: each gate keeps 20 % of its room, so a small change of the default
+  # recipe cannot move a format across a limit unseen (docs/TESTING.md).
+  python3 - "$fresh/$name.parity.json" <<'PY'
+import json, sys
+gates = json.load(open(sys.argv[1]))["gates"]
+room = {g["name"]: g["headroom"] for g in gates}
+print("  headroom:", "; ".join(f"{k} {100 * v:.0f} %" for k, v in room.items() if v is not None))
+low = [k for k, v in room.items() if v is None or v < 0.2]
+sys.exit(f"under 20 % headroom: {low}" if low else 0)
+PY
 done
 rm -rf "${fresh:?}"/w4a8* "${fresh:?}"/w4a16*
 
@@ -132,7 +145,7 @@ rm -rf "$fresh/lpbq" "$fresh/phone-w4" "$fresh/qnn-tiny-w4"
 stage "1.7B-shaped 2-layer export + HTP check"
 python3 tools/make_random_checkpoint.py 1.7b "$fresh/r17" --layer-types sliding,full --tokenizer-from fixtures/spark-tiny > /dev/null
 cargo run --release -q -- export-phone "$fresh/r17" --out "$fresh/r17-phone" --context 4096 --parts 2 \
-  --calib-samples 2 --calib-seq-len 64 --quiet
+  --samples 2 --seq-len 64 --quiet
 rm -rf "$fresh/r17"
 # 100 self-generated steps, 4 compared: the head part's simulation is 15 s a step.
 "$qnn_venv/bin/python" tools/qnn_check.py "$fresh/r17-phone" --run --steps 100 --compare 4 --min-snr 54 --max-excess 14 \

@@ -12,15 +12,19 @@ use super::run::ExecArgs;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Original or GPTQ checkpoint folder (default: the bundled fixture); GGUF files and phone
-    /// exports are not benchmarked here.
-    artifact: Option<PathBuf>,
+    /// Original or GPTQ checkpoint folder or a Hugging Face hub id ORG/NAME[@REVISION] (GGUF files and phone exports are not
+    /// benchmarked here).
+    model: PathBuf,
+    /// Prompt tokens prefilled per repeat.
     #[arg(long, default_value_t = 512, value_parser = super::at_least_1)]
     prompt_len: usize,
+    /// Tokens decoded per repeat.
     #[arg(long, default_value_t = 128, value_parser = super::at_least_1)]
     gen: usize,
+    /// Repeats; min, median and max are reported.
     #[arg(long, default_value_t = 3, value_parser = super::at_least_1)]
     repeat: usize,
+    /// Print the results as JSON on stdout.
     #[arg(long)]
     json: bool,
     /// Also write the results as one self-contained HTML page with charts.
@@ -194,10 +198,7 @@ fn run_kernels(a: &BenchArgs, ck: &Checkpoint) -> anyhow::Result<()> {
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
-    let dir = a
-        .artifact
-        .clone()
-        .unwrap_or_else(spark_tool::bundled_fixture);
+    let dir = super::model(&a.model)?;
     let t = Instant::now();
     let ck = Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
     if !a.kernels {

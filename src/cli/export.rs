@@ -4,15 +4,12 @@ use clap::{Args, ValueEnum};
 
 use spark_tool::export::{export_phone, Calibrator, ExportOptions, Precision};
 use spark_tool::phone::QType;
-use spark_tool::setting::Setting;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum PrecisionArg {
     F32,
-    /// float16 weights cast to float32 in the graph (half the size of f32).
     F16,
     W8a16,
-    /// A GPTQ checkpoint's int4 codes as QNN LPBQ (from `quantize --target phone`), 16-bit activations.
     W4a16,
 }
 
@@ -30,15 +27,6 @@ enum KvArg {
     Uint8,
 }
 
-/// export-phone's spelling of settings: its calibration flags carry a `calib-` prefix.
-pub fn flag(s: Setting) -> &'static str {
-    match s {
-        Setting::Samples => "--calib-samples",
-        Setting::SeqLen => "--calib-seq-len",
-        other => super::flag(other),
-    }
-}
-
 fn range_margin(s: &str) -> Result<f32, String> {
     match super::finite(s) {
         Ok(v) if v >= 1.0 => Ok(v as f32),
@@ -48,8 +36,8 @@ fn range_margin(s: &str) -> Result<f32, String> {
 
 #[derive(Args)]
 pub struct ExportArgs {
-    /// The original checkpoint folder (bf16/f16/f32 safetensors), or for w4a16 a GPTQ checkpoint
-    /// from `spark-tool quantize --target phone`.
+    /// The original checkpoint (bf16/f16/f32 safetensors; a folder or a Hugging Face hub id ORG/NAME[@REVISION]), or for
+    /// w4a16 a GPTQ checkpoint from `spark-tool quantize --target phone`.
     model: PathBuf,
     /// Output folder (parts, manifest, encodings, embedding table).
     #[arg(long)]
@@ -57,6 +45,9 @@ pub struct ExportArgs {
     /// Positions the full-attention caches hold (sliding layers always keep sliding_window − 1).
     #[arg(long, default_value_t = 4096, value_parser = super::at_least_1)]
     context: usize,
+    /// w8a16: int8 weights per channel, calibrated 16-bit activations. w4a16: a `quantize --target
+    /// phone` checkpoint's int4 codes as QNN LPBQ (from a float checkpoint, that solve runs first).
+    /// f16: float16 weights cast to float32 in the graph. f32: the float graph.
     #[arg(long, value_enum, default_value = "w8a16")]
     precision: PrecisionArg,
     /// KV-cache integer type of w8a16/w4a16 exports [default: int16].
@@ -69,9 +60,10 @@ pub struct ExportArgs {
     #[arg(long)]
     calibration: Vec<PathBuf>,
     /// Calibration sequences, each decoded token by token through the float graph.
-    #[arg(long, default_value_t = 8, value_parser = super::at_least_1)]
+    #[arg(long = "samples", alias = "calib-samples", value_name = "SAMPLES", default_value_t = 8, value_parser = super::at_least_1)]
     calib_samples: usize,
-    #[arg(long, default_value_t = 256, value_parser = super::at_least_1)]
+    /// Tokens per calibration sequence.
+    #[arg(long = "seq-len", alias = "calib-seq-len", value_name = "SEQ_LEN", default_value_t = 256, value_parser = super::at_least_1)]
     calib_seq_len: usize,
     /// Widen calibrated activation/KV ranges by this factor: 16-bit codes have resolution to
     /// spare, clipping unseen outliers costs more (measured in docs/PHONE_EXPORT.md).
@@ -88,6 +80,7 @@ pub struct ExportArgs {
     /// Run even when the memory plan (printed at the start) exceeds the available memory.
     #[arg(long)]
     force_memory: bool,
+    /// No progress bars.
     #[arg(long)]
     quiet: bool,
     /// Print the export report as JSON.
@@ -95,7 +88,8 @@ pub struct ExportArgs {
     json: bool,
 }
 
-pub fn run(a: ExportArgs) -> anyhow::Result<i32> {
+pub fn run(mut a: ExportArgs) -> anyhow::Result<i32> {
+    a.model = super::model(&a.model)?;
     if a.kv_dtype.is_some() && matches!(a.precision, PrecisionArg::F32 | PrecisionArg::F16) {
         anyhow::bail!(
             "--kv-dtype applies to w8a16 and w4a16 exports; an f32 or f16 graph keeps its KV caches in \

@@ -7,8 +7,8 @@ use spark_tool::checkpoint::Checkpoint;
 
 #[derive(Args)]
 pub struct InspectArgs {
-    /// Checkpoint folder or GGUF file (default: the bundled fixture).
-    model_dir: Option<PathBuf>,
+    /// Checkpoint folder or GGUF file, or a Hugging Face hub id ORG/NAME[@REVISION].
+    model: PathBuf,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -29,7 +29,7 @@ fn context(s: &str) -> Result<usize, String> {
 }
 
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
-    let dir = a.model_dir.unwrap_or_else(spark_tool::bundled_fixture);
+    let dir = super::model(&a.model)?;
     if spark_tool::engine::is_gguf(&dir) {
         let report = spark_tool::inspect::inspect_gguf(&dir)
             .with_context(|| format!("inspecting {}", dir.display()))?;

@@ -84,6 +84,16 @@ pub fn flag(s: Setting) -> &'static str {
     }
 }
 
+/// A model argument as the path to open: a hub id (`ORG/NAME[@REVISION]`) that is not a local
+/// path becomes its snapshot folder in the Hugging Face cache, downloaded first where needed.
+pub fn model(arg: &Path) -> anyhow::Result<std::path::PathBuf> {
+    use std::io::IsTerminal;
+    Ok(spark_tool::hub::resolve(
+        arg,
+        std::io::stderr().is_terminal(),
+    )?)
+}
+
 /// Open a checkpoint (original or GPTQ, executed as `exec` says) or an exported phone graph.
 pub fn load(dir: &Path, exec: &run::ExecArgs, progress: bool) -> anyhow::Result<Opened> {
     let gguf = if dir.is_file() && engine::is_gguf(dir) {

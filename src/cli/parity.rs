@@ -14,13 +14,14 @@ use super::run::ExecArgs;
 #[derive(Args)]
 #[command(group(ArgGroup::new("report").multiple(true)))]
 pub struct ParityArgs {
-    /// The reference artifact (usually the original checkpoint).
+    /// The reference artifact (usually the original checkpoint): a path or a Hugging Face hub id ORG/NAME[@REVISION].
     reference: PathBuf,
-    /// The artifact under test.
+    /// The artifact under test: a path or a Hugging Face hub id ORG/NAME[@REVISION].
     candidate: PathBuf,
     /// Prompt set (default: the bundled held-out set calibration/parity_prompts.json).
     #[arg(long)]
     prompts: Option<PathBuf>,
+    /// Greedy tokens generated per prompt (the candidate is then scored on the reference's tokens).
     #[arg(long, default_value_t = 32, value_parser = super::count)]
     max_new_tokens: usize,
     /// Held-out text for perplexity (default calibration/heldout.jsonl; never used for calibration).
@@ -30,23 +31,33 @@ pub struct ParityArgs {
     /// a --max-ppl-ratio then reports drift).
     #[arg(long, default_value_t = 2048, value_parser = super::count)]
     eval_tokens: usize,
+    /// Tokens per perplexity window.
     #[arg(long, default_value_t = 512, value_parser = super::at_least_1)]
     eval_seq_len: usize,
-    /// A JSON file of thresholds ({"max_kl_mean": 0.05, ...}); flags below override it.
-    #[arg(long)]
+    /// A JSON file of thresholds ({"max_kl_mean": 0.05, ...}), or `none` to report without gating.
+    /// Default: the built-in policy for the candidate's weight class (4-bit, 8-bit or float;
+    /// docs/REPORTS.md). The threshold flags below override either.
+    #[arg(long, value_name = "FILE|none")]
     policy: Option<PathBuf>,
+    /// Least share of prompts whose greedy continuation is identical.
     #[arg(long, value_parser = super::fraction)]
     min_greedy_match: Option<f64>,
+    /// Least share of positions where both pick the same top token.
     #[arg(long, value_parser = super::fraction)]
     min_top1: Option<f64>,
+    /// Least mean overlap of the two top-5 sets.
     #[arg(long, value_parser = super::fraction)]
     min_top5: Option<f64>,
+    /// Most mean KL(reference ‖ candidate) per position, in nats.
     #[arg(long, value_parser = super::non_negative)]
     max_kl_mean: Option<f64>,
+    /// Most 99th-percentile KL per position, in nats.
     #[arg(long, value_parser = super::non_negative)]
     max_kl_p99: Option<f64>,
+    /// Least signal-to-noise ratio of the candidate's logits, in dB.
     #[arg(long, value_parser = super::finite)]
     min_snr_db: Option<f64>,
+    /// Most held-out perplexity of the candidate over the reference's.
     #[arg(long, value_parser = super::non_negative)]
     max_ppl_ratio: Option<f64>,
     /// Write the full report as JSON to this file.
@@ -67,27 +78,67 @@ pub struct ParityArgs {
 }
 
 /// Exit code: 0 within policy, 1 drift, 2 could not run (returned as an error).
-pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
-    let mut policy = match &a.policy {
-        Some(p) => Policy::from_file(p)?,
-        None => Policy::default(),
-    };
-    macro_rules! over {
-        ($($f:ident),*) => { $( if a.$f.is_some() { policy.$f = a.$f; } )* };
-    }
-    over!(
-        min_greedy_match,
-        min_top1,
-        min_top5,
-        max_kl_mean,
-        max_kl_p99,
-        min_snr_db,
-        max_ppl_ratio
-    );
+/// Where the thresholds come from, before the candidate is opened.
+enum PolicyChoice {
+    File(PathBuf, Policy),
+    None,
+    BuiltIn,
+}
 
-    policy
-        .validate()
-        .map_err(|e| anyhow::anyhow!("{e} (from --policy or its flag)"))?;
+impl ParityArgs {
+    fn policy_choice(&self) -> anyhow::Result<PolicyChoice> {
+        Ok(match &self.policy {
+            Some(p) if p.as_os_str() == "none" => PolicyChoice::None,
+            Some(p) => PolicyChoice::File(p.clone(), Policy::from_file(p)?),
+            None => PolicyChoice::BuiltIn,
+        })
+    }
+
+    /// The policy for a candidate of `class`, with the threshold flags over it, and its source.
+    fn policy(
+        &self,
+        choice: PolicyChoice,
+        class: engine::WeightClass,
+    ) -> anyhow::Result<(Policy, String)> {
+        let (mut policy, mut source) = match choice {
+            PolicyChoice::File(p, policy) => (policy, p.display().to_string()),
+            PolicyChoice::None => (Policy::default(), "none (--policy none)".to_string()),
+            PolicyChoice::BuiltIn => (
+                parity::builtin_policy(class),
+                format!("built-in, {} weights", class.name()),
+            ),
+        };
+        let mut flagged = false;
+        macro_rules! over {
+            ($($f:ident),*) => { $( if self.$f.is_some() { policy.$f = self.$f; flagged = true; } )* };
+        }
+        over!(
+            min_greedy_match,
+            min_top1,
+            min_top5,
+            max_kl_mean,
+            max_kl_p99,
+            min_snr_db,
+            max_ppl_ratio
+        );
+        if flagged {
+            source.push_str(", with threshold flags");
+        }
+        policy
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{e} (from --policy or its flag)"))?;
+        Ok((policy, source))
+    }
+}
+
+pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
+    let (reference_name, candidate_name) = (
+        a.reference.display().to_string(),
+        a.candidate.display().to_string(),
+    );
+    a.reference = super::model(&a.reference)?;
+    a.candidate = super::model(&a.candidate)?;
+    let choice = a.policy_choice()?;
     if let (Ok(r), Ok(c)) = (a.reference.canonicalize(), a.candidate.canonicalize()) {
         if r == c {
             eprintln!(
@@ -101,7 +152,9 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
     let mut inputs = vec![a.reference.as_path(), a.candidate.as_path()];
     inputs.extend(a.prompts.as_deref());
     inputs.extend(a.eval_text.as_deref());
-    inputs.extend(a.policy.as_deref());
+    if let PolicyChoice::File(p, _) = &choice {
+        inputs.push(p);
+    }
     inputs.extend(a.baseline.as_deref());
     if let Some(path) = &a.json {
         ParityReport::check_path(path, &inputs)?;
@@ -148,11 +201,18 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         .context("reading --eval-text")?,
         None => Vec::new(),
     };
+    let builtin = matches!(choice, PolicyChoice::BuiltIn);
+    let (mut policy, policy_source) = a.policy(choice, candidate.class)?;
+    if builtin && eval_windows.is_empty() && a.max_ppl_ratio.is_none() {
+        // No held-out text was asked for (or none can be tokenized): the built-in policy gates the
+        // rest; a perplexity limit the user set still reports the missing figure as drift.
+        policy.max_ppl_ratio = None;
+    }
     let inputs = ParityInputs {
         reference: reference.engine.as_ref(),
         candidate: candidate.engine.as_ref(),
-        reference_name: a.reference.display().to_string(),
-        candidate_name: a.candidate.display().to_string(),
+        reference_name,
+        candidate_name,
         reference_bpw: reference.bpw,
         candidate_bpw: candidate.bpw,
         tokenizer: tokenizer.as_ref(),
@@ -160,6 +220,7 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
         max_new_tokens: a.max_new_tokens,
         eval_windows,
         policy,
+        policy_source,
         tokenizer_difference: match (&reference.tokenizer, engine::is_gguf(&a.candidate)) {
             // A GGUF carries its vocabulary: compared with what the reference's tokenizer gives.
             (Some(t), true) => {
@@ -214,6 +275,21 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
             o.eval_tokens, o.ppl_reference, o.ppl_candidate, o.ppl_ratio, report.reference_bpw, report.candidate_bpw
         );
     }
+    if !report.gates.is_empty() {
+        let gates: Vec<String> = report
+            .gates
+            .iter()
+            .map(|g| {
+                let op = if g.at_least { "≥" } else { "≤" };
+                let room = 100.0 * g.headroom;
+                format!(
+                    "{} {:.4} {op} {} ({room:.0} % headroom)",
+                    g.name, g.figure, g.limit
+                )
+            })
+            .collect();
+        println!("gates: {}", gates.join("; "));
+    }
     if let Some(path) = &a.json {
         report.write(path)?;
     }
@@ -223,11 +299,25 @@ pub fn run(a: ParityArgs) -> anyhow::Result<i32> {
     if let Some(path) = &a.markdown {
         report::parity::write_markdown(path, &report, baseline.as_ref())?;
     }
-    if report.passed {
-        println!("PASS");
-        Ok(0)
-    } else {
-        println!("DRIFT: {}", report.failures.join("; "));
-        Ok(1)
+    match report.verdict() {
+        parity::Verdict::Pass => {
+            println!("PASS (policy: {})", report.policy_source);
+            Ok(0)
+        }
+        parity::Verdict::NotGated => {
+            println!(
+                "NOT GATED: no threshold was checked (policy: {})",
+                report.policy_source
+            );
+            Ok(0)
+        }
+        parity::Verdict::Drift => {
+            println!(
+                "DRIFT: {} (policy: {})",
+                report.failures.join("; "),
+                report.policy_source
+            );
+            Ok(1)
+        }
     }
 }

@@ -18,14 +18,12 @@ pub enum FormatArg {
     Auto,
     W4a8,
     W4a16,
-    /// One llama.cpp GGUF file (`--out FILE.gguf`): Q4_0 blocks, the head Q6_K.
-    #[value(name = "gguf-q4_0")]
+    // llama.cpp's own spellings (Q4_K_M, q4_0, ...) are aliases; the flag ignores case.
+    #[value(name = "gguf-q4_0", alias = "q4_0")]
     GgufQ4_0,
-    /// llama.cpp's Q4_K_M mix: Q4_K, with Q6_K where llama.cpp gives more bits.
-    #[value(name = "gguf-q4_k_m")]
+    #[value(name = "gguf-q4_k_m", alias = "q4_k_m")]
     GgufQ4KM,
-    /// Q8_0 blocks everywhere.
-    #[value(name = "gguf-q8_0")]
+    #[value(name = "gguf-q8_0", alias = "q8_0")]
     GgufQ8_0,
 }
 
@@ -110,18 +108,21 @@ impl From<TargetArg> for Target {
 
 #[derive(Args)]
 pub struct ProbeArgs {
+    /// What to optimise: speed (W4A8 on AMX) or fidelity (W4A16 g64).
     #[arg(long, value_enum, default_value = "speed")]
     priority: PriorityArg,
-    /// Decide for another device instead of this CPU.
+    /// Decide for another device instead of this CPU (auto = this CPU, or SPARK_TARGET when set).
     #[arg(long, value_enum, default_value = "auto")]
     target: TargetArg,
+    /// Print the CPU's features and the decision as JSON.
     #[arg(long)]
     json: bool,
 }
 
 pub fn probe(a: ProbeArgs) -> anyhow::Result<()> {
     let f = device::detect();
-    let path = device::decide(&f, a.target.into(), a.priority.into());
+    let path =
+        device::decide_here(&f, a.target.into(), a.priority.into()).map_err(anyhow::Error::msg)?;
     if a.json {
         println!(
             "{}",
@@ -159,80 +160,88 @@ fn damp(s: &str) -> Result<f64, String> {
 }
 
 #[derive(Args)]
+#[command(
+    after_help = "Options for experiments and baselines, not shown above (docs/QUANTIZE.md \"Options for experiments\"): \
+--method, --order, --scale-sign, --objective, --forward-precision, --damp, --refit-rounds, --descent-passes, \
+--block-tune[-steps|-check|-int8], --model-tune[-steps|-lr|-codes-lr|-batch|-int8|-seed], --dump-dequantized."
+)]
 pub struct QuantizeArgs {
-    /// Checkpoint folder (default: the bundled trained fixture).
-    model_dir: Option<PathBuf>,
+    /// The original checkpoint: a folder or a Hugging Face hub id ORG/NAME[@REVISION] (from the Hugging Face cache, downloaded
+    /// first if needed).
+    model: PathBuf,
     /// Output folder: new, empty, or (with --force) a previous quantized checkpoint of spark-tool.
     #[arg(long)]
     out: PathBuf,
-    /// auto = decided by the per-device weight path probe (see `spark-tool probe`).
-    #[arg(long, value_enum, default_value = "auto")]
+    /// auto: the probe's pick for --target (W4A8 on AMX, else W4A16; `spark-tool probe`). gguf-*:
+    /// one llama.cpp GGUF file, --out FILE.gguf (Q4_0 and Q8_0 blocks, or llama.cpp's Q4_K_M mix;
+    /// llama.cpp's spellings such as Q4_K_M are accepted).
+    #[arg(long, value_enum, ignore_case = true, default_value = "auto")]
     format: FormatArg,
-    /// Default: 128 for W4A8, 64 for W4A16.
+    /// Weights per scale: 32, 64 or 128 (default: 128 for W4A8, 64 for W4A16).
     #[arg(long, value_parser = super::at_least_1)]
     group_size: Option<usize>,
     /// The quantizer that writes the weights (rtn and gptq are baselines for comparisons).
-    #[arg(long, value_enum, default_value = "gptq-search")]
+    #[arg(long, value_enum, default_value = "gptq-search", hide = true)]
     method: MethodArg,
     /// The order GPTQ visits each linear's inputs in (docs/QUANTIZE.md; act-static measured best,
     /// docs/FIDELITY.md); either way the checkpoint has the plain no-act-order layout (g_idx = k / G)
     /// that vLLM's CPU kernels take.
-    #[arg(long, value_enum, default_value = "act-static")]
+    #[arg(long, value_enum, default_value = "act-static", hide = true)]
     order: OrderArg,
     /// The sign of `gptq-search`'s group scales. Default: signed for GPTQ checkpoints and for
     /// gguf-q4_0 / gguf-q8_0 blocks (lower held-out KL, docs/FIDELITY.md, docs/GGUF.md; Q8_0 within
     /// the spread; vLLM and llama.cpp multiply by the scale whatever its sign), positive for
     /// `--target phone` and the K-quants, whose block multipliers are unsigned.
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, hide = true)]
     scale_sign: Option<ScaleSignArg>,
     /// After GPTQ, rounds of refitting each group's scale to the linear's output error (codes fixed)
     /// and re-solving GPTQ's codes for those scales; the lowest output error is kept (docs/QUANTIZE.md).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, hide = true)]
     refit_rounds: usize,
     /// After GPTQ, passes of coordinate descent on the codes (scales fixed): each code becomes the
     /// grid point that lowers the linear's output error most with the others held, until a pass
     /// changes nothing or the passes run out (docs/QUANTIZE.md "Coordinate descent").
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, hide = true)]
     descent_passes: usize,
     /// After each layer's solve, tune its codes (±1 step), group scales and norms to the float
     /// model's block output (Adam, straight-through rounding; docs/FIDELITY.md "Block tuning").
     /// Lowers held-out KL by 3–6 % on the fixtures at a large cost in time on big models.
-    #[arg(long)]
+    #[arg(long, hide = true)]
     block_tune: bool,
     /// Optimiser steps per layer of --block-tune.
-    #[arg(long, default_value_t = BlockTune::default().steps, value_parser = super::at_least_1, requires = "block_tune")]
+    #[arg(long, default_value_t = BlockTune::default().steps, value_parser = super::at_least_1, requires = "block_tune", hide = true)]
     block_tune_steps: usize,
     /// Every this many steps of --block-tune, score the stored state on all calibration windows
     /// and keep the best one seen; 0 keeps the final state (either way a layer whose error did not
     /// fall keeps GPTQ's solution).
-    #[arg(long, default_value_t = BlockTune::default().check, requires = "block_tune")]
+    #[arg(long, default_value_t = BlockTune::default().check, requires = "block_tune", hide = true)]
     block_tune_check: usize,
     /// Tune with every quantized linear's input rounded per token to int8, as W4A8 kernels
     /// (vLLM's `int4_scaled_mm_cpu`) round it.
-    #[arg(long, requires = "block_tune")]
+    #[arg(long, requires = "block_tune", hide = true)]
     block_tune_int8: bool,
     /// After every layer is solved, tune all group scales and norm gains together to the float
     /// model's next-token distribution (KL; docs/FIDELITY.md "Model tuning").
-    #[arg(long)]
+    #[arg(long, hide = true)]
     model_tune: bool,
     /// Optimiser steps of --model-tune.
-    #[arg(long, default_value_t = ModelTune::default().steps, value_parser = super::at_least_1, requires = "model_tune")]
+    #[arg(long, default_value_t = ModelTune::default().steps, value_parser = super::at_least_1, requires = "model_tune", hide = true)]
     model_tune_steps: usize,
     /// Adam's step for the scale factors of --model-tune.
-    #[arg(long, default_value_t = ModelTune::default().scale_lr, value_parser = super::non_negative, requires = "model_tune")]
+    #[arg(long, default_value_t = ModelTune::default().scale_lr, value_parser = super::non_negative, requires = "model_tune", hide = true)]
     model_tune_lr: f64,
     /// Adam's step for code offsets in --model-tune (0: codes stay GPTQ's).
-    #[arg(long, default_value_t = ModelTune::default().codes_lr, value_parser = super::non_negative, requires = "model_tune")]
+    #[arg(long, default_value_t = ModelTune::default().codes_lr, value_parser = super::non_negative, requires = "model_tune", hide = true)]
     model_tune_codes_lr: f64,
     /// Calibration windows per step of --model-tune.
-    #[arg(long, default_value_t = ModelTune::default().batch, value_parser = super::at_least_1, requires = "model_tune")]
+    #[arg(long, default_value_t = ModelTune::default().batch, value_parser = super::at_least_1, requires = "model_tune", hide = true)]
     model_tune_batch: usize,
     /// Tune with every quantized linear's input rounded per token to int8, as W4A8 kernels round it.
-    #[arg(long, requires = "model_tune")]
+    #[arg(long, requires = "model_tune", hide = true)]
     model_tune_int8: bool,
     /// Seed of --model-tune's batch order (recorded in the report; on spark-tiny, held-out KL moved
     /// by about ±1 % between seeds, docs/FIDELITY.md).
-    #[arg(long, default_value_t = ModelTune::default().seed, requires = "model_tune")]
+    #[arg(long, default_value_t = ModelTune::default().seed, requires = "model_tune", hide = true)]
     model_tune_seed: u64,
     /// What each linear is solved to reproduce: float-stream (the default: the float model's
     /// output from the quantized model's input, and for out_proj and down_proj, which add to the
@@ -240,22 +249,27 @@ pub struct QuantizeArgs {
     /// shows their input can predict), float-output (the float output for every linear, GPTAQ), or
     /// quantized-input (the output of the quantized input, classic GPTQ). docs/FIDELITY.md and
     /// docs/GGUF.md measure all three.
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, hide = true)]
     objective: Option<ObjectiveArg>,
     /// What the calibration forward feeds each linear: bf16 values (as vLLM feeds a GPTQ
     /// checkpoint; products on `vdpbf16ps`, about twice as fast) or f32 (as llama.cpp does).
     /// Default: bf16 for GPTQ checkpoints, f32 for GGUF (docs/QUANTIZE.md).
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, hide = true)]
     forward_precision: Option<ForwardArg>,
+    /// What the probe optimises when it picks the format: speed (W4A8 on AMX) or fidelity (W4A16 g64).
     #[arg(long, value_enum, default_value = "speed")]
     priority: PriorityArg,
+    /// The device the checkpoint is for; auto = this CPU, or SPARK_TARGET when that is set.
     #[arg(long, value_enum, default_value = "auto")]
     target: TargetArg,
-    /// Calibration text: .jsonl with {"text": ...} per line, or plain text (default: calibration/spark-calib.jsonl).
+    /// Calibration text: .jsonl with {"text": ...} per line, or plain text (default: the bundled
+    /// set, calibration/spark-calib.jsonl in the source tree, compiled into the binary).
     #[arg(long, num_args = 1..)]
     calibration: Vec<PathBuf>,
+    /// Calibration windows (samples × seq-len tokens are read).
     #[arg(long, default_value_t = 128, value_parser = super::at_least_1)]
     samples: usize,
+    /// Tokens per calibration window.
     #[arg(long, default_value_t = 512, value_parser = super::at_least_1)]
     seq_len: usize,
     /// fused = one q_k_v_proj (what vLLM's Spark model loads); split = q_proj/k_proj/v_proj.
@@ -265,7 +279,7 @@ pub struct QuantizeArgs {
     #[arg(long)]
     quantize_head: bool,
     /// Initial GPTQ damping (fraction of mean diag H); raised automatically if Cholesky fails.
-    #[arg(long, default_value_t = 0.01, value_parser = damp)]
+    #[arg(long, default_value_t = 0.01, value_parser = damp, hide = true)]
     damp: f64,
     /// Continue an interrupted run from its last completed layer.
     #[arg(long)]
@@ -280,8 +294,11 @@ pub struct QuantizeArgs {
     #[arg(long)]
     json: bool,
     /// No progress bars.
-    #[arg(long)]
+    #[arg(short, long)]
     quiet: bool,
+    /// Also print every linear's output error (quant_report.json and .html always hold them).
+    #[arg(short, long)]
+    verbose: bool,
     /// Also print where the time went: wall and CPU time per phase (also in quant_report.json).
     #[arg(long)]
     stats: bool,
@@ -290,17 +307,13 @@ pub struct QuantizeArgs {
     no_compare: bool,
     /// Also write every quantized linear's dequantized f32 weight to this .safetensors file
     /// (what tools/gptq_decode.py checks the checkpoint against).
-    #[arg(long)]
+    #[arg(long, hide = true)]
     dump_dequantized: Option<PathBuf>,
 }
 
 pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
-    let model_dir = a
-        .model_dir
-        .clone()
-        .unwrap_or_else(spark_tool::bundled_fixture);
+    let model_dir = super::model(&a.model)?;
     let features = device::detect();
-    let mut path = device::decide(&features, a.target.into(), a.priority.into());
     let (explicit, gguf) = match a.format {
         FormatArg::Auto => (None, None),
         FormatArg::W4a8 => (Some(WeightFormat::W4A8), None),
@@ -310,6 +323,30 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         FormatArg::GgufQ4KM => (Some(WeightFormat::W4A16), Some(FileType::Q4KM)),
         FormatArg::GgufQ8_0 => (Some(WeightFormat::W4A16), Some(FileType::Q8_0)),
     };
+    // GGUF asks no probe (llama.cpp picks its kernels per CPU), so SPARK_TARGET does not apply.
+    let mut path = match gguf {
+        Some(_) => device::decide(&features, a.target.into(), a.priority.into()),
+        None => device::decide_here(&features, a.target.into(), a.priority.into())
+            .map_err(anyhow::Error::msg)?,
+    };
+    let gguf_name = a
+        .out
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if gguf.is_some() && !gguf_name {
+        bail!(
+            "--out {}: a GGUF file's name ends in .gguf (llama.cpp's tools expect it), e.g. --out {}.gguf",
+            a.out.display(),
+            a.out.display()
+        );
+    }
+    if gguf.is_none() && gguf_name {
+        bail!(
+            "--out {} ends in .gguf, but this format writes a GPTQ checkpoint folder; for a GGUF \
+             file pass --format gguf-q4_k_m (or gguf-q4_0, gguf-q8_0)",
+            a.out.display()
+        );
+    }
     if gguf.is_some() && a.group_size.is_some() {
         bail!("--group-size does not apply to GGUF: each block type fixes its own (Q4_0/Q8_0/Q4_K 32, Q6_K 16)");
     }
@@ -422,21 +459,23 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         report.seq_len,
         &report.calibration_sha256[..12]
     );
-    println!(
-        "{:<42} {:>11} {:>11} {:>11} {:>7} {:>7}",
-        "linear", "rtn", "gptq", "gptq+srch", "damp", "s"
-    );
     let e = |v: Option<f64>| v.map(|v| format!("{v:.3e}")).unwrap_or_else(|| "-".into());
-    for l in &report.linears {
+    if a.verbose {
         println!(
-            "{:<42} {:>11} {:>11} {:>11} {:>7.3} {:>7.2}",
-            l.name,
-            e(l.rtn_error),
-            e(l.gptq_error),
-            e(l.gptq_search_error),
-            l.damp,
-            l.seconds
+            "{:<42} {:>11} {:>11} {:>11} {:>7} {:>7}",
+            "linear", "rtn", "gptq", "gptq+srch", "damp", "s"
         );
+        for l in &report.linears {
+            println!(
+                "{:<42} {:>11} {:>11} {:>11} {:>7.3} {:>7.2}",
+                l.name,
+                e(l.rtn_error),
+                e(l.gptq_error),
+                e(l.gptq_search_error),
+                l.damp,
+                l.seconds
+            );
+        }
     }
     println!(
         "mean relative output error: rtn {}, gptq {}, gptq+search {}; written ({}) {:.3e}",
@@ -534,5 +573,27 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             100.0 * (report.wall_seconds - timed) / report.wall_seconds.max(1e-9)
         );
     }
+    print_next_steps(&model_dir, &a.out, report.gguf.is_some(), report.path.lpbq);
     Ok(())
+}
+
+/// What was written and what to run next: check it, then hand it to its consumer.
+fn print_next_steps(model: &std::path::Path, out: &std::path::Path, gguf: bool, phone: bool) {
+    let (m, o) = (model.display(), out.display());
+    if gguf {
+        println!("wrote {o}");
+        println!("next: spark-tool parity {m} {o}     # check it against the original");
+        println!("      llama-server -m {o}           # serve it with llama.cpp");
+    } else {
+        println!(
+            "wrote {o}/ (model.safetensors, config.json, quant_report.json; the report page: {})",
+            out.join("quant_report.html").display()
+        );
+        println!("next: spark-tool parity {m} {o}     # check it against the original");
+        if phone {
+            println!("      spark-tool export-phone {o} --precision w4a16 --out {o}-phone   # the phone graph");
+        } else {
+            println!("      vllm serve {o} --dtype bfloat16   # serve it with vLLM (README.md)");
+        }
+    }
 }

@@ -113,8 +113,8 @@ fn top_p(s: &str) -> Result<f32, String> {
 
 #[derive(Args)]
 pub struct RunArgs {
-    /// Checkpoint folder, GGUF file or phone export (default: the bundled trained fixture).
-    artifact: Option<PathBuf>,
+    /// Checkpoint folder (original or GPTQ), GGUF file, phone export, or a Hugging Face hub id ORG/NAME[@REVISION].
+    model: PathBuf,
     /// Prompt text, tokenized with the checkpoint's tokenizer.json.
     #[arg(long, conflicts_with = "tokens")]
     prompt: Option<String>,
@@ -149,6 +149,7 @@ pub struct RunArgs {
     /// Nucleus sampling threshold (1.0 = off).
     #[arg(long, default_value_t = 1.0, value_parser = top_p)]
     top_p: f32,
+    /// Seed of the sampler (with --temperature > 0): the same seed gives the same text.
     #[arg(long, default_value_t = 0, value_parser = seed)]
     seed: u64,
     /// KV-cache context (default: prompt length + max-new-tokens).
@@ -174,10 +175,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", a.top_p);
     }
-    let dir = a
-        .artifact
-        .clone()
-        .unwrap_or_else(spark_tool::bundled_fixture);
+    let dir = super::model(&a.model)?;
     if let Some(path) = &a.logits_out {
         spark_tool::generate::check_logits_path(path, &[&dir])?;
     }

@@ -188,6 +188,54 @@ mod x86 {
     }
 }
 
+/// The variable that stands in for this CPU's answer wherever `--target auto` asks the probe, so a
+/// run (a test, a CI job, a build box quantizing for another server) does not depend on the machine
+/// it runs on. Values: the non-auto `--target` names.
+pub const TARGET_ENV: &str = "SPARK_TARGET";
+
+/// `target`, with `Auto` replaced by `SPARK_TARGET` when that is set. An unknown value is an error
+/// naming the variable and the values it takes.
+fn resolve_auto(target: Target) -> Result<Target, String> {
+    if target != Target::Auto {
+        return Ok(target);
+    }
+    match std::env::var(TARGET_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(Target::Auto),
+        Ok(v) => match v.as_str() {
+            "" | "auto" => Ok(Target::Auto),
+            "x86-amx" => Ok(Target::X86Amx),
+            "x86" => Ok(Target::X86),
+            "arm" => Ok(Target::Arm),
+            "phone" => Ok(Target::Phone),
+            _ => Err(format!(
+                "{TARGET_ENV}={v:?}: expected one of x86-amx, x86, arm, phone (or auto for this CPU)"
+            )),
+        },
+        Err(e) => Err(format!("{TARGET_ENV}: {e}")),
+    }
+}
+
+/// `decide` for `target` with `Auto` resolved through `SPARK_TARGET` first; the reasons say when
+/// the variable stood in for this CPU.
+pub fn decide_here(
+    f: &CpuFeatures,
+    target: Target,
+    priority: Priority,
+) -> Result<WeightPath, String> {
+    let resolved = resolve_auto(target)?;
+    let mut path = decide(f, resolved, priority);
+    if resolved != target {
+        path.reasons.insert(
+            0,
+            format!(
+                "{TARGET_ENV} is set: decided for {} instead of this CPU",
+                path.target
+            ),
+        );
+    }
+    Ok(path)
+}
+
 /// Choose the artifact for `target` (Auto = this CPU) and `priority`.
 pub fn decide(f: &CpuFeatures, target: Target, priority: Priority) -> WeightPath {
     let resolved = match target {

@@ -394,7 +394,22 @@ fn export_through_gptq(
     };
     // The finished checkpoint is this call's to remove, an interruption included.
     let _tmp = crate::artifact::remove_on_interrupt(&tmp);
+    let solve = Instant::now();
+    if opts.progress {
+        eprintln!(
+            "{} is a float checkpoint: solving GPTQ on QNN's LPBQ lattice first ({} × {} calibration \
+             tokens; to reuse the solve, `spark-tool quantize --target phone` once and export that)",
+            model_dir.display(),
+            q.samples,
+            q.seq_len
+        );
+    }
     let r = crate::quantize::quantize(&q)
+        .inspect(|_| {
+            if opts.progress {
+                eprintln!("GPTQ solve: {:.1} s", solve.elapsed().as_secs_f64());
+            }
+        })
         .map_err(|e| {
             ExportError::Invalid(format!(
                 "the w4a16 GPTQ solve of {}: {e}",

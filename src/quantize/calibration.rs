@@ -34,13 +34,13 @@ pub enum CalibrationError {
 
 /// The bundled calibration set (never the held-out parity set).
 pub fn bundled() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("calibration/spark-calib.jsonl")
+    crate::bundled::path("spark-calib.jsonl")
 }
 
 /// Documents of a `.jsonl` (`{"text": …}` per line) or plain-text file.
 pub fn read_documents(path: &Path) -> Result<Vec<String>, CalibrationError> {
     let p = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| CalibrationError::Io {
+    let text = crate::bundled::read_to_string(path).map_err(|source| CalibrationError::Io {
         path: p.clone(),
         source,
     })?;
@@ -96,7 +96,7 @@ pub fn build(
     let mut stream = Vec::new();
     let need = samples * seq_len;
     for f in files {
-        let bytes = std::fs::read(f).map_err(|source| CalibrationError::Io {
+        let bytes = crate::bundled::read(f).map_err(|source| CalibrationError::Io {
             path: f.display().to_string(),
             source,
         })?;

@@ -1769,7 +1769,7 @@ fn run(
         calibration_files: opts
             .calibration
             .iter()
-            .map(|p| p.display().to_string())
+            .map(|p| crate::bundled::record_name(p))
             .collect(),
         calibration_sha256: windows.sha256.clone(),
         samples: windows.samples,

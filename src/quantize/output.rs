@@ -331,7 +331,22 @@ impl Output {
         self.staging.discard();
     }
 
+    /// Start from layer 0, saying so when an interrupted run's finished layers are discarded.
     pub fn reset_state(&self) -> Result<(), QuantizeError> {
+        let state = self.partial.join("state.json");
+        let kept = std::fs::read_to_string(&state)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["completed_layers"].as_u64())
+            .filter(|&n| n > 0 && self.staging.exists());
+        if let Some(n) = kept {
+            eprintln!(
+                "note: starting over: the {n} finished layer(s) an interrupted run kept in {} are \
+                 discarded ({} continues from them, with the same settings)",
+                self.partial.display(),
+                crate::setting::Setting::Resume
+            );
+        }
         self.staging.reset()?;
         std::fs::create_dir_all(self.partial.join("layers")).map_err(io_err(&self.partial))?;
         Ok(())

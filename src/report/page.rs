@@ -18,6 +18,7 @@ h2 { font-size: 1.2em; margin: 1.6em 0 0.5em; border-bottom: 1px solid #ddd; pad
 .verdict { padding: 12px 16px; border-radius: 6px; font-size: 1.15em; margin: 12px 0; }
 .verdict.pass { background: #e3f4e8; border-left: 6px solid #1a7f37; }
 .verdict.fail { background: #fde8e8; border-left: 6px solid #c62828; }
+.verdict.ungated { background: #fff4d6; border-left: 6px solid #b26a00; }
 .verdict ul { margin: 6px 0 0; font-size: 0.9em; }
 table { border-collapse: collapse; margin: 6px 0 12px; font-size: 0.9em; }
 th, td { padding: 3px 10px; border-bottom: 1px solid #e6e6e6; text-align: left; vertical-align: top; }
@@ -57,9 +58,10 @@ pub(crate) fn render(title: &str, subtitle: &str, body: Markup) -> String {
 }
 
 /// The verdict banner: green with `headline` when `passed`, red with the reasons otherwise.
-pub(crate) fn verdict(passed: bool, headline: &str, reasons: &[String]) -> Markup {
+/// `class`: pass, fail or ungated.
+pub(crate) fn verdict(class: &str, headline: &str, reasons: &[String]) -> Markup {
     html! {
-        div class=(if passed { "verdict pass" } else { "verdict fail" }) {
+        div class=(format!("verdict {class}")) {
             strong { (headline) }
             @if !reasons.is_empty() {
                 ul { @for r in reasons { li { (r) } } }

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use super::page::{self, Cell};
 use super::plots::{self, Axis, Bar, BarChart, Bars, Line, LineChart, Marker};
 use super::ReportError;
-use crate::parity::{self, Overall, ParityReport, Policy};
+use crate::parity::{self, Overall, ParityReport, Policy, Verdict};
 
 /// KL below this is drawn on the axis floor: a KL of 0 (identical logits) has no logarithm, and
 /// f32 logits put the noise of an identical artifact around 1e-10.
@@ -332,23 +332,28 @@ pub fn kl_histogram(r: &ParityReport) -> KlHistogram {
 /// The one-line verdict both the page and the summary lead with.
 pub fn verdict_line(r: &ParityReport) -> String {
     let o = &r.overall;
-    if r.passed {
-        format!(
-            "PASS: {} tracks {} within policy (greedy identical {}/{}, top-1 {:.4}, KL mean {})",
-            r.candidate,
-            r.reference,
-            o.greedy_identical,
-            o.prompts,
-            o.top1,
-            page::sci(o.kl_mean)
-        )
-    } else {
-        format!(
+    let figures = format!(
+        "greedy identical {}/{}, top-1 {:.4}, KL mean {}",
+        o.greedy_identical,
+        o.prompts,
+        o.top1,
+        page::sci(o.kl_mean)
+    );
+    match r.verdict() {
+        Verdict::Pass => format!(
+            "PASS: {} tracks {} within policy ({figures})",
+            r.candidate, r.reference
+        ),
+        Verdict::NotGated => format!(
+            "NOT GATED: {} against {}, no threshold checked ({figures})",
+            r.candidate, r.reference
+        ),
+        Verdict::Drift => format!(
             "DRIFT: {} against {}: {}",
             r.candidate,
             r.reference,
             r.failures.join("; ")
-        )
+        ),
     }
 }
 
@@ -565,10 +570,16 @@ pub fn html(r: &ParityReport, baseline: Option<&Baseline>) -> Result<String, Rep
     let agreement = agreement_chart(r)?;
     let histogram = histogram_chart(&kl_histogram(r))?;
     let base = baseline.map(|b| baseline_section(r, b)).transpose()?;
-    let headline = if r.passed {
-        "PASS: the candidate is within policy".to_string()
-    } else {
-        format!("DRIFT: {} check(s) failed", r.failures.len())
+    let (class, headline) = match r.verdict() {
+        Verdict::Pass => ("pass", "PASS: the candidate is within policy".to_string()),
+        Verdict::NotGated => (
+            "ungated",
+            "NOT GATED: no threshold was checked (--policy none)".to_string(),
+        ),
+        Verdict::Drift => (
+            "fail",
+            format!("DRIFT: {} check(s) failed", r.failures.len()),
+        ),
     };
     let prompt_rows = r.prompts.iter().map(|p| {
         vec![
@@ -590,13 +601,14 @@ pub fn html(r: &ParityReport, baseline: Option<&Baseline>) -> Result<String, Rep
         .count()
         - traces.len();
     let body = html! {
-        (page::verdict(r.passed, &headline, &r.failures))
+        (page::verdict(class, &headline, &r.failures))
         p {
             "Candidate " code { (r.candidate) } " (" (page::fixed(r.candidate_bpw, 3)) " bits/weight) against reference "
             code { (r.reference) } " (" (page::fixed(r.reference_bpw, 3)) "); " (r.overall.prompts) " prompts, up to "
             (r.max_new_tokens) " greedy tokens each, then teacher forcing on the reference's continuation."
         }
         h2 { "Policy" }
+        p { "Source: " (r.policy_source) "." }
         @if policy.is_empty() {
             p.note { "No thresholds set: the verdict only reflects broken artifacts (tokenizer mismatch, non-finite logits)." }
         } @else {
@@ -649,7 +661,11 @@ fn md_cell(s: &str) -> String {
 /// The summary of `parity --markdown`: one verdict line and tables, under 1 MiB.
 pub fn markdown(r: &ParityReport, baseline: Option<&Baseline>) -> String {
     let mut s = String::new();
-    let mark = if r.passed { "✅" } else { "❌" };
+    let mark = match r.verdict() {
+        Verdict::Pass => "✅",
+        Verdict::NotGated => "⚠️",
+        Verdict::Drift => "❌",
+    };
     let _ = writeln!(s, "{}", super::MARKDOWN_MARK);
     let _ = writeln!(s, "{mark} **{}**\n", md_cell_long(&verdict_line(r)));
     let policy = policy_rows(r);
@@ -814,6 +830,8 @@ pub(crate) mod tests {
             prompts,
             passed: failures.is_empty(),
             failures,
+            gates: parity::gates(&policy, &overall),
+            policy_source: "sample".into(),
             policy,
             overall,
         }

@@ -9,6 +9,61 @@ use spark_tool::model::SparkModel;
 use spark_tool::quant::Order;
 use spark_tool::quantize::{calibration, Method, QuantizeOptions};
 
+/// The binary under test: this build's, or `SPARK_TOOL_BIN` (docs/RELIABILITY.md runs the
+/// data-loss cases against an older build to show they catch what it did).
+pub fn bin() -> PathBuf {
+    std::env::var_os("SPARK_TOOL_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_spark-tool").into())
+}
+
+/// The probe's two x86 answers: W4A8 on AMX, W4A16 elsewhere. A test of the defaults runs under
+/// both (SPARK_TARGET), so neither machine kind's path goes untested on the other.
+pub const PROBE_ANSWERS: [&str; 2] = ["x86-amx", "x86"];
+
+/// The binary with the probe's answer pinned (SPARK_TARGET): no test depends on the CPU it runs
+/// on. The pin is `x86` unless `SPARK_TEST_TARGET` names another answer, for running the whole
+/// suite under each (docs/TESTING.md); a test of the defaults sets each of [`PROBE_ANSWERS`] itself.
+pub fn tool() -> std::process::Command {
+    let mut c = std::process::Command::new(bin());
+    let pin = std::env::var("SPARK_TEST_TARGET").unwrap_or_else(|_| "x86".into());
+    c.env("SPARK_TARGET", pin);
+    c
+}
+
+/// Every gate of a parity JSON report passed at least `min` inside its limit (headroom: the share of
+/// the limit's distance from the ideal left over). Prints the headroom of each gate either way.
+pub fn assert_headroom(report: &serde_json::Value, min: f64, what: &str) {
+    let gates = report["gates"]
+        .as_array()
+        .expect("gates in the parity report");
+    assert!(!gates.is_empty(), "{what}: no gate was set");
+    let line = gates
+        .iter()
+        .map(|g| {
+            format!(
+                "{} {:.4} vs {} (headroom {:.0} %)",
+                g["name"].as_str().unwrap(),
+                g["figure"].as_f64().unwrap_or(f64::NAN),
+                g["limit"],
+                100.0 * g["headroom"].as_f64().unwrap_or(f64::NEG_INFINITY)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    eprintln!("{what}: {line}");
+    for g in gates {
+        let h = g["headroom"].as_f64().unwrap_or(f64::NEG_INFINITY);
+        assert!(
+            h >= min,
+            "{what}: {} has {:.0} % headroom, under the {:.0} % a gated test keeps: {line}",
+            g["name"],
+            100.0 * h,
+            100.0 * min
+        );
+    }
+}
+
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -97,12 +152,16 @@ pub fn golden(fixture_name: &str) -> Golden {
     }
 }
 
+/// Copy a folder's files and subfolders (not links).
 pub fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
         let e = e.unwrap();
-        if e.file_type().unwrap().is_file() {
+        let t = e.file_type().unwrap();
+        if t.is_file() {
             std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        } else if t.is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
         }
     }
 }
