@@ -143,14 +143,14 @@ def spark(args: list, ok_codes=(0,)) -> None:
 
 def make_pages(out: Path) -> dict[str, Path]:
     q = out / "q"
-    spark(["quantize", "--samples", "8", "--seq-len", "64", "--quiet", "--force", "--out", q])
+    spark(["quantize", "fixtures/spark-tiny", "--samples", "8", "--seq-len", "64", "--quiet", "--force", "--out", q])
     common = ["parity", "fixtures/spark-tiny", q, "--max-new-tokens", "16", "--eval-tokens", "512",
               "--eval-seq-len", "256", "--policy", "tests/parity_policy.json"]
     # Exit 1 is a drift verdict, still a page to look at.
     spark([*common, "--json", out / "baseline.json"], ok_codes=(0, 1))
     spark([*common, "--baseline", out / "baseline.json", "--json", out / "parity.json",
            "--html", out / "parity.html", "--markdown", out / "parity.md"], ok_codes=(0, 1))
-    spark(["bench", "--prompt-len", "128", "--gen", "32", "--repeat", "3", "--stages",
+    spark(["bench", "fixtures/spark-tiny", "--prompt-len", "128", "--gen", "32", "--repeat", "3", "--stages",
            "--html", out / "bench.html", "--llamacpp-json", REPO / "docs/data/bench-vs-llamacpp-2026-11-29.json"])
     return {"parity": out / "parity.html", "quantize": q / "quant_report.html", "bench": out / "bench.html"}
 
