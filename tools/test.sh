@@ -89,7 +89,7 @@ for fixture in spark-tiny spark-random; do
   python3 tools/spark_ref.py golden "fixtures/$fixture" --dtype F32 --out "$fresh" >/dev/null
   python3 tools/spark_ref.py compare "tests/golden/$fixture" "$fresh/$fixture"
 done
-SPARK_GOLDEN_DIR="$fresh" cargo test --release --test golden
+SPARK_GOLDEN_DIR="$fresh" cargo test --release --test it golden::
 python3 tools/gptq_ref.py check tests/golden/gptq_case.safetensors
 
 stage "quantize both formats, numpy decode, parity gate"

@@ -80,8 +80,8 @@ pub struct ExportArgs {
     /// Run even when the memory plan (printed at the start) exceeds the available memory.
     #[arg(long)]
     force_memory: bool,
-    /// No progress bars.
-    #[arg(long)]
+    /// No progress bars and no summary.
+    #[arg(short, long)]
     quiet: bool,
     /// Print the export report as JSON.
     #[arg(long)]
@@ -149,7 +149,24 @@ pub fn run(mut a: ExportArgs) -> anyhow::Result<i32> {
                 }
             );
         }
-        println!("wrote {} in {:.1} s", r.out, r.seconds);
+        let bytes: u64 = r
+            .parts
+            .iter()
+            .map(|p| p.proto_bytes + p.external_bytes)
+            .sum();
+        println!(
+            "wrote {} ({:.1} MB of graphs) in {:.1} s",
+            r.out,
+            bytes as f64 / 1e6,
+            r.seconds
+        );
+        // A w4a16 export may come from a GPTQ checkpoint: the original is then another folder.
+        let original = match a.precision {
+            PrecisionArg::W4a16 => "ORIGINAL".to_string(),
+            _ => a.model.display().to_string(),
+        };
+        println!("next: spark-tool parity {original} {}     # check the graph against the original on CPU", r.out);
+        println!("      python3 tools/qnn_check.py {} --run   # compile for the HTP and run it there (README.md)", r.out);
     }
     Ok(0)
 }

@@ -292,12 +292,15 @@ pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
     }
     if let Some(path) = &a.json {
         report.write(path)?;
+        println!("wrote {}", path.display());
     }
     if let Some(path) = &a.html {
         report::parity::write_html(path, &report, baseline.as_ref())?;
+        println!("wrote {}", path.display());
     }
     if let Some(path) = &a.markdown {
         report::parity::write_markdown(path, &report, baseline.as_ref())?;
+        println!("wrote {}", path.display());
     }
     match report.verdict() {
         parity::Verdict::Pass => {

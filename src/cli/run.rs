@@ -159,10 +159,10 @@ pub struct RunArgs {
     #[arg(long)]
     logits_out: Option<PathBuf>,
     /// Print per-phase timers to stderr.
-    #[arg(long)]
+    #[arg(short = 'v', long)]
     stats: bool,
     /// No progress bar and no streamed text.
-    #[arg(long)]
+    #[arg(short, long)]
     quiet: bool,
     #[command(flatten)]
     exec: ExecArgs,

@@ -1,6 +1,6 @@
 //! The `spark-tool` binary end to end on the bundled fixtures.
 
-mod common;
+use crate::common;
 use std::process::Command;
 
 fn ok(cmd: &mut Command) -> (String, String) {

@@ -3,7 +3,7 @@
 //! silently wrong; the graph stays within 1.25× the KL of the checkpoint run on CPU; a checkpoint
 //! off the LPBQ lattice is refused. Needs the pip `onnxruntime` (tools/requirements.txt).
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! `parity` as a CI gate: a faithful artifact passes, a damaged one drifts (exit 1),
 //! an incompatible pair cannot run (exit 2).
 
-mod common;
+use crate::common;
 
 use spark_tool::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use spark_tool::checkpoint::TensorStore;

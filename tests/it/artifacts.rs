@@ -4,7 +4,7 @@
 //!
 //! The inputs are copies of the fixture, so a regression cannot damage the repository.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

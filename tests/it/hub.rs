@@ -2,7 +2,7 @@
 //! the fixture in the Hub's layout (started and stopped here, on 127.0.0.1), into a temporary
 //! `HF_HOME`, then used from the cache with no server at all; a prepared cache folder offline.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;

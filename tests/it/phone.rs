@@ -4,7 +4,7 @@
 //! Needs the pip `onnxruntime` (tools/requirements.txt); a missing runtime is
 //! a test failure, not a skip.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -5,7 +5,7 @@
 //!
 //! Every input is a copy of the fixture.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -225,7 +225,8 @@ fn an_interruption_keeps_finished_layers_with_a_note_and_removes_what_cannot_res
     );
     assert!(layer1.exists());
     // A run without --resume starts over, and says what it discards and how to resume instead.
-    let kept = d.path().join("kept");
+    let aside = tempfile::tempdir().unwrap();
+    let kept = aside.path().join("kept");
     common::copy_dir(&staging, &kept);
     let o = spark(&os_refs(&slow(&out)));
     let err = String::from_utf8_lossy(&o.stderr);

@@ -2,7 +2,7 @@
 //! one prefill over the whole prompt, well past twice the sliding window
 //! (so every sliding ring buffer wraps several times).
 
-mod common;
+use crate::common;
 
 use spark_tool::model::{Logits, SparkModel};
 

@@ -1,6 +1,6 @@
 //! `quantize` end to end on the trained fixture.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -11,7 +11,7 @@
 //!
 //! Every input is a copy: a regression cannot damage the repository's fixtures.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;

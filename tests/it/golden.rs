@@ -8,7 +8,7 @@
 //! of engine slack. CI also re-runs these tests against freshly generated f32
 //! goldens (SPARK_GOLDEN_DIR), where only the 5e-4 slack remains (measured: 2e-5).
 
-mod common;
+use crate::common;
 
 use spark_tool::generate::{generate, GenerateOptions};
 use spark_tool::model::{Logits, SparkModel};

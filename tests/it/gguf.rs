@@ -4,7 +4,7 @@
 //! converter-equivalent tools/gguf_from_hf.py, and is written like every artifact of ours.
 //! With `SPARK_REQUIRE_GGUF=1` (tools/test.sh) a missing `gguf` package is a failure, not a skip.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

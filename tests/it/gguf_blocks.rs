@@ -4,7 +4,7 @@
 //! decoder gives, and our decoder must give each type's value formula. With `SPARK_REQUIRE_GGUF=1`
 //! (tools/test.sh) a missing `gguf` package is a failure, not a skip.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -2,7 +2,7 @@
 //! fixture against a quantized copy, the quantize page beside its JSON, and bench with the
 //! llama.cpp comparison. tools/render_reports.sh renders the same pages in headless Chromium.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;

@@ -9,7 +9,7 @@
 //! a half-step (and, downstream, a scale candidate whose error ties). So we
 //! require near-total agreement, and every code difference to be ±1.
 
-mod common;
+use crate::common;
 
 use spark_tool::checkpoint::TensorStore;
 use spark_tool::quant::{GptqConfig, GptqSolver, Hessian, Order, ScaleRule};

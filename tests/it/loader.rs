@@ -1,6 +1,6 @@
 //! Bad checkpoints give errors that name the file, tensor or field — never a panic.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::Path;
