@@ -26,6 +26,15 @@ use crate::setting::Setting;
 
 /// The file in every artifact folder that says it is ours and what we wrote.
 pub const MARKER: &str = ".spark-tool-artifact.json";
+/// The file that makes a folder a phone export (`phone::manifest`); here, below `checkpoint` and
+/// `phone`, so that opening a checkpoint can refuse one without depending on the phone module.
+pub const PHONE_MANIFEST: &str = "phone_manifest.json";
+
+/// `dir` holds a phone export.
+pub fn is_phone_export(dir: &Path) -> bool {
+    dir.join(PHONE_MANIFEST).is_file()
+}
+
 /// The file in every staging folder that says we made it (so only ours are ever cleared).
 const STAGING_MARKER: &str = ".spark-tool-staging";
 /// Where a replace puts the previous artifact, inside the staging folder, until the new one is in.

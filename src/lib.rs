@@ -5,6 +5,7 @@
 pub mod artifact;
 pub mod bench;
 pub mod bundled;
+pub mod calibration;
 pub mod checkpoint;
 pub mod device;
 pub mod engine;
@@ -14,6 +15,7 @@ pub mod generate;
 pub mod hub;
 pub mod inspect;
 pub mod kernels;
+pub mod load;
 pub mod model;
 pub mod parity;
 pub mod phone;

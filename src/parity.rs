@@ -72,12 +72,12 @@ pub fn eval_windows(
     tok: &SparkTokenizer,
     tokens: usize,
     seq_len: usize,
-) -> Result<Vec<Vec<u32>>, crate::quantize::calibration::CalibrationError> {
+) -> Result<Vec<Vec<u32>>, crate::calibration::CalibrationError> {
     if tokens == 0 {
         return Ok(Vec::new());
     }
     let seq = seq_len.min(tokens).max(2);
-    let w = crate::quantize::calibration::build(&[text.to_path_buf()], tok, tokens / seq, seq)?;
+    let w = crate::calibration::build(&[text.to_path_buf()], tok, tokens / seq, seq)?;
     Ok((0..w.samples).map(|s| w.sample(s).to_vec()).collect())
 }
 
@@ -123,8 +123,8 @@ pub struct Policy {
 /// The policy `parity` applies when none is given: a gate against a broken artifact for each weight
 /// class, set well outside what sound artifacts measure (docs/REPORTS.md "Built-in policies") and
 /// far inside what a broken one does (a scrambled 4-bit fixture: top-1 0.002, KL mean 6.9).
-pub fn builtin_policy(class: crate::engine::WeightClass) -> Policy {
-    use crate::engine::WeightClass as C;
+pub fn builtin_policy(class: crate::load::WeightClass) -> Policy {
+    use crate::load::WeightClass as C;
     let (top1, kl_mean, kl_p99, ppl) = match class {
         C::Int4 => (0.85, 0.1, 1.5, 1.15),
         C::Int8 => (0.95, 0.02, 0.2, 1.03),

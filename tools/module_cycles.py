@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Cycles among the library's top-level modules, read from the `crate::MODULE` paths in src/.
 
-Each file under src/ (but main.rs and cli/, the binary) belongs to the top-level module of its
-first path component; a `crate::X` path in it (a `use` or an inline path, outside its
-`#[cfg(test)] mod tests`) is an edge to X. Prints every strongly connected component of more than
+Each file under src/ (but main.rs and cli/, the binary, and files its parent declares under
+`#[cfg(test)]`) belongs to the top-level module of its first path component; a `crate::X` path in
+it (a `use` or an inline path, outside its `#[cfg(test)] mod tests`) is an edge to X. Prints every strongly connected component of more than
 one module, with the edges inside it and one file that makes each, and exits 1 if there is one.
 
     python3 tools/module_cycles.py [SRC]
@@ -18,7 +18,14 @@ def edges(src: Path) -> dict:
     modules = {p.stem for p in src.glob("*.rs")} | {p.name for p in src.iterdir() if p.is_dir()}
     modules -= {"main", "lib", "cli"}
     out = defaultdict(dict)  # module -> {target: example file}
+    test_only = set()
+    for f in src.rglob("*.rs"):
+        for name in re.findall(r"#\[cfg\(test\)\]\s*(?:pub(?:\([a-z]+\))?\s+)?mod\s+([a-z_0-9]+)\s*;", f.read_text()):
+            base = f.parent if f.name in ("mod.rs", "lib.rs") else f.parent / f.stem
+            test_only |= {base / f"{name}.rs", base / name / "mod.rs"}
     for f in sorted(src.rglob("*.rs")):
+        if f in test_only:
+            continue
         parts = f.relative_to(src).parts
         mod = parts[0][:-3] if parts[0].endswith(".rs") else parts[0]
         if mod not in modules:

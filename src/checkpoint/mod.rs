@@ -60,7 +60,7 @@ impl Checkpoint {
         if !dir.is_dir() {
             return Err(CheckpointError::NotADir(dir.display().to_string()));
         }
-        if crate::phone::is_phone_export(dir) {
+        if crate::artifact::is_phone_export(dir) {
             return Err(CheckpointError::PhoneExport(dir.display().to_string()));
         }
         let config = SparkConfig::from_file(&dir.join("config.json"))?;

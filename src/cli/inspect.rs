@@ -30,7 +30,7 @@ fn context(s: &str) -> Result<usize, String> {
 
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let dir = super::model(&a.model)?;
-    if spark_tool::engine::is_gguf(&dir) {
+    if spark_tool::load::is_gguf(&dir) {
         let report = spark_tool::inspect::inspect_gguf(&dir)
             .with_context(|| format!("inspecting {}", dir.display()))?;
         if a.json {

@@ -7,7 +7,7 @@ pub mod run;
 
 use std::path::Path;
 
-use spark_tool::engine::{self, Opened};
+use spark_tool::load::{self, Opened};
 use spark_tool::setting::Setting;
 
 /// A count that must be at least 1 (clap's message names the flag and this text).
@@ -96,12 +96,12 @@ pub fn model(arg: &Path) -> anyhow::Result<std::path::PathBuf> {
 
 /// Open a checkpoint (original or GPTQ, executed as `exec` says) or an exported phone graph.
 pub fn load(dir: &Path, exec: &run::ExecArgs, progress: bool) -> anyhow::Result<Opened> {
-    let gguf = if dir.is_file() && engine::is_gguf(dir) {
+    let gguf = if dir.is_file() && load::is_gguf(dir) {
         exec.gguf_numerics()?
     } else {
-        engine::GgufNumerics::Ggml
+        load::GgufNumerics::Ggml
     };
-    let opened = engine::open(
+    let opened = load::open(
         dir,
         |ck| exec.options(ck, progress),
         gguf,
@@ -115,7 +115,7 @@ pub fn load(dir: &Path, exec: &run::ExecArgs, progress: bool) -> anyhow::Result<
 /// A model error for the user, with the weight that made the logits non-finite named where the
 /// artifact is a checkpoint folder.
 pub fn model_error(e: spark_tool::model::ModelError, dir: &std::path::Path) -> anyhow::Error {
-    match spark_tool::engine::non_finite_weight(&e, dir) {
+    match spark_tool::load::non_finite_weight(&e, dir) {
         Some(w) => anyhow::Error::new(e).context(w.to_string()),
         None => e.into(),
     }

@@ -3,7 +3,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::{ArgGroup, Args};
 
-use spark_tool::engine;
+use spark_tool::load;
 use spark_tool::parity::{self, ParityInputs, ParityReport, Policy};
 use spark_tool::report::{self, parity::Baseline};
 use spark_tool::setting::Setting;
@@ -98,7 +98,7 @@ impl ParityArgs {
     fn policy(
         &self,
         choice: PolicyChoice,
-        class: engine::WeightClass,
+        class: load::WeightClass,
     ) -> anyhow::Result<(Policy, String)> {
         let (mut policy, mut source) = match choice {
             PolicyChoice::File(p, policy) => (policy, p.display().to_string()),
@@ -221,7 +221,7 @@ pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
         eval_windows,
         policy,
         policy_source,
-        tokenizer_difference: match (&reference.tokenizer, engine::is_gguf(&a.candidate)) {
+        tokenizer_difference: match (&reference.tokenizer, load::is_gguf(&a.candidate)) {
             // A GGUF carries its vocabulary: compared with what the reference's tokenizer gives.
             (Some(t), true) => {
                 let f = spark_tool::formats::gguf::GgufFile::open(&a.candidate)?;

@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 
+use spark_tool::calibration;
 use spark_tool::checkpoint::QkvLayout;
 use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::formats::gguf::mix::FileType;
@@ -10,7 +11,7 @@ use spark_tool::quant::Order;
 use spark_tool::quantize::block_tune::BlockTune;
 use spark_tool::quantize::model_tune::ModelTune;
 use spark_tool::quantize::{
-    calibration, quantize, ForwardPrecision, Method, Objective, QuantizeOptions,
+    quantize, ForwardPrecision, Method, Objective, QuantReport, QuantizeOptions,
 };
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -428,6 +429,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             int8_inputs: a.block_tune_int8,
             ..BlockTune::default()
         }),
+        page: Some(write_page),
         model_tune: a.model_tune.then(|| ModelTune {
             steps: a.model_tune_steps,
             scale_lr: a.model_tune_lr,
@@ -575,6 +577,14 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
     }
     print_next_steps(&model_dir, &a.out, report.gguf.is_some(), report.path.lpbq);
     Ok(())
+}
+
+/// quant_report.html beside quant_report.json, inside the checkpoint before it is committed.
+fn write_page(
+    dir: &std::path::Path,
+    r: &QuantReport,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    Ok(spark_tool::report::quantize::write_html(dir, r)?)
 }
 
 /// What was written and what to run next: check it, then hand it to its consumer.

@@ -47,8 +47,8 @@ impl ExecArgs {
     }
 
     /// A GGUF runs as llama.cpp's CPU backend does unless f32 activations are asked for.
-    pub fn gguf_numerics(&self) -> anyhow::Result<spark_tool::engine::GgufNumerics> {
-        use spark_tool::engine::GgufNumerics;
+    pub fn gguf_numerics(&self) -> anyhow::Result<spark_tool::load::GgufNumerics> {
+        use spark_tool::load::GgufNumerics;
         if !matches!(self.w4_numerics, NumericsArg::Auto) {
             bail!("--w4-numerics applies to GPTQ checkpoints, not to a GGUF file");
         }
@@ -184,12 +184,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     for w in &loaded.warnings {
         eprintln!("warning: {w}");
     }
-    let gguf = spark_tool::engine::is_gguf(&dir);
+    let gguf = spark_tool::load::is_gguf(&dir);
     let tokenizer_path = match &a.tokenizer {
         Some(t) if gguf => {
             let f = spark_tool::formats::gguf::GgufFile::open(&dir)?;
             let vocab = loaded.engine.config().vocab_size;
-            Some(spark_tool::engine::gguf_tokenizer(&dir, &f, vocab, t)?)
+            Some(spark_tool::load::gguf_tokenizer(&dir, &f, vocab, t)?)
         }
         Some(_) => bail!(
             "--tokenizer is for GGUF files; {} is tokenized with its own tokenizer.json",

@@ -86,7 +86,7 @@ pub enum ExportError {
     #[error("calibration: reading the tokenizer")]
     CalibrationTokenizer(#[source] crate::tokenizer::TokenizerError),
     #[error("calibration text")]
-    CalibrationText(#[source] crate::quantize::calibration::CalibrationError),
+    CalibrationText(#[source] crate::calibration::CalibrationError),
     #[error("calibration: running the float graph")]
     CalibrationGraph(#[source] crate::phone::PhoneError),
     #[error("calibration: running the float graph")]
@@ -344,8 +344,9 @@ fn export_through_gptq(
     out: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportReport, ExportError> {
+    use crate::calibration;
     use crate::device::{self, Priority, Target};
-    use crate::quantize::{calibration, Method, QuantizeOptions};
+    use crate::quantize::{Method, QuantizeOptions};
     // Refuse a bad output before the (long) solve.
     Staging::plan(out, ARTIFACT_KIND, &[model_dir], opts.force)?;
     let tmp = std::env::temp_dir().join(format!(
@@ -391,6 +392,7 @@ fn export_through_gptq(
         gguf: None,
         block_tune: None,
         model_tune: None,
+        page: None,
     };
     // The finished checkpoint is this call's to remove, an interruption included.
     let _tmp = crate::artifact::remove_on_interrupt(&tmp);

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::LayerType;
 
-pub const MANIFEST: &str = "phone_manifest.json";
+pub use crate::artifact::PHONE_MANIFEST as MANIFEST;
 
 // The graph's I/O names (docs/PHONE_IO.md §4): the exporter writes them, apps read them.
 

@@ -172,9 +172,7 @@ pub struct PartsOut {
 }
 
 /// True when `dir` holds an exported phone graph.
-pub fn is_phone_export(dir: &Path) -> bool {
-    dir.join(MANIFEST).is_file()
-}
+pub use crate::artifact::is_phone_export;
 
 impl PhoneModel {
     pub fn open(dir: &Path, threads: usize) -> Result<Self, PhoneError> {

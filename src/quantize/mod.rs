@@ -11,15 +11,15 @@
 //! one Cholesky per distinct input, shared by the projections that read it.
 
 pub mod block_tune;
-pub mod calibration;
 pub mod model_tune;
 pub mod output;
 pub mod phases;
 pub mod plan;
 mod tune_loop;
 
+use crate::calibration;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use indicatif::ProgressBar;
 use rayon::prelude::*;
@@ -145,7 +145,14 @@ pub struct QuantizeOptions {
     /// After every layer is solved, tune all group scales and norm gains together to the float
     /// model's next-token distribution ([`model_tune`]; same conditions as block tuning).
     pub model_tune: Option<model_tune::ModelTune>,
+    /// Writes a page about the run into the finished checkpoint folder before it is committed
+    /// (the CLI passes the HTML report's writer; the pipeline does not depend on `report`).
+    pub page: Option<PageWriter>,
 }
+
+/// See [`QuantizeOptions::page`].
+pub type PageWriter =
+    fn(&Path, &QuantReport) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 impl QuantizeOptions {
     /// How method `v` chooses a group's scale under these options.
@@ -375,8 +382,8 @@ pub enum QuantizeError {
     Artifact(#[from] crate::artifact::ArtifactError),
     #[error(transparent)]
     Resources(#[from] crate::resources::ResourceError),
-    #[error(transparent)]
-    Report(#[from] crate::report::ReportError),
+    #[error("writing the report page: {0}")]
+    Page(Box<dyn std::error::Error + Send + Sync>),
     #[error("{0}")]
     Invalid(String),
     #[error(
@@ -1818,7 +1825,7 @@ fn run(
     report.phases = phases.report(report.threads);
     report.peak_rss_bytes = crate::bench::peak_rss();
     report.peak_private_bytes = private.peak();
-    out.finish(&report)?;
+    out.finish(&report, opts.page)?;
     Ok(report)
 }
 
@@ -1859,6 +1866,7 @@ mod tests {
             gguf: None,
             block_tune: None,
             model_tune: None,
+            page: None,
         }
     }
 

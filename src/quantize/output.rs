@@ -971,15 +971,22 @@ impl Output {
         )
     }
 
-    /// Write the report, move the finished checkpoint onto `--out`, drop the staging folder.
-    pub fn finish(&self, report: &QuantReport) -> Result<(), QuantizeError> {
+    /// Write the report (and `page`'s), move the finished checkpoint onto `--out`, drop the
+    /// staging folder.
+    pub fn finish(
+        &self,
+        report: &QuantReport,
+        page: Option<super::PageWriter>,
+    ) -> Result<(), QuantizeError> {
         if self.gguf.is_some() {
             // The report's essentials are in the file's metadata; the whole report is printed.
             return Ok(self.staging.commit_file(&self.staged_gguf())?);
         }
         let dir = self.staged();
         artifact::write_json(&dir.join("quant_report.json"), report)?;
-        crate::report::quantize::write_html(&dir, report)?;
+        if let Some(write) = page {
+            write(&dir, report).map_err(QuantizeError::Page)?;
+        }
         Ok(self.staging.commit(&dir)?)
     }
 }

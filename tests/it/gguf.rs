@@ -11,9 +11,9 @@ use std::process::Command;
 
 use spark_tool::checkpoint::TensorStore;
 use spark_tool::device::WeightFormat;
-use spark_tool::engine::GgufNumerics;
 use spark_tool::formats::gguf::mix::FileType;
 use spark_tool::formats::gguf::{GgmlType, GgufFile, Value};
+use spark_tool::load::GgufNumerics;
 use spark_tool::quant::grid::ScaleRule;
 use spark_tool::quantize::{quantize, ForwardPrecision, QuantizeOptions};
 
@@ -203,14 +203,14 @@ fn our_previous_file_is_replaced_only_with_force() {
     assert_eq!(left.len(), 1, "the staging folder is gone");
 }
 
-/// Logits of `path` (any artifact `engine::open` takes) for a few tokens, a GGUF run as
+/// Logits of `path` (any artifact `load::open` takes) for a few tokens, a GGUF run as
 /// llama.cpp's CPU backend runs it.
 fn logits(path: &Path) -> Vec<f32> {
     logits_with(path, GgufNumerics::Ggml)
 }
 
 fn logits_with(path: &Path, numerics: GgufNumerics) -> Vec<f32> {
-    let opened = spark_tool::engine::open(
+    let opened = spark_tool::load::open(
         path,
         |ck| spark_tool::model::LoadOptions::for_checkpoint(ck, false),
         numerics,

@@ -9,11 +9,11 @@ use crate::common;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use spark_tool::calibration;
 use spark_tool::engine::Engine;
 use spark_tool::export::{export_phone, ExportOptions, Precision};
 use spark_tool::model::Logits;
 use spark_tool::phone::{Manifest, PhoneModel};
-use spark_tool::quantize::calibration;
 use spark_tool::setting::Setting;
 use spark_tool::tokenizer::SparkTokenizer;
 

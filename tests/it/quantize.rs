@@ -4,14 +4,14 @@ use crate::common;
 
 use std::path::Path;
 
+use spark_tool::calibration;
 use spark_tool::checkpoint::{QkvLayout, TensorStore};
 use spark_tool::device::WeightFormat;
 use spark_tool::formats::gptq::{unpack_qweight, QZEROS_V1_SYM};
 use spark_tool::quant::Order;
 use spark_tool::quantize::phases::Phase;
 use spark_tool::quantize::{
-    calibration, quantize, ForwardPrecision, Method, Objective, QuantReport, QuantizeError,
-    QuantizeOptions,
+    quantize, ForwardPrecision, Method, Objective, QuantReport, QuantizeError, QuantizeOptions,
 };
 use spark_tool::setting::Setting;
 

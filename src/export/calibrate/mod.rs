@@ -16,8 +16,8 @@ use super::graph::{self, PartPlan, WeightSpec};
 use super::onnx::Graph;
 use super::weights::WeightReader;
 use super::{qdq, ExportError, ExportOptions};
+use crate::calibration::{self, Windows};
 use crate::checkpoint::Checkpoint;
-use crate::quantize::calibration::{self, Windows};
 use crate::tokenizer::SparkTokenizer;
 
 /// How the activation ranges are measured.

@@ -20,10 +20,10 @@ use super::super::qdq::Ranges;
 use super::super::weights::WeightReader;
 use super::super::{ExportError, ExportOptions};
 use crate::artifact;
+use crate::calibration::Windows;
 use crate::checkpoint::{Checkpoint, SparkConfig};
 use crate::kernels;
 use crate::model::rope::Rope;
-use crate::quantize::calibration::Windows;
 
 /// Calibration tokens evaluated together (whole windows; at least one).
 const CHUNK_TOKENS: usize = 2048;

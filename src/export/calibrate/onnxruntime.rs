@@ -10,10 +10,10 @@ use super::super::onnx::{DType, Graph};
 use super::super::weights::WeightReader;
 use super::super::{descriptors, qdq, write_part, ExportError, ExportOptions};
 use crate::artifact::{self, io_err};
+use crate::calibration::Windows;
 use crate::checkpoint::Checkpoint;
 use crate::phone::manifest;
 use crate::phone::PhoneModel;
-use crate::quantize::calibration::Windows;
 
 /// Ranges of every float tensor: write the float graphs with every
 /// intermediate tensor as an extra output, drive them over the calibration

@@ -3,11 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
+use spark_tool::calibration;
 use spark_tool::checkpoint::{Checkpoint, QkvLayout, TensorStore};
 use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::model::SparkModel;
 use spark_tool::quant::Order;
-use spark_tool::quantize::{calibration, Method, QuantizeOptions};
+use spark_tool::quantize::{Method, QuantizeOptions};
 
 /// The binary under test: this build's, or `SPARK_TOOL_BIN` (docs/RELIABILITY.md runs the
 /// data-loss cases against an older build to show they catch what it did).
@@ -208,6 +209,7 @@ pub fn quantize_options(
         gguf: None,
         block_tune: None,
         model_tune: None,
+        page: None,
     }
 }
 
