@@ -13,12 +13,12 @@ cd "$(dirname "$0")/.."
 rm -rf "$w"; mkdir -p "$w"
 for b in old new; do
   bin=${!b}
-  "$bin" quantize --format w4a8 --group-size 128 --samples 8 --seq-len 128 --quiet --out "$w/$b/q-w4a8-fused" >/dev/null
-  "$bin" quantize --format w4a16 --group-size 64 --qkv-layout split --quantize-head --samples 8 --seq-len 128 --quiet --out "$w/$b/q-w4a16-split" >/dev/null
-  "$bin" quantize --format w4a8 --group-size 64 --qkv-layout split --samples 8 --seq-len 128 --quiet --out "$w/$b/q-w4a8-split" >/dev/null
+  "$bin" quantize fixtures/spark-tiny --format w4a8 --group-size 128 --samples 8 --seq-len 128 --quiet --out "$w/$b/q-w4a8-fused" >/dev/null
+  "$bin" quantize fixtures/spark-tiny --format w4a16 --group-size 64 --qkv-layout split --quantize-head --samples 8 --seq-len 128 --quiet --out "$w/$b/q-w4a16-split" >/dev/null
+  "$bin" quantize fixtures/spark-tiny --format w4a8 --group-size 64 --qkv-layout split --samples 8 --seq-len 128 --quiet --out "$w/$b/q-w4a8-split" >/dev/null
   "$bin" export-phone fixtures/spark-tiny --out "$w/$b/phone-f32" --precision f32 --context 256 --quiet
   "$bin" export-phone fixtures/spark-tiny --out "$w/$b/phone-w8a16" --context 256 --calib-samples 2 --calib-seq-len 64 --quiet
-  "$bin" run --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits.safetensors"
+  "$bin" run fixtures/spark-tiny --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits.safetensors"
   "$bin" run "$w/$b/q-w4a8-fused" --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits-q.safetensors"
   "$bin" run "$w/$b/q-w4a16-split" --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits-q16.safetensors"
   "$bin" run "$w/$b/phone-w8a16" --tokens 1,2,3,4 --max-new-tokens 4 --quiet --logits-out "$w/$b/logits-phone.safetensors"

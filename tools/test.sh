@@ -98,7 +98,7 @@ stage "quantize both formats, numpy decode, parity gate"
 # numpy decoder must reproduce the quantizer's dequantized weights bit-exactly.
 for fmt in "w4a8 --group-size 128" "w4a16 --group-size 64 --qkv-layout split --quantize-head"; do
   name=${fmt%% *}
-  cargo run --release -q -- quantize --format $fmt --samples 32 --seq-len 256 --quiet \
+  cargo run --release -q -- quantize fixtures/spark-tiny --format $fmt --samples 32 --seq-len 256 --quiet \
     --out "$fresh/$name" --dump-dequantized "$fresh/$name.dequant.safetensors" > /dev/null
   python3 tools/gptq_decode.py "$fresh/$name" --compare "$fresh/$name.dequant.safetensors"
   # The CI gate users are meant to copy: the quantized artifact must stay within the committed policy.
@@ -136,7 +136,7 @@ fi
 rm -rf "$fresh/phone" "$fresh/qnn-tiny"
 stage "w4a16 (LPBQ) fixture export + HTP check"
 # The phone's GPTQ solve (LPBQ lattice), its codes exported as QNN's LPBQ pattern, checked on the HTP.
-cargo run --release -q -- quantize --target phone --samples 16 --seq-len 128 --quiet --no-compare \
+cargo run --release -q -- quantize fixtures/spark-tiny --target phone --samples 16 --seq-len 128 --quiet --no-compare \
   --out "$fresh/lpbq" > /dev/null
 cargo run --release -q -- export-phone "$fresh/lpbq" --precision w4a16 --out "$fresh/phone-w4" --context 2048 --quiet
 python3 -c "import onnx, sys; onnx.checker.check_model(sys.argv[1], full_check=True)" "$fresh/phone-w4/model.onnx"
