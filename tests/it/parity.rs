@@ -42,18 +42,25 @@ fn damaged_copy(dir: &std::path::Path) {
 
 /// A copy of spark-tiny with `f` applied to every element of tensor `name`.
 fn edited_copy(dir: &std::path::Path, name: &str, f: impl Fn(f32) -> f32) {
+    rewritten_copy(dir, |tensor, data| {
+        if tensor == name {
+            for c in data.chunks_exact_mut(2) {
+                let v = f(half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32());
+                c.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
+            }
+        }
+    });
+}
+
+/// A copy of spark-tiny whose tensors' bytes (bf16) pass through `edit(name, bytes)`.
+fn rewritten_copy(dir: &std::path::Path, edit: impl Fn(&str, &mut Vec<u8>)) {
     common::copy_dir(&common::fixture("spark-tiny"), dir);
     let store = TensorStore::open(&common::fixture("spark-tiny")).unwrap();
     let tensors: Vec<OwnedTensor> = store
         .entries()
         .map(|e| {
             let mut data = store.bytes(e).to_vec();
-            if e.name == name {
-                for c in data.chunks_exact_mut(2) {
-                    let v = f(half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32());
-                    c.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
-                }
-            }
+            edit(&e.name, &mut data);
             OwnedTensor {
                 name: e.name.clone(),
                 dtype: e.dtype,
@@ -141,27 +148,13 @@ fn damaged_artifact_is_reported_as_drift() {
 /// A copy of spark-tiny whose out_proj and down_proj weights are scrambled (each tensor's elements
 /// reversed): finite, plausible magnitudes, a destroyed model.
 fn scrambled_copy(dir: &std::path::Path) {
-    common::copy_dir(&common::fixture("spark-tiny"), dir);
-    let store = TensorStore::open(&common::fixture("spark-tiny")).unwrap();
-    let tensors: Vec<OwnedTensor> = store
-        .entries()
-        .map(|e| {
-            let mut data = store.bytes(e).to_vec();
-            if e.name.ends_with("out_proj.weight") || e.name.ends_with("down_proj.weight") {
-                let mut elems: Vec<[u8; 2]> = data.chunks_exact(2).map(|c| [c[0], c[1]]).collect();
-                elems.reverse();
-                data = elems.concat();
-            }
-            OwnedTensor {
-                name: e.name.clone(),
-                dtype: e.dtype,
-                shape: e.shape.clone(),
-                data,
-            }
-        })
-        .collect();
-    drop(store);
-    write_safetensors_atomic(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    rewritten_copy(dir, |name, data| {
+        if name.ends_with("out_proj.weight") || name.ends_with("down_proj.weight") {
+            let mut elems: Vec<[u8; 2]> = data.chunks_exact(2).map(|c| [c[0], c[1]]).collect();
+            elems.reverse();
+            *data = elems.concat();
+        }
+    });
 }
 
 /// parity with no --policy and the bundled prompts: the built-in policy of the candidate's class.
