@@ -180,7 +180,6 @@ pub fn resolve(arg: &Path, progress: bool) -> Result<PathBuf, HubError> {
         .with_progress(progress)
         .build()
         .map_err(|e| download(&id, "starting the client", e))?;
-    let endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into());
     let repo = api.repo(id.repo());
     let info = repo
         .info()
@@ -192,7 +191,7 @@ pub fn resolve(arg: &Path, progress: bool) -> Result<PathBuf, HubError> {
     {
         return Err(HubError::NotACheckpoint {
             id: id.to_string(),
-            endpoint,
+            endpoint: endpoint(),
         });
     }
     let mut dir = None;
@@ -212,9 +211,14 @@ fn download(id: &HubId, what: &str, e: impl std::fmt::Display) -> HubError {
     HubError::Download {
         id: id.to_string(),
         what: what.to_string(),
-        endpoint: std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into()),
+        endpoint: endpoint(),
         why: e.to_string(),
     }
+}
+
+/// Where downloads come from: `HF_ENDPOINT`, as hf-hub reads it, or the Hub.
+fn endpoint() -> String {
+    std::env::var("HF_ENDPOINT").unwrap_or_else(|_| "https://huggingface.co".into())
 }
 
 #[cfg(test)]

@@ -799,7 +799,7 @@ pub fn run(
         ));
     }
     let gates = gates(&inp.policy, &overall);
-    failures.extend(check(&inp.policy, &overall));
+    failures.extend(failed(&gates));
     Ok(ParityReport {
         reference: inp.reference_name,
         candidate: inp.candidate_name,
@@ -885,8 +885,13 @@ pub fn gates(p: &Policy, o: &Overall) -> Vec<Gate> {
 }
 
 pub fn check(p: &Policy, o: &Overall) -> Vec<String> {
-    gates(p, o)
-        .into_iter()
+    failed(&gates(p, o))
+}
+
+/// Why the failed ones among `gates` failed.
+fn failed(gates: &[Gate]) -> Vec<String> {
+    gates
+        .iter()
         .filter(|g| !g.passed)
         .map(|g| {
             let op = if g.at_least { "<" } else { ">" };
