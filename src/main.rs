@@ -222,7 +222,7 @@ mod tests {
         assert!(missing.is_empty(), "no description: {missing:?}");
     }
 
-    /// Each command's --help fits a screen (options for experiments are hidden, listed at the end).
+    /// Each command's --help fits a screen (the solve's other choices are recipe keys).
     #[test]
     fn each_commands_help_fits_a_screen() {
         let mut cmd = Cli::command();
@@ -233,5 +233,29 @@ mod tests {
             let lines = help.lines().count();
             assert!(lines <= 60, "{name} --help is {lines} lines:\n{help}");
         }
+    }
+
+    /// The lab's options are recipe keys under `[lab]`, never flags of the default build.
+    #[test]
+    fn quantize_has_no_lab_flags() {
+        let mut cmd = Cli::command();
+        cmd.build();
+        let q = cmd.find_subcommand("quantize").expect("quantize");
+        let flags: Vec<String> = q
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(str::to_string))
+            .collect();
+        for word in [
+            "tune",
+            "refit",
+            "descent",
+            "method",
+            "objective",
+            "order",
+            "damp",
+        ] {
+            assert!(flags.iter().all(|f| !f.contains(word)), "{word}: {flags:?}");
+        }
+        assert!(flags.iter().any(|f| f == "recipe") && flags.iter().any(|f| f == "set"));
     }
 }

@@ -51,16 +51,8 @@ pub enum Setting {
     Gen,
     /// Activation rows of the kernel benchmark.
     Rows,
-    /// Initial GPTQ damping.
-    Damp,
     /// The file quantize writes dequantized weights to.
     DumpDequantized,
-    /// Rounds of output-error scale refit after GPTQ.
-    RefitRounds,
-    /// Block tuning after GPTQ.
-    BlockTune,
-    /// Model tuning after GPTQ.
-    ModelTune,
     /// The numerics of a phone export.
     Precision,
     /// The file a report is written to as HTML.
@@ -95,10 +87,6 @@ impl Setting {
             Setting::PromptLen => "prompt_len",
             Setting::Gen => "gen",
             Setting::Rows => "rows",
-            Setting::Damp => "damp",
-            Setting::RefitRounds => "refit_rounds",
-            Setting::BlockTune => "block_tune",
-            Setting::ModelTune => "model_tune",
             Setting::DumpDequantized => "dump_dequantized",
             Setting::Html => "html",
             Setting::Markdown => "markdown",

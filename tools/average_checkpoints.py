@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Average model-tuned GPTQ checkpoints that share their codes (a prototype of seed averaging).
 
-`spark-tool quantize --model-tune` moves only group scales and RMSNorm gains when its codes stay fixed
-(the default), so runs with different `--model-tune-seed` differ only in those. This writes a checkpoint
+`spark-tool quantize --set 'lab.model_tune={}'` (a `--features lab` build) moves only group scales and RMSNorm gains when its codes stay fixed
+(the default), so runs with different `lab.model_tune.seed` differ only in those. This writes a checkpoint
 whose scales and norm weights are the mean of the inputs' (scales rounded to the bf16 lattice that model
 tuning keeps them on, norms to bf16), every other byte copied from the first input; it refuses inputs
 whose codes, zero points, group indices or shapes differ. docs/FIDELITY.md measures what it gives.

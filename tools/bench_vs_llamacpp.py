@@ -7,7 +7,7 @@
 Steps (every artifact is cached under --cache and reused on the next run):
  1. a random-weight Spark-1.7B checkpoint at the real shapes (tools/make_random_checkpoint.py 1.7b
     --tokenizer-from fixtures/spark-tiny), or --checkpoint DIR;
- 2. our W4A8 g128 and W4A16 g64 artifacts with `spark-tool quantize --method rtn` (+ W4A8 with a 4-bit head
+ 2. our W4A8 g128 and W4A16 g64 artifacts with `spark-tool quantize --set method=rtn` (+ W4A8 with a 4-bit head
     with --quantize-head). RTN still runs a short calibration forward (the quantizer records per-layer
     errors), so it is given a few small windows (--calib-samples x --calib-seq-len);
  3. the same weights as GGUF (tools/gguf_from_hf.py, BF16), quantized to Q4_K_M and Q8_0 with llama-quantize
@@ -268,7 +268,7 @@ def ensure_ours(a, spark: Path, ck: Path, key: str) -> Path:
     qlog = a.logdir / f"quantize-{key}.log"
     log(f"quantizing {label} (RTN; a few minutes, ~14 GB RAM for 1.7B); report in {qlog}")
     with open(qlog, "wb") as fh:
-        run([spark, "quantize", ck, "--out", tmp, *flags, "--method", "rtn", "--no-compare", "--quiet",
+        run([spark, "quantize", ck, "--out", tmp, *flags, "--set", "method=rtn", "--no-compare", "--quiet",
              "--samples", str(a.calib_samples), "--seq-len", str(a.calib_seq_len)], stdout=fh)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -45,72 +45,49 @@ TESTBEDS = {
     },
 }
 
-# (row label, quantize flags)
-QI = ["--objective", "quantized-input"]
+def keys(*pairs: str) -> list[str]:
+    """`quantize` arguments that set recipe keys (docs/QUANTIZE.md "Recipes")."""
+    return [a for kv in pairs for a in ("--set", kv)]
+
+
+# (row label, quantize arguments). Rows with `lab.` keys need a `--features lab` build.
+QI = "objective=quantized-input"
+BASE = ("method=gptq-search", "order=act-static")
+FO = (*BASE, "objective=float-output")
+BT, MT = "lab.block_tune={}", "lab.model_tune={}"
 RECIPES = {
-    "rtn": ["--method", "rtn"],  # RTN has no objective: it rounds W itself
-    "gptq": ["--method", "gptq", "--order", "natural", *QI],
-    "gptq-search": ["--method", "gptq-search", "--order", "natural", *QI],
-    "gptq-search act-static": ["--method", "gptq-search", "--order", "act-static", *QI],
-    "gptq-search act-static refit1": ["--method", "gptq-search", "--order", "act-static", "--refit-rounds", "1", *QI],
-    # The default from 2026-12-02 to 2026-12-07: the float model's output as each linear's target (GPTAQ).
-    # Every gptq-search recipe runs with the tool's default scale sign: signed since 2026-12-07.
-    "gptq-search act-static float-output": ["--method", "gptq-search", "--order", "act-static",
-                                            "--objective", "float-output"],
-    # The default since 2026-12-07: out_proj and down_proj also reproduce the share of the float model's
-    # residual stream after their add that a split half shows their input predicts (docs/FIDELITY.md
-    # "float-stream with a split-half weight").
-    "gptq-search act-static float-stream": ["--method", "gptq-search", "--order", "act-static",
-                                            "--objective", "float-stream"],
-    "gptq-search act-static float-stream block-tune": ["--method", "gptq-search", "--order", "act-static",
-                                                       "--objective", "float-stream", "--block-tune"],
-    "gptq-search act-static float-stream block-tune model-tune": [
-        "--method", "gptq-search", "--order", "act-static", "--objective", "float-stream", "--block-tune",
-        "--model-tune"],
-    # The same with positive scales only (the default before 2026-12-07).
-    "gptq-search act-static float-output positive": ["--method", "gptq-search", "--order", "act-static",
-                                                     "--objective", "float-output", "--scale-sign", "positive"],
-    # Block tuning after the default recipe's solve (docs/FIDELITY.md "Block tuning after GPTQ").
-    "gptq-search act-static float-output block-tune": ["--method", "gptq-search", "--order", "act-static",
-                                                       "--objective", "float-output", "--block-tune"],
-    # The same, keeping each layer's final state instead of the best one scored every 25 steps.
-    "gptq-search act-static float-output block-tune last": ["--method", "gptq-search", "--order", "act-static",
-                                                            "--objective", "float-output", "--block-tune",
-                                                            "--block-tune-check", "0"],
-    # Block tuning with W4A8's per-token int8 rounding of each quantized linear's input.
-    "gptq-search act-static float-output block-tune int8": ["--method", "gptq-search", "--order", "act-static",
-                                                            "--objective", "float-output", "--block-tune",
-                                                            "--block-tune-int8"],
-    # Model tuning (group scales and norms of all layers to the float model's next-token KL).
-    "gptq-search act-static float-output model-tune": ["--method", "gptq-search", "--order", "act-static",
-                                                       "--objective", "float-output", "--model-tune"],
-    "gptq-search act-static float-output block-tune model-tune": ["--method", "gptq-search", "--order",
-                                                                  "act-static", "--objective", "float-output",
-                                                                  "--block-tune", "--model-tune"],
-    # Model tuning on W4A8's per-token int8 rounding of each quantized linear's input.
-    "gptq-search act-static float-output model-tune int8": ["--method", "gptq-search", "--order", "act-static",
-                                                            "--objective", "float-output", "--model-tune",
-                                                            "--model-tune-int8"],
-    "gptq-search act-static float-output block-tune model-tune int8": [
-        "--method", "gptq-search", "--order", "act-static", "--objective", "float-output", "--block-tune",
-        "--model-tune", "--model-tune-int8"],
-    "gptq-search act-static float-output block-tune model-tune codes": [
-        "--method", "gptq-search", "--order", "act-static", "--objective", "float-output", "--block-tune",
-        "--model-tune", "--model-tune-codes-lr", "1e-2"],
-    # The calibration forward in f32 (the default before 2026-12-03; bf16 since, for GPTQ checkpoints).
-    "gptq-search act-static float-output f32-forward": ["--method", "gptq-search", "--order", "act-static",
-                                                        "--objective", "float-output",
-                                                        "--forward-precision", "f32"],
-    "gptq-search act-static float-output cd4": ["--method", "gptq-search", "--order", "act-static",
-                                                "--objective", "float-output", "--descent-passes", "4"],
-    "gptq-search act-static float-output cd16": ["--method", "gptq-search", "--order", "act-static",
-                                                 "--objective", "float-output", "--descent-passes", "16"],
+    "rtn": keys("method=rtn"),  # RTN has no objective: it rounds W itself
+    "gptq": keys("method=gptq", "order=natural", QI),
+    "gptq-search": keys("method=gptq-search", "order=natural", QI),
+    "gptq-search act-static": keys(*BASE, QI),
+    "gptq-search act-static refit1": keys(*BASE, "lab.refit_rounds=1", QI),
+    # Each linear reproduces the float model's output (GPTAQ).
+    "gptq-search act-static float-output": keys(*FO),
+    # The default: out_proj and down_proj also reproduce the share of the float model's residual
+    # stream after their add that a split half shows their input predicts.
+    "gptq-search act-static float-stream": keys(*BASE, "objective=float-stream"),
+    "gptq-search act-static float-stream block-tune": keys(*BASE, "objective=float-stream", BT),
+    "gptq-search act-static float-stream block-tune model-tune": keys(*BASE, "objective=float-stream", BT, MT),
+    "gptq-search act-static float-output positive": keys(*FO, "signed_scales=false"),
+    "gptq-search act-static float-output block-tune": keys(*FO, BT),
+    # Keeping each layer's final tuned state instead of the best one scored every 25 steps.
+    "gptq-search act-static float-output block-tune last": keys(*FO, BT, "lab.block_tune.check=0"),
+    # Tuning with W4A8's per-token int8 rounding of each quantized linear's input.
+    "gptq-search act-static float-output block-tune int8": keys(*FO, BT, "lab.block_tune.int8_inputs=true"),
+    "gptq-search act-static float-output model-tune": keys(*FO, MT),
+    "gptq-search act-static float-output block-tune model-tune": keys(*FO, BT, MT),
+    "gptq-search act-static float-output model-tune int8": keys(*FO, MT, "lab.model_tune.int8_inputs=true"),
+    "gptq-search act-static float-output block-tune model-tune int8": keys(
+        *FO, BT, MT, "lab.model_tune.int8_inputs=true"),
+    "gptq-search act-static float-output block-tune model-tune codes": keys(
+        *FO, BT, MT, "lab.model_tune.codes_lr=1e-2"),
+    "gptq-search act-static float-output f32-forward": keys(*FO, "forward_precision=f32"),
+    "gptq-search act-static float-output cd4": keys(*FO, "lab.descent_passes=4"),
+    "gptq-search act-static float-output cd16": keys(*FO, "lab.descent_passes=16"),
     # GPTQ's damping λ (a fraction of the mean diag(H)) as a regulariser: default 0.01.
-    **{f"gptq-search act-static float-output damp{d}": ["--method", "gptq-search", "--order", "act-static",
-                                                        "--objective", "float-output", "--damp", d]
+    **{f"gptq-search act-static float-output damp{d}": keys(*FO, f"damp={d}")
        for d in ["0.001", "0.03", "0.1", "0.3"]},
-    "gptq-search act-static float-output refit1": ["--method", "gptq-search", "--order", "act-static",
-                                                   "--objective", "float-output", "--refit-rounds", "1"],
+    "gptq-search act-static float-output refit1": keys(*FO, "lab.refit_rounds=1"),
 }
 METRICS = ["kl_mean", "kl_p99", "top1", "top5", "greedy_identical", "ppl_ratio"]
 

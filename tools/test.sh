@@ -82,6 +82,12 @@ for walk in one two; do
   SPARK_DECODE_WALK=$walk cargo test --release --lib -q kernels:: >/dev/null
 done
 
+stage "the lab (--features lab): clippy and its tests"
+# The lab's solvers (docs/QUANTIZE.md "The lab") are off by default; built and tested here so they do not rot.
+cargo clippy --release --all-targets --features lab -- -D warnings
+cargo test --release --features lab --lib -q quantize::
+cargo test --release --features lab --test it -q -- lab:: cli::the_recipe
+
 fresh=$(mktemp -d)
 trap 'rm -rf "$fresh"' EXIT
 stage "goldens: numpy reference regenerated and compared"

@@ -34,7 +34,7 @@ impl TensorClass {
 }
 
 /// How a layer stores its q/k/v projection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QkvLayout {
     /// One `q_k_v_proj` with rows [q | k | v], as the published checkpoints.

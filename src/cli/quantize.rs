@@ -3,16 +3,12 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 
-use spark_tool::calibration;
+use serde::Deserialize;
 use spark_tool::checkpoint::QkvLayout;
 use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::formats::gguf::mix::FileType;
-use spark_tool::quant::Order;
-use spark_tool::quantize::block_tune::BlockTune;
-use spark_tool::quantize::model_tune::ModelTune;
-use spark_tool::quantize::{
-    quantize, ForwardPrecision, Method, Objective, QuantReport, QuantizeOptions,
-};
+use spark_tool::quantize::recipe::{self, Recipe};
+use spark_tool::quantize::{quantize, ForwardPrecision, QuantReport, QuantizeOptions};
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum FormatArg {
@@ -41,43 +37,6 @@ pub enum TargetArg {
     X86,
     Arm,
     Phone,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum MethodArg {
-    Rtn,
-    Gptq,
-    GptqSearch,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum ObjectiveArg {
-    FloatStream,
-    FloatOutput,
-    QuantizedInput,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum ForwardArg {
-    Bf16,
-    F32,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum OrderArg {
-    /// Inputs in their natural order.
-    Natural,
-    /// Descending activation energy (diag H) with static groups; the stored layout is unchanged.
-    ActStatic,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum ScaleSignArg {
-    /// A group's scale may be negative, giving its positive weights the grid's long side
-    /// (q − 8 reaches −8 but only +7).
-    Signed,
-    /// Positive scales only.
-    Positive,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -151,20 +110,12 @@ pub fn probe(a: ProbeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn damp(s: &str) -> Result<f64, String> {
-    match super::finite(s) {
-        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
-        _ => Err(format!(
-            "expected a number in (0, 1] (fraction of the mean Hessian diagonal), got '{s}'"
-        )),
-    }
-}
-
 #[derive(Args)]
 #[command(
-    after_help = "Options for experiments and baselines, not shown above (docs/QUANTIZE.md \"Options for experiments\"): \
---method, --order, --scale-sign, --objective, --forward-precision, --damp, --refit-rounds, --descent-passes, \
---block-tune[-steps|-check|-int8], --model-tune[-steps|-lr|-codes-lr|-batch|-int8|-seed], --dump-dequantized."
+    after_help = "Every other choice of the solve (the baselines rtn and gptq, the column order, the objective, \
+the scale sign, the forward precision, the damping, and with a `--features lab` build the lab's refit, descent and \
+tuning) is a key of the recipe: see docs/QUANTIZE.md \"Recipes\". Each output records its recipe (recipe.toml beside \
+a checkpoint, spark_tool.recipe in a GGUF); `--recipe` of that output reproduces it byte for byte."
 )]
 pub struct QuantizeArgs {
     /// The original checkpoint: a folder or a Hugging Face hub id ORG/NAME[@REVISION] (from the Hugging Face cache, downloaded
@@ -175,88 +126,12 @@ pub struct QuantizeArgs {
     out: PathBuf,
     /// auto: the probe's pick for --target (W4A8 on AMX, else W4A16; `spark-tool probe`). gguf-*:
     /// one llama.cpp GGUF file, --out FILE.gguf (Q4_0 and Q8_0 blocks, or llama.cpp's Q4_K_M mix;
-    /// llama.cpp's spellings such as Q4_K_M are accepted).
-    #[arg(long, value_enum, ignore_case = true, default_value = "auto")]
-    format: FormatArg,
+    /// llama.cpp's spellings such as Q4_K_M are accepted). Default: auto, or the recipe's.
+    #[arg(long, value_enum, ignore_case = true)]
+    format: Option<FormatArg>,
     /// Weights per scale: 32, 64 or 128 (default: 128 for W4A8, 64 for W4A16).
     #[arg(long, value_parser = super::at_least_1)]
     group_size: Option<usize>,
-    /// The quantizer that writes the weights (rtn and gptq are baselines for comparisons).
-    #[arg(long, value_enum, default_value = "gptq-search", hide = true)]
-    method: MethodArg,
-    /// The order GPTQ visits each linear's inputs in (docs/QUANTIZE.md; act-static measured best,
-    /// docs/FIDELITY.md); either way the checkpoint has the plain no-act-order layout (g_idx = k / G)
-    /// that vLLM's CPU kernels take.
-    #[arg(long, value_enum, default_value = "act-static", hide = true)]
-    order: OrderArg,
-    /// The sign of `gptq-search`'s group scales. Default: signed for GPTQ checkpoints and for
-    /// gguf-q4_0 / gguf-q8_0 blocks (lower held-out KL, docs/FIDELITY.md, docs/GGUF.md; Q8_0 within
-    /// the spread; vLLM and llama.cpp multiply by the scale whatever its sign), positive for
-    /// `--target phone` and the K-quants, whose block multipliers are unsigned.
-    #[arg(long, value_enum, hide = true)]
-    scale_sign: Option<ScaleSignArg>,
-    /// After GPTQ, rounds of refitting each group's scale to the linear's output error (codes fixed)
-    /// and re-solving GPTQ's codes for those scales; the lowest output error is kept (docs/QUANTIZE.md).
-    #[arg(long, default_value_t = 0, hide = true)]
-    refit_rounds: usize,
-    /// After GPTQ, passes of coordinate descent on the codes (scales fixed): each code becomes the
-    /// grid point that lowers the linear's output error most with the others held, until a pass
-    /// changes nothing or the passes run out (docs/QUANTIZE.md "Coordinate descent").
-    #[arg(long, default_value_t = 0, hide = true)]
-    descent_passes: usize,
-    /// After each layer's solve, tune its codes (±1 step), group scales and norms to the float
-    /// model's block output (Adam, straight-through rounding; docs/FIDELITY.md "Block tuning").
-    /// Lowers held-out KL by 3–6 % on the fixtures at a large cost in time on big models.
-    #[arg(long, hide = true)]
-    block_tune: bool,
-    /// Optimiser steps per layer of --block-tune.
-    #[arg(long, default_value_t = BlockTune::default().steps, value_parser = super::at_least_1, requires = "block_tune", hide = true)]
-    block_tune_steps: usize,
-    /// Every this many steps of --block-tune, score the stored state on all calibration windows
-    /// and keep the best one seen; 0 keeps the final state (either way a layer whose error did not
-    /// fall keeps GPTQ's solution).
-    #[arg(long, default_value_t = BlockTune::default().check, requires = "block_tune", hide = true)]
-    block_tune_check: usize,
-    /// Tune with every quantized linear's input rounded per token to int8, as W4A8 kernels
-    /// (vLLM's `int4_scaled_mm_cpu`) round it.
-    #[arg(long, requires = "block_tune", hide = true)]
-    block_tune_int8: bool,
-    /// After every layer is solved, tune all group scales and norm gains together to the float
-    /// model's next-token distribution (KL; docs/FIDELITY.md "Model tuning").
-    #[arg(long, hide = true)]
-    model_tune: bool,
-    /// Optimiser steps of --model-tune.
-    #[arg(long, default_value_t = ModelTune::default().steps, value_parser = super::at_least_1, requires = "model_tune", hide = true)]
-    model_tune_steps: usize,
-    /// Adam's step for the scale factors of --model-tune.
-    #[arg(long, default_value_t = ModelTune::default().scale_lr, value_parser = super::non_negative, requires = "model_tune", hide = true)]
-    model_tune_lr: f64,
-    /// Adam's step for code offsets in --model-tune (0: codes stay GPTQ's).
-    #[arg(long, default_value_t = ModelTune::default().codes_lr, value_parser = super::non_negative, requires = "model_tune", hide = true)]
-    model_tune_codes_lr: f64,
-    /// Calibration windows per step of --model-tune.
-    #[arg(long, default_value_t = ModelTune::default().batch, value_parser = super::at_least_1, requires = "model_tune", hide = true)]
-    model_tune_batch: usize,
-    /// Tune with every quantized linear's input rounded per token to int8, as W4A8 kernels round it.
-    #[arg(long, requires = "model_tune", hide = true)]
-    model_tune_int8: bool,
-    /// Seed of --model-tune's batch order (recorded in the report; on spark-tiny, held-out KL moved
-    /// by about ±1 % between seeds, docs/FIDELITY.md).
-    #[arg(long, default_value_t = ModelTune::default().seed, requires = "model_tune", hide = true)]
-    model_tune_seed: u64,
-    /// What each linear is solved to reproduce: float-stream (the default: the float model's
-    /// output from the quantized model's input, and for out_proj and down_proj, which add to the
-    /// residual stream, as much of the float model's stream after their add as the calibration
-    /// shows their input can predict), float-output (the float output for every linear, GPTAQ), or
-    /// quantized-input (the output of the quantized input, classic GPTQ). docs/FIDELITY.md and
-    /// docs/GGUF.md measure all three.
-    #[arg(long, value_enum, hide = true)]
-    objective: Option<ObjectiveArg>,
-    /// What the calibration forward feeds each linear: bf16 values (as vLLM feeds a GPTQ
-    /// checkpoint; products on `vdpbf16ps`, about twice as fast) or f32 (as llama.cpp does).
-    /// Default: bf16 for GPTQ checkpoints, f32 for GGUF (docs/QUANTIZE.md).
-    #[arg(long, value_enum, hide = true)]
-    forward_precision: Option<ForwardArg>,
     /// What the probe optimises when it picks the format: speed (W4A8 on AMX) or fidelity (W4A16 g64).
     #[arg(long, value_enum, default_value = "speed")]
     priority: PriorityArg,
@@ -267,21 +142,25 @@ pub struct QuantizeArgs {
     /// set, calibration/spark-calib.jsonl in the source tree, compiled into the binary).
     #[arg(long, num_args = 1..)]
     calibration: Vec<PathBuf>,
-    /// Calibration windows (samples × seq-len tokens are read).
-    #[arg(long, default_value_t = 128, value_parser = super::at_least_1)]
-    samples: usize,
-    /// Tokens per calibration window.
-    #[arg(long, default_value_t = 512, value_parser = super::at_least_1)]
-    seq_len: usize,
-    /// fused = one q_k_v_proj (what vLLM's Spark model loads); split = q_proj/k_proj/v_proj.
-    #[arg(long, value_enum, default_value = "fused")]
-    qkv_layout: QkvArg,
+    /// Calibration windows, each --seq-len tokens (default 128).
+    #[arg(long, value_parser = super::at_least_1)]
+    samples: Option<usize>,
+    /// Tokens per calibration window (default 512).
+    #[arg(long, value_parser = super::at_least_1)]
+    seq_len: Option<usize>,
+    /// fused = one q_k_v_proj (what vLLM's Spark model loads; the default); split = q_proj/k_proj/v_proj.
+    #[arg(long, value_enum)]
+    qkv_layout: Option<QkvArg>,
     /// Untie the head and write it as 4-bit GPTQ too (`lm_head: true`).
     #[arg(long)]
     quantize_head: bool,
-    /// Initial GPTQ damping (fraction of mean diag H); raised automatically if Cholesky fails.
-    #[arg(long, default_value_t = 0.01, value_parser = damp, hide = true)]
-    damp: f64,
+    /// Start from this recipe: a .toml file, a checkpoint folder or GGUF file written by quantize
+    /// (its recorded recipe); the flags above and --set override its keys.
+    #[arg(long, value_name = "FILE")]
+    recipe: Option<PathBuf>,
+    /// Set one recipe key, e.g. --set method=rtn --set order=natural (repeatable; docs/QUANTIZE.md "Recipes").
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
     /// Continue an interrupted run from its last completed layer.
     #[arg(long)]
     resume: bool,
@@ -312,145 +191,185 @@ pub struct QuantizeArgs {
     dump_dequantized: Option<PathBuf>,
 }
 
-pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
-    let model_dir = super::model(&a.model)?;
-    let features = device::detect();
-    let (explicit, gguf) = match a.format {
-        FormatArg::Auto => (None, None),
-        FormatArg::W4a8 => (Some(WeightFormat::W4A8), None),
-        FormatArg::W4a16 => (Some(WeightFormat::W4A16), None),
-        // llama.cpp runs GGUF with its own kernels; the device probe does not apply.
-        FormatArg::GgufQ4_0 => (Some(WeightFormat::W4A16), Some(FileType::Q4_0)),
-        FormatArg::GgufQ4KM => (Some(WeightFormat::W4A16), Some(FileType::Q4KM)),
-        FormatArg::GgufQ8_0 => (Some(WeightFormat::W4A16), Some(FileType::Q8_0)),
-    };
-    // GGUF asks no probe (llama.cpp picks its kernels per CPU), so SPARK_TARGET does not apply.
-    let mut path = match gguf {
-        Some(_) => device::decide(&features, a.target.into(), a.priority.into()),
-        None => device::decide_here(&features, a.target.into(), a.priority.into())
-            .map_err(anyhow::Error::msg)?,
-    };
-    let gguf_name = a
-        .out
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
-    if gguf.is_some() && !gguf_name {
-        bail!(
-            "--out {}: a GGUF file's name ends in .gguf (llama.cpp's tools expect it), e.g. --out {}.gguf",
-            a.out.display(),
-            a.out.display()
-        );
+/// The recipe key and TOML value of a format choice (a GGUF type sets `gguf`, a GPTQ format
+/// `format` and clears `gguf`).
+fn format_keys(f: FormatArg) -> Option<(WeightFormat, Option<FileType>)> {
+    match f {
+        FormatArg::Auto => None,
+        FormatArg::W4a8 => Some((WeightFormat::W4A8, None)),
+        FormatArg::W4a16 => Some((WeightFormat::W4A16, None)),
+        FormatArg::GgufQ4_0 => Some((WeightFormat::W4A16, Some(FileType::Q4_0))),
+        FormatArg::GgufQ4KM => Some((WeightFormat::W4A16, Some(FileType::Q4KM))),
+        FormatArg::GgufQ8_0 => Some((WeightFormat::W4A16, Some(FileType::Q8_0))),
     }
-    if gguf.is_none() && gguf_name {
-        bail!(
-            "--out {} ends in .gguf, but this format writes a GPTQ checkpoint folder; for a GGUF \
-             file pass --format gguf-q4_k_m (or gguf-q4_0, gguf-q8_0)",
-            a.out.display()
-        );
-    }
-    if gguf.is_some() && a.group_size.is_some() {
+}
+
+/// A serde value as a TOML value (every recipe field has one).
+fn toml_value<T: serde::Serialize>(v: T) -> toml::Value {
+    toml::Value::try_from(v).expect("a recipe value has a TOML form")
+}
+
+/// Refuse flags that do not apply to a GGUF output, naming what llama.cpp decides instead.
+fn check_gguf_flags(a: &QuantizeArgs) -> anyhow::Result<()> {
+    if a.group_size.is_some() {
         bail!("--group-size does not apply to GGUF: each block type fixes its own (Q4_0/Q8_0/Q4_K 32, Q6_K 16)");
     }
-    if gguf.is_some() && a.quantize_head {
+    if a.quantize_head {
         bail!("--quantize-head does not apply to GGUF: the head's type is the file type's (Q6_K, Q8_0 for gguf-q8_0)");
     }
-    if gguf.is_some() && matches!(a.qkv_layout, QkvArg::Split) {
+    if matches!(a.qkv_layout, Some(QkvArg::Split)) {
         bail!(
             "--qkv-layout does not apply to GGUF: llama.cpp's Spark graph reads one fused attn_qkv"
         );
     }
-    if gguf.is_some() && !matches!(a.target, TargetArg::Auto) {
+    if !matches!(a.target, TargetArg::Auto) {
         bail!("--target does not apply to GGUF: llama.cpp runs its block types with its own kernels on any CPU");
     }
-    if a.scale_sign.is_some() && !matches!(a.method, MethodArg::GptqSearch) {
-        bail!("--scale-sign applies to --method gptq-search (rtn and gptq take max/7.5 scales)");
-    }
-    if matches!(a.scale_sign, Some(ScaleSignArg::Signed)) {
-        if gguf.is_some_and(|ft| !ft.signed_scales()) {
-            bail!("--scale-sign signed does not apply to gguf-q4_k_m: Q4_K's and Q6_K's sub-block scales are unsigned (gguf-q4_0 and gguf-q8_0 take signed block scales)");
-        }
-        if path.lpbq {
-            bail!("--scale-sign signed does not apply to --target phone: QNN's LPBQ block multipliers are unsigned");
-        }
-    }
-    let (format, group_size) = path.override_with(explicit, a.group_size);
-    let opts = QuantizeOptions {
-        model_dir: model_dir.clone(),
-        out_dir: a.out.clone(),
-        format,
-        group_size,
-        method: match a.method {
-            MethodArg::Rtn => Method::Rtn,
-            MethodArg::Gptq => Method::Gptq,
-            MethodArg::GptqSearch => Method::GptqSearch,
-        },
-        order: match a.order {
-            OrderArg::Natural => Order::Natural,
-            OrderArg::ActStatic => Order::ActStatic,
-        },
-        signed_scales: !matches!(a.scale_sign, Some(ScaleSignArg::Positive)),
-        refit_rounds: a.refit_rounds,
-        descent_passes: a.descent_passes,
-        objective: match a.objective {
-            Some(ObjectiveArg::FloatStream) | None => Objective::FloatStream,
-            Some(ObjectiveArg::FloatOutput) => Objective::FloatOutput,
-            Some(ObjectiveArg::QuantizedInput) => Objective::QuantizedInput,
-        },
-        forward_precision: match (a.forward_precision, gguf) {
-            (Some(ForwardArg::Bf16), _) | (None, None) => ForwardPrecision::Bf16,
-            (Some(ForwardArg::F32), _) | (None, Some(_)) => ForwardPrecision::F32,
-        },
-        path,
-        calibration: if a.calibration.is_empty() {
-            vec![calibration::bundled()]
-        } else {
-            a.calibration.clone()
-        },
-        samples: a.samples,
-        seq_len: a.seq_len,
-        qkv_layout: match a.qkv_layout {
-            QkvArg::Fused => QkvLayout::Fused,
-            QkvArg::Split => QkvLayout::Split,
-        },
-        quantize_head: a.quantize_head,
-        damp: a.damp,
-        resume: a.resume,
-        force: a.force,
-        force_memory: a.force_memory,
-        progress: !a.quiet && !a.json,
-        compare: !a.no_compare,
-        dump_dequantized: a.dump_dequantized.clone(),
-        stop_after_layers: None,
-        keep_on_interrupt: true,
-        gguf,
-        block_tune: a.block_tune.then(|| BlockTune {
-            steps: a.block_tune_steps,
-            check: a.block_tune_check,
-            int8_inputs: a.block_tune_int8,
-            ..BlockTune::default()
-        }),
-        page: Some(write_page),
-        model_tune: a.model_tune.then(|| ModelTune {
-            steps: a.model_tune_steps,
-            scale_lr: a.model_tune_lr,
-            codes_lr: a.model_tune_codes_lr,
-            batch: a.model_tune_batch,
-            int8_inputs: a.model_tune_int8,
-            seed: a.model_tune_seed,
-            ..ModelTune::default()
-        }),
+    Ok(())
+}
+
+/// The recipe of this run and the device decision behind its format: the recipe file's keys
+/// (if any), then the flags given, then `--set`; the probe picks what none of them fixes.
+fn build_recipe(a: &QuantizeArgs) -> anyhow::Result<(Recipe, device::WeightPath)> {
+    let mut t = match &a.recipe {
+        Some(p) => recipe::load(p)?,
+        None => toml::Table::new(),
     };
+    if let Some((format, gguf)) = a.format.and_then(format_keys) {
+        t.insert("format".into(), toml_value(format));
+        match gguf {
+            Some(ft) => t.insert("gguf".into(), toml_value(ft)),
+            None => t.remove("gguf"),
+        };
+    }
+    let flags = [
+        ("group_size", a.group_size.map(toml_value)),
+        ("samples", a.samples.map(toml_value)),
+        ("seq_len", a.seq_len.map(toml_value)),
+        ("quantize_head", a.quantize_head.then(|| toml_value(true))),
+        (
+            "calibration",
+            (!a.calibration.is_empty()).then(|| toml_value(&a.calibration)),
+        ),
+        (
+            "qkv_layout",
+            a.qkv_layout.map(|q| {
+                toml_value(match q {
+                    QkvArg::Fused => QkvLayout::Fused,
+                    QkvArg::Split => QkvLayout::Split,
+                })
+            }),
+        ),
+    ];
+    for (key, v) in flags {
+        if let Some(v) = v {
+            t.insert(key.into(), v);
+        }
+    }
+    for s in &a.set {
+        recipe::set(&mut t, s)?;
+    }
+    let gguf = t.contains_key("gguf");
+    if gguf {
+        check_gguf_flags(a)?;
+    }
+    check_out_name(&a.out, gguf)?;
+    let features = device::detect();
+    // GGUF asks no probe (llama.cpp picks its kernels per CPU), so SPARK_TARGET does not apply.
+    let mut path = if gguf {
+        device::decide(&features, a.target.into(), a.priority.into())
+    } else {
+        device::decide_here(&features, a.target.into(), a.priority.into())
+            .map_err(anyhow::Error::msg)?
+    };
+    // An explicit --target decides the lattice (and the format, unless given) over a recipe file.
+    let target_given = !matches!(a.target, TargetArg::Auto);
+    if target_given && a.format.is_none() && !gguf {
+        t.remove("format");
+    }
+    if target_given || !t.contains_key("lpbq") {
+        t.insert("lpbq".into(), toml::Value::Boolean(path.lpbq && !gguf));
+    }
+    let explicit = t
+        .get("format")
+        .map(|f| WeightFormat::deserialize(f.clone()))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("recipe key format: {e}"))?;
+    let given_group = t
+        .get("group_size")
+        .and_then(toml::Value::as_integer)
+        .map(|g| g as usize);
+    let (format, group_size) = path.override_with(explicit, given_group);
+    t.insert("format".into(), toml_value(format));
+    t.insert("group_size".into(), toml_value(group_size));
+    if !t.contains_key("forward_precision") {
+        // llama.cpp feeds its linears f32; vLLM feeds a GPTQ checkpoint's bf16.
+        let fp = if gguf {
+            ForwardPrecision::F32
+        } else {
+            ForwardPrecision::Bf16
+        };
+        t.insert("forward_precision".into(), toml_value(fp));
+    }
+    let origin = a
+        .recipe
+        .as_ref()
+        .map_or("the flags".to_string(), |p| p.display().to_string());
+    let r = recipe::from_table(t, &origin)?;
+    r.validate()?;
+    Ok((r, path))
+}
+
+/// Whether `out` names a GGUF file.
+fn gguf_name(out: &std::path::Path) -> bool {
+    out.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// A GGUF goes to FILE.gguf, a GPTQ checkpoint to a folder that is not named like one.
+fn check_out_name(out: &std::path::Path, gguf: bool) -> anyhow::Result<()> {
+    if gguf && !gguf_name(out) {
+        bail!(
+            "--out {}: a GGUF file's name ends in .gguf (llama.cpp's tools expect it), e.g. --out {}.gguf",
+            out.display(),
+            out.display()
+        );
+    }
+    if !gguf && gguf_name(out) {
+        bail!(
+            "--out {} ends in .gguf, but this format writes a GPTQ checkpoint folder; for a GGUF \
+             file pass --format gguf-q4_k_m (or gguf-q4_0, gguf-q8_0)",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
+    let model_dir = super::model(&a.model)?;
+    let (recipe, path) = build_recipe(&a)?;
+    let mut opts = QuantizeOptions::new(&model_dir, &a.out, recipe, path);
+    opts.resume = a.resume;
+    opts.force = a.force;
+    opts.force_memory = a.force_memory;
+    opts.progress = !a.quiet && !a.json;
+    opts.compare = !a.no_compare;
+    opts.dump_dequantized = a.dump_dequantized.clone();
+    opts.keep_on_interrupt = true;
+    opts.page = Some(write_page);
     let report = quantize(&opts).with_context(|| format!("quantizing {}", model_dir.display()))?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    let format = match report.gguf {
+    let format = match report.recipe.gguf {
         Some(ft) => format!("GGUF {}", ft.llama_name()),
         None => format!(
             "{} g{}",
-            serde_json::to_value(report.format)?.as_str().unwrap_or("?"),
-            report.group_size
+            serde_json::to_value(report.recipe.format)?
+                .as_str()
+                .unwrap_or("?"),
+            report.recipe.group_size
         ),
     };
     println!(
@@ -484,7 +403,9 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         e(report.mean_rtn_error),
         e(report.mean_gptq_error),
         e(report.mean_gptq_search_error),
-        serde_json::to_value(report.method)?.as_str().unwrap_or("?"),
+        serde_json::to_value(report.recipe.method)?
+            .as_str()
+            .unwrap_or("?"),
         report.mean_error
     );
     if let Some(a) = report.mean_act_error {
@@ -575,7 +496,12 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
             100.0 * (report.wall_seconds - timed) / report.wall_seconds.max(1e-9)
         );
     }
-    print_next_steps(&model_dir, &a.out, report.gguf.is_some(), report.path.lpbq);
+    print_next_steps(
+        &model_dir,
+        &a.out,
+        report.recipe.gguf.is_some(),
+        report.path.lpbq,
+    );
     Ok(())
 }
 

@@ -346,7 +346,7 @@ fn export_through_gptq(
 ) -> Result<ExportReport, ExportError> {
     use crate::calibration;
     use crate::device::{self, Priority, Target};
-    use crate::quantize::{Method, QuantizeOptions};
+    use crate::quantize::{QuantizeOptions, Recipe};
     // Refuse a bad output before the (long) solve.
     Staging::plan(out, ARTIFACT_KIND, &[model_dir], opts.force)?;
     let tmp = std::env::temp_dir().join(format!(
@@ -357,43 +357,22 @@ fn export_through_gptq(
             .map_or(0, |d| d.as_nanos())
     ));
     let path = device::decide(&device::detect(), Target::Phone, Priority::Speed);
-    let q = QuantizeOptions {
-        model_dir: model_dir.to_path_buf(),
-        out_dir: tmp.clone(),
+    let recipe = Recipe {
         format: path.format,
         group_size: path.group_size,
-        method: Method::GptqSearch,
-        order: crate::quant::Order::ActStatic,
+        lpbq: path.lpbq,
         // The phone's LPBQ blocks take positive multipliers only.
         signed_scales: false,
-        refit_rounds: 0,
-        descent_passes: 0,
-        objective: crate::quantize::Objective::FloatStream,
-        forward_precision: crate::quantize::ForwardPrecision::Bf16,
-        path,
         calibration: if opts.calibration.is_empty() {
             vec![calibration::bundled()]
         } else {
             opts.calibration.clone()
         },
-        samples: 128,
-        seq_len: 512,
-        qkv_layout: crate::checkpoint::QkvLayout::Fused,
-        quantize_head: false,
-        damp: 0.01,
-        resume: false,
-        force: false,
-        force_memory: opts.force_memory,
-        progress: opts.progress,
-        compare: false,
-        dump_dequantized: None,
-        stop_after_layers: None,
-        keep_on_interrupt: false,
-        gguf: None,
-        block_tune: None,
-        model_tune: None,
-        page: None,
+        ..Recipe::default()
     };
+    let mut q = QuantizeOptions::new(model_dir, &tmp, recipe, path);
+    q.force_memory = opts.force_memory;
+    q.progress = opts.progress;
     // The finished checkpoint is this call's to remove, an interruption included.
     let _tmp = crate::artifact::remove_on_interrupt(&tmp);
     let solve = Instant::now();
@@ -402,8 +381,8 @@ fn export_through_gptq(
             "{} is a float checkpoint: solving GPTQ on QNN's LPBQ lattice first ({} × {} calibration \
              tokens; to reuse the solve, `spark-tool quantize --target phone` once and export that)",
             model_dir.display(),
-            q.samples,
-            q.seq_len
+            q.recipe.samples,
+            q.recipe.seq_len
         );
     }
     let r = crate::quantize::quantize(&q)

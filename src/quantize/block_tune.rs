@@ -1,4 +1,4 @@
-//! Block tuning after GPTQ (`quantize --block-tune`, docs/FIDELITY.md "Block tuning after
+//! Block tuning after GPTQ (recipe `[lab.block_tune]`, docs/FIDELITY.md "Block tuning after
 //! GPTQ"). GPTQ fits each linear to its own output; this fits the whole decoder block to the
 //! float model's block output, so that the errors of q/k/v, out, gate, up and down may cancel
 //! through attention, the head gate, GELU and the product:
@@ -16,7 +16,6 @@
 //! math of [`crate::model::block`] and is tested against it. The product's forward stays ours.
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{LayerType, Proj, SparkConfig};
 use crate::kernels::transpose;
@@ -24,65 +23,9 @@ use crate::kernels::w4::round_bf16;
 use crate::model::block::Ctx;
 use crate::quant::{Grid, QuantizedWeight};
 
+use super::lab::SCORE_CHUNK;
+pub use super::lab::{BlockTune, LayerTuneReport};
 use super::tune_loop::{self, Objective, Schedule};
-
-/// Windows per forward when the state is scored on all of them.
-pub(super) const SCORE_CHUNK: usize = 8;
-
-/// The settings of a block tuning run (defaults: the measured recipe of docs/FIDELITY.md).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct BlockTune {
-    /// Optimiser steps per layer.
-    pub steps: usize,
-    /// Calibration windows per step.
-    pub batch: usize,
-    /// Adam's step for the code offsets V.
-    pub lr: f64,
-    /// Adam's step for the group scale factors.
-    pub scale_lr: f64,
-    /// Adam's step for the norm gain factors (0: norms not tuned).
-    pub norm_lr: f64,
-    /// Score the stored state on all windows every this many steps and keep the best (0: never).
-    pub check: usize,
-    pub seed: u64,
-    /// Feed every quantized linear its input rounded per token to int8 (W4A8 numerics,
-    /// straight-through), so the tuning sees what `int4_scaled_mm_cpu` multiplies.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub int8_inputs: bool,
-}
-
-impl Default for BlockTune {
-    fn default() -> Self {
-        BlockTune {
-            steps: 200,
-            batch: 8,
-            lr: 2e-2,
-            scale_lr: 4e-3,
-            norm_lr: 1e-3,
-            check: 25,
-            seed: 0,
-            int8_inputs: false,
-        }
-    }
-}
-
-/// What tuning did to one layer (quant_report.json `block_tune_layers`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LayerTuneReport {
-    pub layer: usize,
-    /// The block's output error ‖y − ŷ‖² / ‖y‖² on all calibration windows with GPTQ's weights.
-    pub error_before: f64,
-    /// The same with the weights written (equal to `error_before` when GPTQ's were kept).
-    pub error_after: f64,
-    /// Codes that differ from GPTQ's, of all codes of the tuned linears.
-    pub codes_moved: u64,
-    pub codes: u64,
-    /// Whether the tuned state was written (false: it did not lower the error; GPTQ's kept).
-    pub tuned: bool,
-    pub seconds: f64,
-    /// Mean wall time of one optimiser step (forward and backward of a batch, Adam).
-    pub step_seconds: f64,
-}
 
 /// Everything a layer's tuning changes: its linears' codes and scales and its norm weights.
 pub struct TunedLayer {
@@ -641,29 +584,6 @@ pub fn tune_layer(
             step_seconds: fit.step_seconds,
         },
     })
-}
-
-/// Private bytes a layer's tuning holds at its peak beyond the quantizer's own (a copy of the
-/// quantized stream into the layer; per tuned weight its codes, offsets, Adam moments, gradient,
-/// best state and the differentiable weight's intermediates; one batch's activations with what
-/// the backward keeps).
-pub fn planned_bytes(cfg: &SparkConfig, rows: usize, opts: &BlockTune, seq_len: usize) -> u64 {
-    let f = 4u128;
-    let params: u128 = Proj::QUANTIZED
-        .iter()
-        .map(|p| p.shape(cfg).iter().product::<usize>() as u128)
-        .sum();
-    let tokens = (opts.batch.max(SCORE_CHUNK) * seq_len) as u128;
-    let (h, q, kv, inter) = (
-        cfg.hidden_size as u128,
-        cfg.q_dim() as u128,
-        cfg.kv_dim() as u128,
-        cfg.intermediate_size as u128,
-    );
-    let per_token = f * (16 * h + 10 * q + 8 * kv + 10 * inter);
-    let scores = f * 8 * (cfg.num_attention_heads as u128) * tokens * seq_len as u128;
-    let total = rows as u128 * h * f + params * f * 14 + tokens * per_token + scores;
-    total.min(u64::MAX as u128) as u64
 }
 
 /// What the tests of block and model tuning share.

@@ -10,12 +10,21 @@
 //! Hessian sees the inputs the deployed model will produce. One Hessian and
 //! one Cholesky per distinct input, shared by the projections that read it.
 
+#[cfg(feature = "lab")]
 pub mod block_tune;
+pub mod lab;
+#[cfg(feature = "lab")]
+mod lab_solve;
+#[cfg(feature = "lab")]
 pub mod model_tune;
 pub mod output;
 pub mod phases;
 pub mod plan;
+pub mod recipe;
+#[cfg(feature = "lab")]
 mod tune_loop;
+
+pub use recipe::Recipe;
 
 use crate::calibration;
 use std::collections::BTreeMap;
@@ -26,8 +35,8 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::checkpoint::layout::layer_prefix;
+use crate::checkpoint::Checkpoint;
 use crate::checkpoint::SparkConfig;
-use crate::checkpoint::{Checkpoint, QkvLayout};
 use crate::device::{WeightFormat, WeightPath};
 use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
 use crate::model::block::residual_add;
@@ -37,8 +46,8 @@ use crate::quant::gptaq::{
 };
 use crate::quant::timing::Clock;
 use crate::quant::{
-    delta_form, descend, quadratic_form, refit_scales, rtn, GptqConfig, GptqSolver, Grid, Hessian,
-    Order, QuantizedWeight, ScaleRule,
+    delta_form, quadratic_form, rtn, GptqConfig, GptqSolver, Grid, Hessian, QuantizedWeight,
+    ScaleRule,
 };
 use crate::tokenizer::SparkTokenizer;
 use phases::{Phase, PhaseReport, Phases};
@@ -82,7 +91,7 @@ pub enum ForwardPrecision {
 }
 
 /// Which quantizer writes the weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Method {
     /// Round to nearest with max/7.5 scales (baseline).
@@ -93,34 +102,14 @@ pub enum Method {
     GptqSearch = 2,
 }
 
+/// One quantize run: the recipe (what decides the output's bytes) and how to run it.
 #[derive(Debug, Clone)]
 pub struct QuantizeOptions {
     pub model_dir: PathBuf,
     pub out_dir: PathBuf,
-    pub format: WeightFormat,
-    pub group_size: usize,
-    pub method: Method,
-    /// The order GPTQ visits each linear's inputs in (the stored layout is the natural one).
-    pub order: Order,
-    /// Let `gptq-search` take negative group scales too ([`ScaleRule::SignedSearch`]) where the
-    /// checkpoint allows them: GPTQ checkpoints on vLLM's lattice (not LPBQ, not GGUF).
-    pub signed_scales: bool,
-    /// Rounds of output-error scale refit ↔ fixed-scale GPTQ after the solve (0 = none).
-    pub refit_rounds: usize,
-    /// Passes of coordinate descent on the codes after the solve (0 = none; [`crate::quant::descent`]).
-    pub descent_passes: usize,
-    /// What each layer's linears are solved to reproduce (the head always: its quantized input).
-    pub objective: Objective,
-    /// What the calibration forward feeds the linears.
-    pub forward_precision: ForwardPrecision,
-    /// Why this format (the probe's decision, or "explicit").
+    pub recipe: Recipe,
+    /// The probe's decision behind the format, with its reasons (the report records it).
     pub path: WeightPath,
-    pub calibration: Vec<PathBuf>,
-    pub samples: usize,
-    pub seq_len: usize,
-    pub qkv_layout: QkvLayout,
-    pub quantize_head: bool,
-    pub damp: f64,
     pub resume: bool,
     pub force: bool,
     /// Run even when the memory plan exceeds the available memory.
@@ -136,15 +125,6 @@ pub struct QuantizeOptions {
     /// On Ctrl-C or SIGTERM, keep the finished layers for `--resume` and say so (false where
     /// the caller offers no resume, as `export-phone`'s own solve: its staging is then removed).
     pub keep_on_interrupt: bool,
-    /// Write one GGUF file of this type (`out_dir` is then the file) instead of a GPTQ
-    /// checkpoint: every tensor is solved on the grid of its GGML type.
-    pub gguf: Option<FileType>,
-    /// Tune each layer's codes, scales and norms to the float block's output after its solve
-    /// ([`block_tune`]; GPTQ checkpoints on vLLM's grid, an objective that carries the float stream).
-    pub block_tune: Option<block_tune::BlockTune>,
-    /// After every layer is solved, tune all group scales and norm gains together to the float
-    /// model's next-token distribution ([`model_tune`]; same conditions as block tuning).
-    pub model_tune: Option<model_tune::ModelTune>,
     /// Writes a page about the run into the finished checkpoint folder before it is committed
     /// (the CLI passes the HTML report's writer; the pipeline does not depend on `report`).
     pub page: Option<PageWriter>,
@@ -155,65 +135,23 @@ pub type PageWriter =
     fn(&Path, &QuantReport) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 impl QuantizeOptions {
-    /// How method `v` chooses a group's scale under these options.
-    pub fn scale_rule(&self, v: Method) -> ScaleRule {
-        match v {
-            Method::GptqSearch if self.signs_scales() => ScaleRule::SignedSearch,
-            Method::GptqSearch => ScaleRule::Search,
-            Method::Rtn | Method::Gptq => ScaleRule::MaxOver7_5,
-        }
-    }
-
-    /// Whether scales may be negative: on request, in GPTQ checkpoints on vLLM's lattice and
-    /// in GGUF types with a signed block scale (the tiered lattices stay positive in any case).
-    pub fn signs_scales(&self) -> bool {
-        self.signed_scales && !self.path.lpbq && self.gguf.is_none_or(FileType::signed_scales)
-    }
-
-    /// Whether the head is solved: on request, and always for GGUF (where the tied embedding
-    /// is quantized, as llama.cpp does).
-    pub fn solves_head(&self) -> bool {
-        self.quantize_head || self.gguf.is_some()
-    }
-
-    /// The objective in effect: RTN rounds W itself and reads no calibration, so it has none
-    /// but the plain one.
-    pub fn effective_objective(&self) -> Objective {
-        match self.method {
-            Method::Rtn => Objective::QuantizedInput,
-            Method::Gptq | Method::GptqSearch => self.objective,
-        }
-    }
-
-    /// The projections of a layer that are quantized: GGUF quantizes the head gate `g_proj`
-    /// too, as llama.cpp does; a GPTQ checkpoint keeps it 16-bit.
-    pub fn projs(&self) -> &'static [Proj] {
-        if self.gguf.is_some() {
-            &Proj::ALL
-        } else {
-            &Proj::QUANTIZED
-        }
-    }
-
-    /// The grid and group size projection `proj` of layer `li` (`None`: the head) is solved on.
-    pub fn grid_of(&self, li: Option<usize>, proj: Proj, layers: usize) -> (Grid, usize) {
-        grid_for(
-            self.gguf,
-            self.gptq_grid(),
-            self.group_size,
-            li,
-            proj,
-            layers,
-        )
-    }
-
-    /// The grid of a GPTQ checkpoint's linears: vLLM's, or QNN's LPBQ lattice for the phone
-    /// (still exact in vLLM).
-    pub fn gptq_grid(&self) -> Grid {
-        if self.path.lpbq {
-            Grid::LPBQ
-        } else {
-            Grid::VLLM
+    /// A run of `recipe` from `model_dir` to `out_dir` with the defaults of a library caller:
+    /// no progress, no comparison columns, nothing kept on interrupt, no page.
+    pub fn new(model_dir: &Path, out_dir: &Path, recipe: Recipe, path: WeightPath) -> Self {
+        QuantizeOptions {
+            model_dir: model_dir.to_path_buf(),
+            out_dir: out_dir.to_path_buf(),
+            recipe,
+            path,
+            resume: false,
+            force: false,
+            force_memory: false,
+            progress: false,
+            compare: false,
+            dump_dequantized: None,
+            stop_after_layers: None,
+            keep_on_interrupt: false,
+            page: None,
         }
     }
 }
@@ -273,30 +211,19 @@ pub struct LinearReport {
 #[derive(Debug, Clone, Serialize)]
 pub struct QuantReport {
     pub spark_tool: String,
+    /// Everything that decided the output's bytes (also `recipe.toml` beside a checkpoint).
+    pub recipe: Recipe,
     pub model: String,
     pub out: String,
-    pub format: WeightFormat,
-    pub group_size: usize,
     pub scale_rule: ScaleRule,
-    /// GPTQ's column order (RTN ignores it).
-    pub order: Order,
-    /// Rounds of output-error scale refit after GPTQ.
-    pub refit_rounds: usize,
-    /// Passes of coordinate descent on the codes after GPTQ (at most; it stops when one changes nothing).
-    pub descent_passes: usize,
-    /// What each layer's linears were solved to reproduce.
+    /// What each layer's linears were solved to reproduce (the recipe's, or none for RTN).
     pub objective: Objective,
-    /// What the calibration forward fed the linears.
-    pub forward_precision: ForwardPrecision,
-    pub qkv_layout: QkvLayout,
-    pub quantize_head: bool,
     pub path: WeightPath,
     pub calibration_files: Vec<String>,
     pub calibration_sha256: String,
     pub samples: usize,
     pub seq_len: usize,
     pub linears: Vec<LinearReport>,
-    pub method: Method,
     pub mean_error: f64,
     pub mean_rtn_error: Option<f64>,
     pub mean_gptq_error: Option<f64>,
@@ -328,17 +255,11 @@ pub struct QuantReport {
     /// What the run planned to hold at its peak, before it started.
     pub memory_plan: plan::MemoryPlan,
     pub resumed_from_layer: Option<usize>,
-    /// The GGUF file type written, when the output is GGUF.
-    pub gguf: Option<FileType>,
-    /// Block tuning's settings, when it ran, and what it did to each layer.
-    pub block_tune: Option<block_tune::BlockTune>,
+    /// What the lab's block tuning did to each layer, when it ran.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub block_tune_layers: Vec<block_tune::LayerTuneReport>,
-    /// Model tuning's settings and result, when it ran.
+    pub block_tune_layers: Vec<lab::LayerTuneReport>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model_tune: Option<model_tune::ModelTune>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model_tune_result: Option<model_tune::ModelTuneReport>,
+    pub model_tune_result: Option<lab::ModelTuneReport>,
 }
 
 impl QuantReport {
@@ -423,13 +344,12 @@ pub enum QuantizeError {
     Memory { plan: plan::MemoryPlan, have: u64 },
     #[error("layer {layer}: non-finite activations entering {what} (NaN/Inf); the checkpoint or an earlier quantized layer is broken")]
     NonFiniteActivations { layer: usize, what: &'static str },
-    #[error("layer {layer}: block tuning failed: {source}")]
-    BlockTune {
-        layer: usize,
-        source: candle_core::Error,
-    },
+    #[error(transparent)]
+    Recipe(#[from] recipe::RecipeError),
+    #[error("layer {layer}: block tuning failed: {message}")]
+    BlockTune { layer: usize, message: String },
     #[error("model tuning failed: {0}")]
-    ModelTune(candle_core::Error),
+    ModelTune(String),
 }
 
 /// The quantized linears of one layer, as written: one per [`Proj::QUANTIZED`]; with block
@@ -440,7 +360,7 @@ pub struct LayerResult {
     /// (input_layernorm, post_attention_layernorm) as tuned (bf16 values).
     pub norms: Option<Norms>,
     /// What block tuning did to the layer.
-    pub tune: Option<block_tune::LayerTuneReport>,
+    pub tune: Option<lab::LayerTuneReport>,
 }
 
 /// A layer's two norm weights: (input_layernorm, post_attention_layernorm).
@@ -474,7 +394,7 @@ fn check_finite(x: &[f32], layer: usize, what: &'static str) -> Result<(), Quant
     }
 }
 
-/// One linear (or a block of its output rows) solved with `opts.method`, and with `compare` by
+/// One linear (or a block of its output rows) solved with `opts.recipe.method`, and with `compare` by
 /// every method: the written weights, each measured method's output error as
 /// (‖ΔX‖², ‖WX‖²), and the seconds of the written method.
 struct Solved {
@@ -494,11 +414,11 @@ fn solve_linear(
     opts: &QuantizeOptions,
     phases: &mut Phases,
 ) -> Result<Solved, QuantizeError> {
-    let (k, method) = (h.dim(), opts.method);
+    let (k, method) = (h.dim(), opts.recipe.method);
     let cfg = |rule| GptqConfig {
         group_size,
         block_size: 128,
-        damp: opts.damp,
+        damp: opts.recipe.damp,
         rule,
         grid,
     };
@@ -523,7 +443,7 @@ fn solve_linear(
                 None,
             ),
             Method::Gptq | Method::GptqSearch => {
-                let s = solver.quantize_timed(w, n, &cfg(opts.scale_rule(v)))?;
+                let s = solver.quantize_timed(w, n, &cfg(opts.recipe.scale_rule(v)))?;
                 (s.q, s.times, Some(s.error))
             }
         };
@@ -543,79 +463,26 @@ fn solve_linear(
             phases.add(Phase::Compare, solved);
         }
     }
+    #[allow(unused_mut)]
     let mut q = chosen.expect("the chosen method is always among the variants");
-    if method != Method::Rtn && opts.refit_rounds > 0 {
-        let rule = opts.scale_rule(method);
-        let mut clock = Clock::start();
-        let best = parts[method as usize].expect("the chosen method is measured");
-        let (refined, err) = refine(
+    #[cfg(feature = "lab")]
+    if method != Method::Rtn {
+        let polish = lab_solve::Polish {
             solver,
             hm,
             w,
             n,
-            &cfg(rule),
-            q,
-            best,
-            opts.refit_rounds,
+            cfg: &cfg(opts.recipe.scale_rule(method)),
+        };
+        seconds += polish.run(
+            &mut q,
+            &mut parts[method as usize],
+            den,
+            &opts.recipe.lab,
             phases,
         )?;
-        q = refined;
-        parts[method as usize] = Some(err);
-        seconds += clock.lap().seconds;
-    }
-    if method != Method::Rtn && opts.descent_passes > 0 {
-        let mut clock = Clock::start();
-        descend(w, &mut q, hm, opts.descent_passes);
-        let spent = clock.lap();
-        phases.add(Phase::Descent, spent);
-        seconds += spent.seconds;
-        parts[method as usize] = Some((delta_form(w, &q, hm), den));
-        phases.add(Phase::Compare, clock.lap());
     }
     Ok(Solved { q, parts, seconds })
-}
-
-/// Alternate the output-error scale refit (codes fixed) with GPTQ under those scales (scales
-/// fixed), `rounds` times at most, keeping whichever weights have the lowest output error; stops
-/// early when a round finds nothing better.
-#[allow(clippy::too_many_arguments)]
-fn refine(
-    solver: &GptqSolver,
-    hm: &[f32],
-    w: &[f32],
-    n: usize,
-    cfg: &GptqConfig,
-    q: QuantizedWeight,
-    parts: (f64, f64),
-    rounds: usize,
-    phases: &mut Phases,
-) -> Result<(QuantizedWeight, (f64, f64)), QuantizeError> {
-    let mut best = (q, parts);
-    for _ in 0..rounds {
-        let mut clock = Clock::start();
-        let scales = refit_scales(w, &best.0, hm);
-        phases.add(Phase::ScaleSearch, clock.lap());
-        let refit = QuantizedWeight {
-            scales: scales.clone(),
-            ..best.0.clone()
-        };
-        let refit_parts = (delta_form(w, &refit, hm), parts.1);
-        phases.add(Phase::Compare, clock.lap());
-        let resolved = solver.quantize_with_scales(w, n, cfg, &scales)?;
-        phases.add_solve(&resolved.times);
-        let resolved_parts = (resolved.error, parts.1);
-        let resolved = resolved.q;
-        let before = best.1 .0;
-        for cand in [(refit, refit_parts), (resolved, resolved_parts)] {
-            if cand.1 .0 < best.1 .0 {
-                best = cand;
-            }
-        }
-        if best.1 .0 >= before {
-            break;
-        }
-    }
-    Ok(best)
 }
 
 /// The report row of a linear from its solved blocks' error parts.
@@ -652,7 +519,7 @@ fn linear_report(
     }
 }
 
-/// Quantize every linear that reads `h` with `opts.method`; with `opts.compare`,
+/// Quantize every linear that reads `h` with `opts.recipe.method`; with `opts.compare`,
 /// RTN, plain GPTQ and GPTQ + scale search are all measured for the report.
 fn quantize_group(
     names: &[String],
@@ -664,7 +531,7 @@ fn quantize_group(
     phases: &mut Phases,
 ) -> Result<(Vec<QuantizedWeight>, Vec<LinearReport>), QuantizeError> {
     let mut clock = Clock::start();
-    let solver = GptqSolver::with_order(&names.join("+"), h, opts.damp, opts.order)?;
+    let solver = GptqSolver::with_order(&names.join("+"), h, opts.recipe.damp, opts.recipe.order)?;
     let factor = clock.lap();
     phases.add(Phase::Factor, factor);
     let setup = factor.seconds / names.len() as f64;
@@ -681,7 +548,7 @@ fn quantize_group(
             &solver,
             &[s.parts],
             setup + s.seconds,
-            opts.method,
+            opts.recipe.method,
         ));
         kept.push(s.q);
     }
@@ -823,7 +690,7 @@ impl LayerSolve<'_> {
         let layers = cfg.num_hidden_layers;
         let grids: Vec<(Grid, usize)> = projs
             .iter()
-            .map(|&p| self.opts.grid_of(Some(self.li), p, layers))
+            .map(|&p| self.opts.recipe.grid_of(Some(self.li), p, layers))
             .collect();
         let mut weights: Vec<Vec<f32>> = self.phases.time(Phase::Install, || {
             projs
@@ -836,12 +703,12 @@ impl LayerSolve<'_> {
         let mut stream_weight = None;
         if let Some(float) = float {
             // Solve for W* (the float output from this input) instead of W.
-            let (damp, seq_len) = (self.opts.damp, self.seq_len);
+            let (damp, seq_len) = (self.opts.recipe.damp, self.seq_len);
             let target = self.phases.time(Phase::Hessian, || match float {
                 Float::Inputs(xf) => {
                     let mut c = CrossMoment::new(h.dim());
                     c.add(input, xf, self.rows);
-                    FloatOutputTarget::new(&h, &c, self.opts.damp)
+                    FloatOutputTarget::new(&h, &c, self.opts.recipe.damp)
                 }
                 Float::Outputs(y) => {
                     assert_eq!(outs.len(), 1, "an output moment belongs to one linear");
@@ -862,10 +729,9 @@ impl LayerSolve<'_> {
             });
             let target = target.ok_or_else(|| {
                 QuantizeError::Invalid(format!(
-                    "layer {}: the Hessian of {} stays singular with its damping raised 10⁵-fold; raise {}",
+                    "layer {}: the Hessian of {} stays singular with its damping raised 10⁵-fold; raise the recipe's damp (--set damp=0.1)",
                     self.li,
                     names.join("+"),
-                    crate::setting::Setting::Damp
                 ))
             })?;
             for ((w, &n), e) in weights.iter_mut().zip(&outs).zip(&mut energies) {
@@ -889,11 +755,11 @@ impl LayerSolve<'_> {
         drop(h);
         let clock = Clock::start();
         for (&p, q) in projs.iter().zip(qs) {
-            install(layer, p, &q, self.opts.forward_precision);
+            install(layer, p, &q, self.opts.recipe.forward_precision);
             self.result.insert(p, q);
         }
         self.phases.add(Phase::Install, clock.elapsed());
-        if self.opts.format == WeightFormat::W4A8 && self.opts.gguf.is_none() {
+        if self.opts.recipe.format == WeightFormat::W4A8 && self.opts.recipe.gguf.is_none() {
             let k = projs[0].shape(cfg)[1];
             let (xs, m) = self.phases.time(Phase::Compare, || {
                 act_rounding_sample(input, self.rows, self.seq_len, k)
@@ -1003,7 +869,7 @@ fn quantize_layer(
     // through the same stages, each computed while the linears it needs are still float.
     bar.set_message(format!("layer {li}: q/k/v"));
     check_finite(x, li, "input_layernorm")?;
-    let fp = opts.forward_precision;
+    let fp = opts.recipe.forward_precision;
     let h = solve.phases.time(Phase::Forward, || {
         linear_input(layer.input_layernorm.forward(x), fp)
     });
@@ -1016,7 +882,7 @@ fn quantize_layer(
         None => (None, None),
     };
     // GGUF also quantizes the head gate g_proj, which reads the same input.
-    let qkv: &[Proj] = if opts.gguf.is_some() {
+    let qkv: &[Proj] = if opts.recipe.gguf.is_some() {
         &[Proj::Q, Proj::K, Proj::V, Proj::G]
     } else {
         &[Proj::Q, Proj::K, Proj::V]
@@ -1038,7 +904,7 @@ fn quantize_layer(
     });
     // float-stream: out_proj's target is the float stream after the add (the step advances the
     // float stream); its float input is not needed any more.
-    let stream = opts.effective_objective() == Objective::FloatStream && xf.is_some();
+    let stream = opts.recipe.effective_objective() == Objective::FloatStream && xf.is_some();
     if stream {
         attn_f = None;
     }
@@ -1106,116 +972,6 @@ fn quantize_layer(
     Ok((solve.result, solve.reports))
 }
 
-/// Block-tune layer `li` after its solve ([`block_tune`]): `res` and `layer` get the tuned
-/// linears and norms, and `x` (the quantized stream into the layer) is advanced through the
-/// tuned layer. `y` is the float model's stream out of the layer.
-#[allow(clippy::too_many_arguments)]
-fn tune_layer(
-    model: &SparkModel,
-    layer: &mut DecoderLayer,
-    li: usize,
-    res: &mut LayerResult,
-    x: &mut [f32],
-    y: &[f32],
-    windows: &calibration::Windows,
-    bt: &block_tune::BlockTune,
-    opts: &QuantizeOptions,
-    bar: &ProgressBar,
-) -> Result<block_tune::LayerTuneReport, QuantizeError> {
-    let cfg = model.config();
-    let ctx = model.ctx_for(layer.kind);
-    let (samples, seq_len) = (windows.samples, windows.seq_len);
-    let inputs = block_tune::LayerInputs {
-        layer: li,
-        ctx,
-        linears: Proj::QUANTIZED.iter().map(|&p| (p, res.get(p))).collect(),
-        g_proj: layer.linear(Proj::G).dequantize(),
-        norms: (
-            layer.input_layernorm.weight().to_vec(),
-            layer.post_attention_layernorm.weight().to_vec(),
-        ),
-        x,
-        y,
-        samples,
-        seq_len,
-    };
-    bar.set_message(format!("layer {li}: block tuning"));
-    let t = block_tune::tune_layer(cfg, &inputs, bt, |step| {
-        bar.set_message(format!(
-            "layer {li}: block tuning, step {step}/{}",
-            bt.steps
-        ))
-    })
-    .map_err(|source| QuantizeError::BlockTune { layer: li, source })?;
-    drop(inputs);
-    for (p, q) in t.linears {
-        install(layer, p, &q, opts.forward_precision);
-        res.insert(p, q);
-    }
-    layer.input_layernorm.set_weight(t.norms.0.clone());
-    layer.post_attention_layernorm.set_weight(t.norms.1.clone());
-    res.norms = Some(t.norms);
-    forward_samples(layer, x, samples, seq_len, &ctx, opts.forward_precision);
-    Ok(t.report)
-}
-
-/// Model-tune every staged layer together ([`model_tune`]) and stage the result in their place.
-fn tune_model(
-    model: &SparkModel,
-    out: &output::Output,
-    aux: &[(Vec<f32>, Norms)],
-    teacher: &[f32],
-    windows: &calibration::Windows,
-    mt: &model_tune::ModelTune,
-    bar: &ProgressBar,
-) -> Result<model_tune::ModelTuneReport, QuantizeError> {
-    let cfg = model.config();
-    let staged: Vec<LayerResult> = (0..aux.len())
-        .map(|li| out.load_solved_layer(li))
-        .collect::<Result<_, _>>()?;
-    let x0 = model.embed(&windows.tokens)?;
-    let head = model.lm_head().dequantize();
-    let final_norm = model.final_norm_weight().to_vec();
-    let inputs = model_tune::ModelInputs {
-        layers: staged
-            .iter()
-            .zip(aux)
-            .zip(&cfg.layer_types)
-            .map(|((r, (g, norms)), &kind)| model_tune::ModelLayer {
-                ctx: model.ctx_for(kind),
-                linears: Proj::QUANTIZED.iter().map(|&p| (p, r.get(p))).collect(),
-                g_proj: g.clone(),
-                norms: r.norms.clone().unwrap_or_else(|| norms.clone()),
-            })
-            .collect(),
-        x0: &x0,
-        teacher,
-        final_norm: &final_norm,
-        head: &head,
-        samples: windows.samples,
-        seq_len: windows.seq_len,
-    };
-    bar.set_message("model tuning");
-    let (tuned, report) = model_tune::tune_model(cfg, &inputs, mt, |step| {
-        bar.set_message(format!("model tuning, step {step}/{}", mt.steps))
-    })
-    .map_err(QuantizeError::ModelTune)?;
-    drop(inputs);
-    let layers: Vec<LayerResult> = tuned
-        .into_iter()
-        .zip(staged)
-        .map(|(t, mut r)| {
-            for (p, q) in t.linears {
-                r.insert(p, q);
-            }
-            r.norms = Some(t.norms);
-            r
-        })
-        .collect();
-    out.stage_model_tuned(&layers)?;
-    Ok(report)
-}
-
 /// ‖a − b‖² / ‖b‖², summed in f64.
 pub(crate) fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
     let (d, n) = a
@@ -1231,6 +987,7 @@ pub(crate) fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
 
 /// Advance the stream `x` of every calibration sample through `layer`, as the calibration
 /// forward computes it.
+#[cfg(feature = "lab")]
 fn forward_samples(
     layer: &DecoderLayer,
     x: &mut [f32],
@@ -1266,13 +1023,13 @@ fn quantize_head(
     let cfg = model.config();
     let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
     let y = phases.time(Phase::Forward, || {
-        linear_input(model.final_norm(x), opts.forward_precision)
+        linear_input(model.final_norm(x), opts.recipe.forward_precision)
     });
     let mut h = Hessian::new(hidden);
     phases.time(Phase::Hessian, || h.add(&y, rows));
     drop(y);
     let mut clock = Clock::start();
-    let solver = GptqSolver::with_order("lm_head", &h, opts.damp, opts.order)?;
+    let solver = GptqSolver::with_order("lm_head", &h, opts.recipe.damp, opts.recipe.order)?;
     let factor = clock.lap();
     phases.add(Phase::Factor, factor);
     let hm = phases.time(Phase::Compare, || h.matrix_f32());
@@ -1288,7 +1045,7 @@ fn quantize_head(
             let w = crate::model::DenseWeight::load(ck, tensor, Some(r0..r1))?;
             Ok(DenseLinear::from_weight(w, r1 - r0, hidden).dequantize())
         })?;
-        let grid = opts.grid_of(None, Proj::Q, cfg.num_hidden_layers);
+        let grid = opts.recipe.grid_of(None, Proj::Q, cfg.num_hidden_layers);
         let s = solve_linear(&solver, &hm, &h, (&w, None), r1 - r0, grid, opts, phases)?;
         parts.push(s.parts);
         seconds += s.seconds;
@@ -1298,7 +1055,14 @@ fn quantize_head(
         [one] => one.clone(),
         many => crate::formats::gptq::concat_outputs(&many.iter().collect::<Vec<_>>()),
     };
-    let report = linear_report("lm_head", vocab, &solver, &parts, seconds, opts.method);
+    let report = linear_report(
+        "lm_head",
+        vocab,
+        &solver,
+        &parts,
+        seconds,
+        opts.recipe.method,
+    );
     Ok((q, report))
 }
 
@@ -1314,7 +1078,7 @@ fn check_gguf_shapes(
     let mut solved: Vec<(String, Option<usize>, Proj, usize)> =
         vec![("the head".into(), None, Proj::Q, cfg.hidden_size)];
     for li in 0..layers {
-        for &p in opts.projs() {
+        for &p in opts.recipe.projs() {
             solved.push((
                 format!("{}{}", layer_prefix(li), p.module()),
                 Some(li),
@@ -1324,7 +1088,7 @@ fn check_gguf_shapes(
         }
     }
     for (name, li, p, k) in solved {
-        let (grid, gs) = opts.grid_of(li, p, layers);
+        let (grid, gs) = opts.recipe.grid_of(li, p, layers);
         let block = grid.tier_of(k).unwrap_or(gs);
         if k % block != 0 {
             return Err(QuantizeError::Invalid(format!(
@@ -1338,96 +1102,11 @@ fn check_gguf_shapes(
     Ok(())
 }
 
-/// Settings no run can succeed with, refused before anything is read.
-fn check_options(opts: &QuantizeOptions) -> Result<(), QuantizeError> {
-    use crate::setting::Setting;
-    // The damping is raised ×10 per failed Cholesky: from 0, NaN or a negative value it never
-    // becomes usable, only retried.
-    if !(opts.damp.is_finite() && opts.damp > 0.0 && opts.damp <= 1.0) {
-        return Err(QuantizeError::Invalid(format!(
-            "{} {} must be a number in (0, 1] (a fraction of the mean Hessian diagonal)",
-            Setting::Damp,
-            opts.damp
-        )));
-    }
-    if opts.path.lpbq && opts.gguf.is_none() && opts.refit_rounds > 0 {
-        return Err(QuantizeError::Invalid(format!(
-            "{} works on the free bf16 scale lattice only, not on the phone's LPBQ lattice (γ·k per channel)",
-            Setting::RefitRounds
-        )));
-    }
-    if opts.gguf.is_some() && opts.refit_rounds > 0 {
-        return Err(QuantizeError::Invalid(format!(
-            "{} works on the bf16 scale lattice of GPTQ checkpoints only, not on GGUF block scales",
-            Setting::RefitRounds
-        )));
-    }
-    let tunes = [
-        opts.block_tune.map(|_| Setting::BlockTune),
-        opts.model_tune.map(|_| Setting::ModelTune),
-    ];
-    for setting in tunes.into_iter().flatten() {
-        let why = if opts.gguf.is_some() {
-            Some("GGUF block scales")
-        } else if opts.path.lpbq {
-            Some("the phone's LPBQ lattice (γ·k per channel)")
-        } else if opts.method == Method::Rtn {
-            Some("RTN, which has no objective (the target is the float model's stream)")
-        } else if !opts.effective_objective().carries_float_stream() {
-            Some("the quantized-input objective (the target is the float model's stream)")
-        } else {
-            None
-        };
-        if let Some(why) = why {
-            return Err(QuantizeError::Invalid(format!(
-                "{setting} tunes GPTQ checkpoints on the bf16 scale lattice with the float-stream or float-output objective, not {why}"
-            )));
-        }
-    }
-    if opts.model_tune.is_some() && opts.quantize_head {
-        return Err(QuantizeError::Invalid(format!(
-            "{} fits the layers to the float model's head; it cannot be combined with --quantize-head",
-            Setting::ModelTune
-        )));
-    }
-    let sizes = [
-        opts.block_tune
-            .map(|b| (Setting::BlockTune, b.steps, b.batch)),
-        opts.model_tune
-            .map(|m| (Setting::ModelTune, m.steps, m.batch)),
-    ];
-    for (setting, steps, batch) in sizes.into_iter().flatten() {
-        if batch == 0 || steps == 0 {
-            return Err(QuantizeError::Invalid(format!(
-                "{setting}: steps and batch must be at least 1"
-            )));
-        }
-    }
-    for (s, v) in [
-        (Setting::Samples, opts.samples),
-        (Setting::SeqLen, opts.seq_len),
-    ] {
-        if v == 0 {
-            return Err(QuantizeError::Invalid(format!(
-                "{s} must be at least 1, got 0"
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// The whole command. Progress goes to stderr; the report is returned.
 pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     let t0 = Clock::start();
     let private = crate::resources::PrivatePeak::start();
-    check_options(opts)?;
-    if opts.gguf.is_none() && ![32, 64, 128].contains(&opts.group_size) {
-        return Err(QuantizeError::Invalid(format!(
-            "{} {}: vLLM's GPTQ loader accepts 32, 64 or 128",
-            crate::setting::Setting::GroupSize,
-            opts.group_size
-        )));
-    }
+    opts.recipe.validate()?;
     let ck = Checkpoint::open(&opts.model_dir)?;
     if ck.config.gptq.is_some() {
         return Err(QuantizeError::Invalid(format!(
@@ -1436,7 +1115,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         )));
     }
     let cfg = ck.config.clone();
-    if let Some(ft) = opts.gguf {
+    if let Some(ft) = opts.recipe.gguf {
         check_gguf_shapes(opts, &cfg, ft)?;
     }
     for (what, dim) in [
@@ -1444,10 +1123,10 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
         ("q_dim", cfg.q_dim()),
         ("intermediate_size", cfg.intermediate_size),
     ] {
-        if opts.gguf.is_none() && (dim % opts.group_size != 0 || dim % 32 != 0) {
+        if opts.recipe.gguf.is_none() && (dim % opts.recipe.group_size != 0 || dim % 32 != 0) {
             return Err(QuantizeError::Invalid(format!(
                 "{what} = {dim} is not a multiple of the group size {} and of 32 (vLLM CPU needs K % 32 == 0)",
-                opts.group_size
+                opts.recipe.group_size
             )));
         }
     }
@@ -1530,6 +1209,143 @@ fn finish_save(
     Ok(())
 }
 
+/// Plan the run's memory before anything large is read; refuse a plan over the available
+/// memory unless forced.
+fn plan_memory(opts: &QuantizeOptions, ck: &Checkpoint) -> Result<plan::MemoryPlan, QuantizeError> {
+    let r = &opts.recipe;
+    let widened: u64 = ck
+        .store
+        .entries()
+        .filter(|e| e.dtype != safetensors::Dtype::BF16)
+        .map(|e| e.numel() as u64 * 4)
+        .sum();
+    let rows = r.samples.saturating_mul(r.seq_len);
+    let float_output = r.effective_objective().carries_float_stream();
+    let mut memory_plan =
+        plan::MemoryPlan::new(&ck.config, rows, widened, r.solves_head(), float_output);
+    if let Some(bt) = &r.lab.block_tune {
+        memory_plan.block_tune = lab::block_tune_bytes(&ck.config, rows, bt, r.seq_len);
+    }
+    if let Some(mt) = &r.lab.model_tune {
+        memory_plan.model_tune = lab::model_tune_bytes(&ck.config, rows, mt, r.seq_len);
+    }
+    let have = crate::resources::memory_budget().map(|b| b.min(u64::MAX as u128) as u64);
+    if opts.progress {
+        let avail = have
+            .map(|h| format!("; {} available", crate::resources::human(h as u128)))
+            .unwrap_or_default();
+        eprintln!("memory plan: {memory_plan}{avail}");
+    }
+    match have {
+        Some(have) if memory_plan.total() > have && !opts.force_memory => {
+            Err(QuantizeError::Memory {
+                plan: memory_plan,
+                have,
+            })
+        }
+        _ => Ok(memory_plan),
+    }
+}
+
+/// The calibration windows, tokenized with the checkpoint's own tokenizer.
+fn calibrate(
+    opts: &QuantizeOptions,
+    ck: &Checkpoint,
+) -> Result<calibration::Windows, QuantizeError> {
+    let tok_path = ck.tokenizer_path().ok_or_else(|| {
+        QuantizeError::Invalid(format!(
+            "{} has no tokenizer.json, which calibration text needs",
+            opts.model_dir.display()
+        ))
+    })?;
+    let tok = SparkTokenizer::from_file(&tok_path)?;
+    let r = &opts.recipe;
+    Ok(calibration::build(
+        &r.calibration,
+        &tok,
+        r.samples,
+        r.seq_len,
+    )?)
+}
+
+/// Where the layer loop stands: the streams into the next layer and what the finished layers
+/// reported.
+struct Progress {
+    /// The quantized model's residual stream.
+    x: Vec<f32>,
+    /// The float model's stream beside it (the objectives that carry it).
+    xf: Option<Vec<f32>>,
+    /// The first layer still to solve.
+    first: usize,
+    reports: Vec<LinearReport>,
+    tuned: Vec<lab::LayerTuneReport>,
+    resumed_from_layer: Option<usize>,
+}
+
+/// A resumed run's progress (its finished layers never run again), or a fresh start from the
+/// embedding.
+fn start(
+    run: &Run<'_>,
+    model: &SparkModel,
+    done: &mut Option<usize>,
+) -> Result<Progress, QuantizeError> {
+    let (opts, out) = (run.opts, run.out);
+    let float_output = opts.recipe.effective_objective().carries_float_stream();
+    let state = if opts.resume {
+        out.load_state(&run.settings, model.num_layers())?
+    } else {
+        None
+    };
+    let progress = match state {
+        Some(st) => {
+            *done = Some(st.completed);
+            if opts.keep_on_interrupt {
+                out.keep_for_resume();
+            }
+            Progress {
+                x: st.x,
+                xf: st.x_float,
+                first: st.completed,
+                reports: st.reports,
+                tuned: st.block_tune,
+                resumed_from_layer: Some(st.completed),
+            }
+        }
+        None => {
+            out.reset_state()?;
+            *done = Some(0);
+            let x = model.embed(&run.windows.tokens)?;
+            Progress {
+                xf: float_output.then(|| x.clone()),
+                x,
+                first: 0,
+                reports: Vec::new(),
+                tuned: Vec::new(),
+                resumed_from_layer: None,
+            }
+        }
+    };
+    if float_output != progress.xf.is_some() {
+        return Err(QuantizeError::Invalid(format!(
+            "{}: the saved state does not match objective {:?}; run without {} to start over",
+            opts.out_dir.display(),
+            opts.recipe.effective_objective(),
+            crate::setting::Setting::Resume
+        )));
+    }
+    Ok(progress)
+}
+
+/// What every step of a run reads.
+struct Run<'a> {
+    opts: &'a QuantizeOptions,
+    out: &'a output::Output,
+    windows: calibration::Windows,
+    /// The resume fingerprint of this run.
+    settings: String,
+    bar: ProgressBar,
+}
+
 /// Everything after the output is planned; `done` counts the layers whose state is saved.
 fn run(
     opts: &QuantizeOptions,
@@ -1540,279 +1356,76 @@ fn run(
     done: &mut Option<usize>,
 ) -> Result<QuantReport, QuantizeError> {
     let mut phases = Phases::default();
-    let widened: u64 = ck
-        .store
-        .entries()
-        .filter(|e| e.dtype != safetensors::Dtype::BF16)
-        .map(|e| e.numel() as u64 * 4)
-        .sum();
-    let float_output = opts.effective_objective().carries_float_stream();
-    let mut memory_plan = plan::MemoryPlan::new(
-        &ck.config,
-        opts.samples.saturating_mul(opts.seq_len),
-        widened,
-        opts.solves_head(),
-        float_output,
-    );
-    if let Some(bt) = &opts.block_tune {
-        memory_plan.block_tune = block_tune::planned_bytes(
-            &ck.config,
-            opts.samples.saturating_mul(opts.seq_len),
-            bt,
-            opts.seq_len,
-        );
-    }
-    if let Some(mt) = &opts.model_tune {
-        memory_plan.model_tune = model_tune::planned_bytes(
-            &ck.config,
-            opts.samples.saturating_mul(opts.seq_len),
-            mt,
-            opts.seq_len,
-        );
-    }
-    let have = crate::resources::memory_budget().map(|b| b.min(u64::MAX as u128) as u64);
-    if opts.progress {
-        let avail = have
-            .map(|h| format!("; {} available", crate::resources::human(h as u128)))
-            .unwrap_or_default();
-        eprintln!("memory plan: {memory_plan}{avail}");
-    }
-    if let Some(have) = have {
-        if memory_plan.total() > have && !opts.force_memory {
-            return Err(QuantizeError::Memory {
-                plan: memory_plan,
-                have,
-            });
-        }
-    }
-    let tok_path = ck.tokenizer_path().ok_or_else(|| {
-        QuantizeError::Invalid(format!(
-            "{} has no tokenizer.json, which calibration text needs",
-            opts.model_dir.display()
-        ))
-    })?;
-    let tok = SparkTokenizer::from_file(&tok_path)?;
-    let windows = calibration::build(&opts.calibration, &tok, opts.samples, opts.seq_len)?;
-
+    let memory_plan = plan_memory(opts, ck)?;
+    let windows = calibrate(opts, ck)?;
     let mut model = SparkModel::from_checkpoint(ck, opts.progress)?;
     let layers = model.num_layers();
     let rows = windows.samples * windows.seq_len;
     let settings = output::settings_fingerprint(opts, ck, &windows.sha256)?;
-    let state = if opts.resume {
-        out.load_state(&settings, layers)?
-    } else {
-        None
-    };
-
-    // `xf`: the float model's residual stream, beside the quantized model's `x`.
-    let (mut x, mut xf, first, mut reports, mut tuned, resumed_from_layer) = match state {
-        // The finished layers' output is in `x`; they never run again.
-        Some(st) => {
-            *done = Some(st.completed);
-            if opts.keep_on_interrupt {
-                out.keep_for_resume();
-            }
-            (
-                st.x,
-                st.x_float,
-                st.completed,
-                st.reports,
-                st.block_tune,
-                Some(st.completed),
-            )
-        }
-        None => {
-            out.reset_state()?;
-            *done = Some(0);
-            let x = model.embed(&windows.tokens)?;
-            let xf = float_output.then(|| x.clone());
-            (x, xf, 0, Vec::new(), Vec::new(), None)
-        }
-    };
-    if float_output != xf.is_some() {
-        return Err(QuantizeError::Invalid(format!(
-            "{}: the saved state does not match objective {:?}; run without {} to start over",
-            opts.out_dir.display(),
-            opts.effective_objective(),
-            crate::setting::Setting::Resume
-        )));
-    }
-
     let bar = crate::artifact::progress_bar(opts.progress, layers as u64, "quantize layers");
-    bar.set_position(first as u64);
+    let run = Run {
+        opts,
+        out,
+        windows,
+        settings,
+        bar,
+    };
+    let mut progress = start(&run, &model, done)?;
+    run.bar.set_position(progress.first as u64);
     phases.add(Phase::Load, t0.elapsed());
     // Each layer is dropped once solved and its result once staged: memory holds one layer's
     // f32 weights and codes, not all of them.
     let all_layers = model.take_layers();
-    // What model tuning needs of each layer besides its staged result: the untuned `g_proj` and
-    // the checkpoint's norms (block tuning's, when it ran, are staged with the layer).
-    let aux: Vec<(Vec<f32>, Norms)> = if opts.model_tune.is_some() {
-        all_layers
-            .iter()
-            .map(|l| {
-                (
-                    l.linear(Proj::G).dequantize(),
-                    (
-                        l.input_layernorm.weight().to_vec(),
-                        l.post_attention_layernorm.weight().to_vec(),
-                    ),
-                )
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    // Every layer allocates its stages' activations (up to `rows` × 6656 f32) anew, in the same
-    // pattern: freed blocks stay in the heap for the next layer instead of fresh pages.
-    let heap = crate::resources::HeapReuse::new();
-    // Each layer's state is written for `--resume` while the next layer is solved. One save is
-    // in flight at a time, with its own copy of the streams (planned in `plan::MemoryPlan`);
-    // `done` advances only once a save has finished.
-    let layers_solved = std::thread::scope(|scope| -> Result<(), QuantizeError> {
-        let mut saving: Option<LayerSave<'_>> = None;
-        let solved = (|| -> Result<(), QuantizeError> {
-            for (li, mut layer) in all_layers.into_iter().enumerate().skip(first) {
-                let x_in = opts.block_tune.is_some().then(|| x.clone());
-                let (mut res, rep) = quantize_layer(
-                    &model,
-                    &mut layer,
-                    li,
-                    &mut x,
-                    xf.as_deref_mut(),
-                    &windows,
-                    opts,
-                    &bar,
-                    &mut phases,
-                )?;
-                if let (Some(bt), Some(mut x_in), Some(y)) = (&opts.block_tune, x_in, xf.as_deref())
-                {
-                    let r = phases.time(Phase::BlockTune, || {
-                        tune_layer(
-                            &model, &mut layer, li, &mut res, &mut x_in, y, &windows, bt, opts,
-                            &bar,
-                        )
-                    })?;
-                    x = x_in;
-                    res.tune = Some(r);
-                }
-                drop(layer);
-                finish_save(&mut saving, &mut phases, done, out, opts.keep_on_interrupt)?;
-                let streams = phases.time(Phase::Save, || (x.clone(), xf.clone()));
-                tuned.extend(res.tune.clone());
-                let (out, settings, saved_rep) = (out, &settings, rep.clone());
-                saving = Some(LayerSave {
-                    layer: li,
-                    handle: scope.spawn(move || {
-                        let (xs, xfs) = streams;
-                        out.save_layer(li, &res, &saved_rep, &xs, xfs.as_deref(), settings)
-                    }),
-                });
-                reports.extend(rep);
-                bar.inc(1);
-                if opts.stop_after_layers == Some(li + 1) && li + 1 < layers {
-                    finish_save(&mut saving, &mut phases, done, out, opts.keep_on_interrupt)?;
-                    bar.finish_and_clear();
-                    return Err(QuantizeError::Interrupted(li + 1));
-                }
-            }
-            finish_save(&mut saving, &mut phases, done, out, opts.keep_on_interrupt)
-        })();
-        match solved {
-            // A save in flight still counts towards what is kept; if it failed, its failure came
-            // first and is the one reported (as it was when saves ran in line).
-            Err(e) => Err(
-                finish_save(&mut saving, &mut phases, done, out, opts.keep_on_interrupt)
-                    .err()
-                    .unwrap_or(e),
-            ),
-            ok => ok,
-        }
-    });
-    // The last layer's blocks go back to the system before the head and the write.
-    drop(heap);
-    layers_solved?;
-    let stream_error = match (&opts.model_tune, xf.as_deref()) {
-        (None, Some(xf)) => Some(relative_distance(&x, xf)),
+    #[cfg(feature = "lab")]
+    let aux = lab_solve::model_tune_aux(opts, &all_layers);
+    layer_loop(&run, &model, all_layers, &mut progress, &mut phases, done)?;
+    let xf = progress.xf.as_deref();
+    let stream_error = match (&opts.recipe.lab.model_tune, xf) {
+        (None, Some(xf)) => Some(relative_distance(&progress.x, xf)),
         _ => None,
     };
-    let model_tune_result = match (&opts.model_tune, xf.as_deref()) {
+    let model_tune_result = match (&opts.recipe.lab.model_tune, xf) {
+        #[cfg(feature = "lab")]
         (Some(mt), Some(teacher)) => Some(phases.time(Phase::ModelTune, || {
-            tune_model(&model, out, &aux, teacher, &windows, mt, &bar)
+            lab_solve::tune_model(&model, out, &aux, teacher, &run.windows, mt, &run.bar)
         })?),
         _ => None,
     };
-    let head = if opts.solves_head() {
-        bar.set_message("lm_head");
-        let (q, r) = quantize_head(&model, ck, &x, rows, opts, &mut phases, plan::HEAD_ROWS)?;
-        reports.push(r);
+    let head = if opts.recipe.solves_head() {
+        run.bar.set_message("lm_head");
+        let (q, r) = quantize_head(
+            &model,
+            ck,
+            &progress.x,
+            rows,
+            opts,
+            &mut phases,
+            plan::HEAD_ROWS,
+        )?;
+        progress.reports.push(r);
         Some(q)
     } else {
         None
     };
-    bar.finish_and_clear();
-
-    let mean = |f: &dyn Fn(&LinearReport) -> f64| {
-        reports.iter().map(f).sum::<f64>() / reports.len().max(1) as f64
-    };
-    let mean_opt = |f: &dyn Fn(&LinearReport) -> Option<f64>| -> Option<f64> {
-        let v: Option<Vec<f64>> = reports.iter().map(f).collect();
-        v.map(|v| v.iter().sum::<f64>() / v.len().max(1) as f64)
-    };
-    let mut report = QuantReport {
-        spark_tool: env!("CARGO_PKG_VERSION").into(),
-        model: opts.model_dir.display().to_string(),
-        out: opts.out_dir.display().to_string(),
-        format: opts.format,
-        group_size: opts.group_size,
-        scale_rule: opts.scale_rule(opts.method),
-        order: opts.order,
-        refit_rounds: opts.refit_rounds,
-        descent_passes: opts.descent_passes,
-        objective: opts.effective_objective(),
-        forward_precision: opts.forward_precision,
-        qkv_layout: opts.qkv_layout,
-        quantize_head: opts.quantize_head,
-        path: opts.path.clone(),
-        calibration_files: opts
-            .calibration
-            .iter()
-            .map(|p| crate::bundled::record_name(p))
-            .collect(),
-        calibration_sha256: windows.sha256.clone(),
-        samples: windows.samples,
-        seq_len: windows.seq_len,
-        mean_rtn_error: mean_opt(&|r| r.rtn_error),
-        mean_gptq_error: mean_opt(&|r| r.gptq_error),
-        method: opts.method,
-        mean_error: mean(&|r| r.error),
-        mean_gptq_search_error: mean_opt(&|r| r.gptq_search_error),
-        mean_act_error: mean_opt(&|r| r.act_error),
-        stream_error,
-        linears: reports,
-        bits_per_weight: 0.0,
-        output_bytes: 0,
-        wall_seconds: 0.0,
-        cpu_seconds: 0.0,
-        threads: 0,
-        cpu_utilisation: 0.0,
-        phases: Vec::new(),
-        peak_rss_bytes: None,
-        peak_private_bytes: None,
-        memory_plan,
-        resumed_from_layer,
-        gguf: opts.gguf,
-        block_tune: opts.block_tune,
-        block_tune_layers: tuned,
-        model_tune: opts.model_tune,
-        model_tune_result,
-    };
+    run.bar.finish_and_clear();
+    let mut report = QuantReport::new(opts, &run.windows, progress.reports, memory_plan);
+    report.stream_error = stream_error;
+    report.resumed_from_layer = progress.resumed_from_layer;
+    report.block_tune_layers = progress.tuned;
+    report.model_tune_result = model_tune_result;
     let write = Clock::start();
     if let Some(path) = &opts.dump_dequantized {
         out.dump_dequantized(path, &ck.config, layers, head.as_ref())?;
     }
-    let (bytes, params) = match (opts.gguf, &head) {
+    let (bytes, params) = match (opts.recipe.gguf, &head) {
         (Some(ft), Some(head)) => out.write_gguf(ck, ft, head, &report)?,
-        _ => out.write(ck, layers, opts.group_size, head.as_ref(), &mut report)?,
+        _ => out.write(
+            ck,
+            layers,
+            opts.recipe.group_size,
+            head.as_ref(),
+            &mut report,
+        )?,
     };
     phases.add(Phase::Write, write.elapsed());
     report.output_bytes = bytes;
@@ -1829,6 +1442,160 @@ fn run(
     Ok(report)
 }
 
+/// For each layer: observe its inputs and solve it (`quantize_layer`), then stage its result
+/// for `--resume` while the next layer is solved. One save is in flight at a time, with its
+/// own copy of the streams (planned in `plan::MemoryPlan`); `done` advances only once a save
+/// has finished.
+fn layer_loop(
+    run: &Run<'_>,
+    model: &SparkModel,
+    all_layers: Vec<DecoderLayer>,
+    progress: &mut Progress,
+    phases: &mut Phases,
+    done: &mut Option<usize>,
+) -> Result<(), QuantizeError> {
+    let (opts, out, keep) = (run.opts, run.out, run.opts.keep_on_interrupt);
+    let layers = all_layers.len();
+    // Every layer allocates its stages' activations (up to `rows` × 6656 f32) anew, in the same
+    // pattern: freed blocks stay in the heap for the next layer instead of fresh pages.
+    let heap = crate::resources::HeapReuse::new();
+    let solved = std::thread::scope(|scope| -> Result<(), QuantizeError> {
+        let mut saving: Option<LayerSave<'_>> = None;
+        let solved = (|| -> Result<(), QuantizeError> {
+            for (li, mut layer) in all_layers.into_iter().enumerate().skip(progress.first) {
+                #[cfg(feature = "lab")]
+                let x_in = opts
+                    .recipe
+                    .lab
+                    .block_tune
+                    .is_some()
+                    .then(|| progress.x.clone());
+                #[cfg_attr(not(feature = "lab"), allow(unused_mut))]
+                let (mut res, rep) = quantize_layer(
+                    model,
+                    &mut layer,
+                    li,
+                    &mut progress.x,
+                    progress.xf.as_deref_mut(),
+                    &run.windows,
+                    opts,
+                    &run.bar,
+                    phases,
+                )?;
+                #[cfg(feature = "lab")]
+                if let (Some(bt), Some(mut x_in), Some(y)) =
+                    (&opts.recipe.lab.block_tune, x_in, progress.xf.as_deref())
+                {
+                    let r = phases.time(Phase::BlockTune, || {
+                        lab_solve::tune_layer(
+                            model,
+                            &mut layer,
+                            li,
+                            &mut res,
+                            &mut x_in,
+                            y,
+                            &run.windows,
+                            bt,
+                            opts,
+                            &run.bar,
+                        )
+                    })?;
+                    progress.x = x_in;
+                    res.tune = Some(r);
+                }
+                drop(layer);
+                finish_save(&mut saving, phases, done, out, keep)?;
+                let streams =
+                    phases.time(Phase::Save, || (progress.x.clone(), progress.xf.clone()));
+                progress.tuned.extend(res.tune.clone());
+                let (settings, saved_rep) = (&run.settings, rep.clone());
+                saving = Some(LayerSave {
+                    layer: li,
+                    handle: scope.spawn(move || {
+                        let (xs, xfs) = streams;
+                        out.save_layer(li, &res, &saved_rep, &xs, xfs.as_deref(), settings)
+                    }),
+                });
+                progress.reports.extend(rep);
+                run.bar.inc(1);
+                if opts.stop_after_layers == Some(li + 1) && li + 1 < layers {
+                    finish_save(&mut saving, phases, done, out, keep)?;
+                    run.bar.finish_and_clear();
+                    return Err(QuantizeError::Interrupted(li + 1));
+                }
+            }
+            finish_save(&mut saving, phases, done, out, keep)
+        })();
+        match solved {
+            // A save in flight still counts towards what is kept; if it failed, its failure came
+            // first and is the one reported (as it was when saves ran in line).
+            Err(e) => Err(finish_save(&mut saving, phases, done, out, keep)
+                .err()
+                .unwrap_or(e)),
+            ok => ok,
+        }
+    });
+    // The last layer's blocks go back to the system before the head and the write.
+    drop(heap);
+    solved
+}
+
+impl QuantReport {
+    /// The report of a run before its output is written (sizes, times and memory are filled in
+    /// after).
+    fn new(
+        opts: &QuantizeOptions,
+        windows: &calibration::Windows,
+        linears: Vec<LinearReport>,
+        memory_plan: plan::MemoryPlan,
+    ) -> Self {
+        let n = linears.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&LinearReport) -> f64| linears.iter().map(f).sum::<f64>() / n;
+        let mean_opt = |f: &dyn Fn(&LinearReport) -> Option<f64>| -> Option<f64> {
+            let v: Option<Vec<f64>> = linears.iter().map(f).collect();
+            v.map(|v| v.iter().sum::<f64>() / v.len().max(1) as f64)
+        };
+        let r = &opts.recipe;
+        QuantReport {
+            spark_tool: env!("CARGO_PKG_VERSION").into(),
+            model: opts.model_dir.display().to_string(),
+            out: opts.out_dir.display().to_string(),
+            scale_rule: r.scale_rule(r.method),
+            objective: r.effective_objective(),
+            path: opts.path.clone(),
+            calibration_files: r
+                .calibration
+                .iter()
+                .map(|p| crate::bundled::record_name(p))
+                .collect(),
+            calibration_sha256: windows.sha256.clone(),
+            samples: windows.samples,
+            seq_len: windows.seq_len,
+            mean_error: mean(&|l| l.error),
+            mean_rtn_error: mean_opt(&|l| l.rtn_error),
+            mean_gptq_error: mean_opt(&|l| l.gptq_error),
+            mean_gptq_search_error: mean_opt(&|l| l.gptq_search_error),
+            mean_act_error: mean_opt(&|l| l.act_error),
+            stream_error: None,
+            linears,
+            bits_per_weight: 0.0,
+            output_bytes: 0,
+            wall_seconds: 0.0,
+            cpu_seconds: 0.0,
+            threads: 0,
+            cpu_utilisation: 0.0,
+            phases: Vec::new(),
+            peak_rss_bytes: None,
+            peak_private_bytes: None,
+            memory_plan,
+            resumed_from_layer: None,
+            block_tune_layers: Vec::new(),
+            model_tune_result: None,
+            recipe: r.clone(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1836,38 +1603,22 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn options(method: Method, compare: bool) -> QuantizeOptions {
-        QuantizeOptions {
-            model_dir: PathBuf::new(),
-            out_dir: PathBuf::new(),
-            format: WeightFormat::W4A16,
+        let recipe = Recipe {
             group_size: 32,
             method,
-            order: Order::Natural,
+            order: crate::quant::Order::Natural,
             signed_scales: false,
-            refit_rounds: 0,
-            descent_passes: 0,
             objective: Objective::QuantizedInput,
-            forward_precision: ForwardPrecision::Bf16,
-            path: crate::device::decide(&CpuFeatures::default(), Target::X86, Priority::Speed),
             calibration: Vec::new(),
             samples: 1,
             seq_len: 1,
-            qkv_layout: QkvLayout::Fused,
-            quantize_head: false,
-            damp: 0.01,
-            resume: false,
-            force: false,
-            force_memory: false,
-            progress: false,
-            compare,
-            dump_dequantized: None,
-            stop_after_layers: None,
-            keep_on_interrupt: true,
-            gguf: None,
-            block_tune: None,
-            model_tune: None,
-            page: None,
-        }
+            ..Recipe::default()
+        };
+        let path = crate::device::decide(&CpuFeatures::default(), Target::X86, Priority::Speed);
+        let mut o = QuantizeOptions::new(&PathBuf::new(), &PathBuf::new(), recipe, path);
+        o.compare = compare;
+        o.keep_on_interrupt = true;
+        o
     }
 
     /// Inputs with strongly correlated columns (where GPTQ's error feedback pays) and two
@@ -1946,7 +1697,7 @@ mod tests {
         let tokens: Vec<u32> = (0..96).map(|i| (i * 37 % 4000) as u32 + 1).collect();
         let x = model.embed(&tokens).unwrap();
         let mut o = options(Method::GptqSearch, true);
-        o.group_size = 64;
+        o.recipe.group_size = 64;
         let run = |block| {
             quantize_head(
                 &model,

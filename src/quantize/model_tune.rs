@@ -1,4 +1,4 @@
-//! Model tuning after GPTQ (`quantize --model-tune`, docs/FIDELITY.md "Model tuning"): block
+//! Model tuning after GPTQ (recipe `[lab.model_tune]`, docs/FIDELITY.md "Model tuning"): block
 //! tuning fits each decoder block to the float block's output; this fits the group scales and
 //! norm gains of *all* blocks at once to the float model's next-token distribution, the measure
 //! the fidelity targets are stated in (EfficientQAT's end-to-end step-size training):
@@ -14,63 +14,15 @@
 //! already carry through the layers, so each step costs one student forward and backward.
 
 use candle_core::{Device, Tensor, Var, D};
-use serde::{Deserialize, Serialize};
 
-use super::block_tune::{Block, TunedBlock, TunedLayer, Weights, SCORE_CHUNK};
+use super::block_tune::{Block, TunedBlock, TunedLayer, Weights};
+use super::lab::SCORE_CHUNK;
+pub use super::lab::{ModelTune, ModelTuneReport};
 use super::tune_loop::{self, Objective, Schedule};
 use super::Norms;
 use crate::checkpoint::{Proj, SparkConfig};
 use crate::model::block::Ctx;
 use crate::quant::QuantizedWeight;
-
-/// The settings of a model tuning run.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct ModelTune {
-    pub steps: usize,
-    /// Calibration windows per step.
-    pub batch: usize,
-    /// Adam's step for the group scale factors.
-    pub scale_lr: f64,
-    /// Adam's step for the norm gain factors (0: norms not tuned).
-    pub norm_lr: f64,
-    /// Adam's step for the code offsets (0: codes fixed).
-    pub codes_lr: f64,
-    /// Score the stored state on all windows every this many steps and keep the best (0: never).
-    pub check: usize,
-    pub seed: u64,
-    /// Feed every quantized linear its input rounded per token to int8 (W4A8 numerics,
-    /// straight-through), so the tuning sees what `int4_scaled_mm_cpu` multiplies.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub int8_inputs: bool,
-}
-
-impl Default for ModelTune {
-    fn default() -> Self {
-        ModelTune {
-            steps: 200,
-            batch: 4,
-            scale_lr: 1e-3,
-            norm_lr: 5e-4,
-            codes_lr: 0.0,
-            check: 50,
-            seed: 0,
-            int8_inputs: false,
-        }
-    }
-}
-
-/// What model tuning did (quant_report.json `model_tune_result`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelTuneReport {
-    /// Mean KL(float ‖ quantized) per token on all calibration windows before tuning.
-    pub kl_before: f64,
-    /// The same with the state written.
-    pub kl_after: f64,
-    pub tuned: bool,
-    pub codes_moved: u64,
-    pub seconds: f64,
-    pub step_seconds: f64,
-}
 
 /// One layer as model tuning starts from it.
 pub struct ModelLayer<'a> {
@@ -262,34 +214,6 @@ pub fn tune_model(
             step_seconds: fit.step_seconds,
         },
     ))
-}
-
-/// Private bytes model tuning holds at its peak beyond the quantizer's own: the embedded
-/// windows; per weight of every layer its codes, offsets, best and initial states and the
-/// differentiable weight's intermediates with their gradients (all layers are in one graph);
-/// one batch's activations through every layer with what the backward keeps; the head in f32
-/// and a batch's logits with their softmax terms and gradients.
-pub fn planned_bytes(cfg: &SparkConfig, rows: usize, opts: &ModelTune, seq_len: usize) -> u64 {
-    let f = 4u128;
-    let layers = cfg.num_hidden_layers as u128;
-    let params: u128 = Proj::QUANTIZED
-        .iter()
-        .map(|p| p.shape(cfg).iter().product::<usize>() as u128)
-        .sum::<u128>()
-        * layers;
-    let tokens = (opts.batch.max(SCORE_CHUNK) * seq_len) as u128;
-    let (h, q, kv, inter, vocab) = (
-        cfg.hidden_size as u128,
-        cfg.q_dim() as u128,
-        cfg.kv_dim() as u128,
-        cfg.intermediate_size as u128,
-        cfg.vocab_size as u128,
-    );
-    let per_token = f * (16 * h + 10 * q + 8 * kv + 10 * inter) * layers;
-    let scores = f * 8 * (cfg.num_attention_heads as u128) * tokens * seq_len as u128 * layers;
-    let head = f * (2 * vocab * h + 6 * tokens * vocab);
-    let total = rows as u128 * h * f + params * f * 14 + tokens * per_token + scores + head;
-    total.min(u64::MAX as u128) as u64
 }
 
 #[cfg(test)]

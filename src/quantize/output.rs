@@ -12,10 +12,9 @@ use safetensors::Dtype;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::block_tune::LayerTuneReport;
+use super::lab::LayerTuneReport;
 use super::{
-    grid_for, LayerResult, LinearReport, Norms, Objective, QuantReport, QuantizeError,
-    QuantizeOptions,
+    grid_for, LayerResult, LinearReport, Norms, QuantReport, QuantizeError, QuantizeOptions,
 };
 use crate::artifact::{self, io_err, Staging};
 use crate::checkpoint::layout::{layer_prefix, stored_linears};
@@ -81,7 +80,7 @@ pub struct ResumeState {
     pub block_tune: Vec<LayerTuneReport>,
 }
 
-/// Identifies a run: same model bytes, calibration and settings ⇒ same fingerprint. The weights
+/// Identifies a run: same model bytes, calibration bytes and recipe ⇒ same fingerprint. The weights
 /// are keyed by content, not size: a checkpoint rewritten in place at the same size must not
 /// resume onto layers quantized from the old weights. Hashing reads every weight file once
 /// (sha256 at 0.4–1.0 GB/s per core measured on the 2-core CI machine: 8–20 s for an 8 GB
@@ -109,29 +108,7 @@ pub fn settings_fingerprint(
     for (p, d) in files.iter().zip(digests) {
         h.update(format!("{:?} {d}\n", p.file_name()));
     }
-    // float-stream's targets changed with its split-half weight: a state saved before must not resume.
-    let objective = match opts.effective_objective() {
-        Objective::FloatStream => "FloatStream split-half".to_string(),
-        o => format!("{o:?}"),
-    };
-    h.update(format!(
-        "{calib_sha} {:?} g{} s{} l{} {:?} head{} damp{} {:?} {:?} {:?} refit{} descent{} {objective} {:?} gguf{:?} tune{:?}",
-        opts.format,
-        opts.group_size,
-        opts.samples,
-        opts.seq_len,
-        opts.qkv_layout,
-        opts.quantize_head,
-        opts.damp,
-        opts.method,
-        opts.order,
-        opts.scale_rule(opts.method),
-        opts.refit_rounds,
-        opts.descent_passes,
-        opts.forward_precision,
-        opts.gguf,
-        opts.block_tune
-    ));
+    h.update(format!("{calib_sha} {}", opts.recipe.fingerprint()));
     Ok(format!("{:x}", h.finalize()))
 }
 
@@ -267,8 +244,8 @@ fn bf16_copy(ck: &Checkpoint, name: &str) -> Result<Vec<u8>, QuantizeError> {
 impl Output {
     pub fn prepare(opts: &QuantizeOptions, ck: &Checkpoint) -> Result<Self, QuantizeError> {
         let mut inputs: Vec<&Path> = vec![&ck.dir];
-        inputs.extend(opts.calibration.iter().map(PathBuf::as_path));
-        let staging = if opts.gguf.is_some() {
+        inputs.extend(opts.recipe.calibration.iter().map(PathBuf::as_path));
+        let staging = if opts.recipe.gguf.is_some() {
             Staging::plan_file(&opts.out_dir, GGUF_KIND, &inputs, opts.force, is_our_gguf)?
         } else {
             Staging::plan(&opts.out_dir, ARTIFACT_KIND, &inputs, opts.force)?
@@ -294,16 +271,16 @@ impl Output {
         Ok(Output {
             partial: staging.root().to_path_buf(),
             staging,
-            projs: opts.projs(),
+            projs: opts.recipe.projs(),
             // GGUF has one attn_qkv tensor per layer.
-            qkv_layout: if opts.gguf.is_some() {
+            qkv_layout: if opts.recipe.gguf.is_some() {
                 QkvLayout::Fused
             } else {
-                opts.qkv_layout
+                opts.recipe.qkv_layout
             },
-            gguf: opts.gguf,
-            gptq_grid: opts.gptq_grid(),
-            group_size: opts.group_size,
+            gguf: opts.recipe.gguf,
+            gptq_grid: opts.recipe.gptq_grid(),
+            group_size: opts.recipe.group_size,
             layers: ck.config.num_hidden_layers,
             tied: ck.layout.tied,
             model_tuned: false.into(),
@@ -446,6 +423,7 @@ impl Output {
     }
 
     /// Stage model tuning's state of every layer (in order) and use it from now on.
+    #[cfg(feature = "lab")]
     pub(super) fn stage_model_tuned(&self, layers: &[LayerResult]) -> Result<(), QuantizeError> {
         for (li, r) in layers.iter().enumerate() {
             write_safetensors_atomic(&self.tuned_layer_path(li), &self.layer_tensors(r), None)?;
@@ -690,7 +668,7 @@ impl Output {
             for n in [NORMS[0], NORMS[1], &format!("{}.weight", Proj::G.module())] {
                 copy(format!("{p}{n}"))?;
             }
-            if report.block_tune.is_some() || report.model_tune.is_some() {
+            if report.recipe.lab.block_tune.is_some() || report.recipe.lab.model_tune.is_some() {
                 for (which, n) in NORMS.iter().enumerate() {
                     tuned_norms.push((format!("{p}{n}"), Source::TunedNorm { layer: li, which }));
                 }
@@ -799,6 +777,8 @@ impl Output {
             serde_json::to_string_pretty(&gptq::legacy_quantize_config(&qc)).expect("json") + "\n",
         )
         .map_err(io_err(&dir))?;
+        std::fs::write(dir.join(super::recipe::FILE_NAME), report.recipe.to_toml())
+            .map_err(io_err(&dir))?;
         ck.copy_side_files(&dir)?;
         Ok((bytes, params))
     }
@@ -830,20 +810,13 @@ impl Output {
             .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "spark".into());
         let mut kv = spark::metadata(cfg, &tok_dir, &name, ft)?;
-        let provenance = json!({
-            "method": report.method,
-            "scale_rule": report.scale_rule,
-            "order": report.order,
-            "objective": report.objective,
-            "forward_precision": report.forward_precision,
-            "calibration_sha256": report.calibration_sha256,
-            "samples": report.samples,
-            "seq_len": report.seq_len,
-            "mean_output_error": report.mean_error,
-        });
         kv.push((
             "spark_tool.quantization".into(),
-            ggufmt::Value::String(provenance.to_string()),
+            ggufmt::Value::String(provenance(report).to_string()),
+        ));
+        kv.push((
+            super::recipe::GGUF_KEY.into(),
+            ggufmt::Value::String(report.recipe.to_toml()),
         ));
         let plan = spark::tensor_plan(cfg, self.tied);
         let layers = cfg.num_hidden_layers;
@@ -947,28 +920,9 @@ impl Output {
 
     /// docs/GPTQ_FORMAT.md §4, with the q/k/v aliases vLLM needs for the fused QKV (§5).
     fn quantization_config(&self, r: &QuantReport, head: bool) -> serde_json::Value {
-        gptq::quantization_config(
-            r.group_size,
-            head,
-            json!({
-                "format": r.format,
-                "method": r.method,
-                "scale_rule": r.scale_rule,
-                "order": r.order,
-                "refit_rounds": r.refit_rounds,
-                "descent_passes": r.descent_passes,
-                "objective": r.objective,
-                "forward_precision": r.forward_precision,
-                "qkv_layout": r.qkv_layout,
-                "device_path": r.path,
-                "calibration_sha256": r.calibration_sha256,
-                "calibration_files": r.calibration_files,
-                "samples": r.samples,
-                "seq_len": r.seq_len,
-                "block_tune": r.block_tune,
-                "model_tune": r.model_tune,
-            }),
-        )
+        let mut p = provenance(r);
+        p["format"] = json!(r.recipe.format);
+        gptq::quantization_config(r.recipe.group_size, head, p)
     }
 
     /// Write the report (and `page`'s), move the finished checkpoint onto `--out`, drop the
@@ -989,4 +943,19 @@ impl Output {
         }
         Ok(self.staging.commit(&dir)?)
     }
+}
+
+/// What an output records of how it was made (`quantization_config.meta.spark_tool` of a GPTQ
+/// checkpoint, `spark_tool.quantization` of a GGUF): the recipe, and what the run made of it.
+fn provenance(r: &QuantReport) -> serde_json::Value {
+    json!({
+        "recipe": r.recipe,
+        "scale_rule": r.scale_rule,
+        "objective": r.objective,
+        "calibration_files": r.calibration_files,
+        "calibration_sha256": r.calibration_sha256,
+        "samples": r.samples,
+        "seq_len": r.seq_len,
+        "mean_output_error": r.mean_error,
+    })
 }

@@ -113,11 +113,11 @@ fn error_chart(p: &ProjectionErrors) -> Result<plots::Svg, ReportError> {
 
 /// The block tuning row: its settings and what it did, summed over the layers.
 fn block_tuning(r: &QuantReport) -> String {
-    let Some(bt) = &r.block_tune else {
+    let Some(bt) = &r.recipe.lab.block_tune else {
         return "off".into();
     };
     let l = &r.block_tune_layers;
-    let mean = |f: &dyn Fn(&crate::quantize::block_tune::LayerTuneReport) -> f64| {
+    let mean = |f: &dyn Fn(&crate::quantize::lab::LayerTuneReport) -> f64| {
         l.iter().map(f).sum::<f64>() / l.len().max(1) as f64
     };
     let moved: u64 = l.iter().map(|x| x.codes_moved).sum();
@@ -136,7 +136,7 @@ fn block_tuning(r: &QuantReport) -> String {
 
 /// The model tuning row: its settings and the calibration KL it reached.
 fn model_tuning(r: &QuantReport) -> String {
-    let (Some(mt), Some(res)) = (&r.model_tune, &r.model_tune_result) else {
+    let (Some(mt), Some(res)) = (&r.recipe.lab.model_tune, &r.model_tune_result) else {
         return "off".into();
     };
     format!(
@@ -194,11 +194,11 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         .map(error_chart)
         .collect::<Result<Vec<_>, _>>()?;
     let phases = phase_chart(r)?;
-    let format = json_name(&r.format).to_uppercase();
+    let format = json_name(&r.recipe.format).to_uppercase();
     let headline = format!(
         "{format} g{} by {}: mean relative output error {}{}, {:.3} bits per weight",
-        r.group_size,
-        json_name(&r.method),
+        r.recipe.group_size,
+        json_name(&r.recipe.method),
         page::sci(r.mean_error),
         r.mean_rtn_error
             .map_or(String::new(), |e| format!(" (RTN {})", page::sci(e))),
@@ -209,18 +209,18 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         ("model", r.model.clone()),
         ("output", r.out.clone()),
         ("format", format.clone()),
-        ("group size", r.group_size.to_string()),
-        ("method", json_name(&r.method)),
+        ("group size", r.recipe.group_size.to_string()),
+        ("method", json_name(&r.recipe.method)),
         ("scale rule", json_name(&r.scale_rule)),
-        ("column order", json_name(&r.order)),
-        ("refit rounds", r.refit_rounds.to_string()),
-        ("descent passes", r.descent_passes.to_string()),
+        ("column order", json_name(&r.recipe.order)),
+        ("refit rounds", r.recipe.lab.refit_rounds.to_string()),
+        ("descent passes", r.recipe.lab.descent_passes.to_string()),
         ("objective", json_name(&r.objective)),
         ("block tuning", block_tuning(r)),
         ("model tuning", model_tuning(r)),
-        ("calibration forward", json_name(&r.forward_precision)),
-        ("q/k/v layout", json_name(&r.qkv_layout)),
-        ("4-bit head", r.quantize_head.to_string()),
+        ("calibration forward", json_name(&r.recipe.forward_precision)),
+        ("q/k/v layout", json_name(&r.recipe.qkv_layout)),
+        ("4-bit head", r.recipe.quantize_head.to_string()),
         (
             "calibration",
             format!(

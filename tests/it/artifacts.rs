@@ -28,7 +28,7 @@ fn copy_fixture(to: &Path) -> PathBuf {
 
 fn qopts(model: &Path, out: &Path) -> QuantizeOptions {
     let mut o = common::quantize_options(model, out, WeightFormat::W4A8, 128);
-    (o.samples, o.seq_len, o.compare, o.force) = (4, 64, false, true);
+    (o.recipe.samples, o.recipe.seq_len, o.compare, o.force) = (4, 64, false, true);
     o
 }
 
@@ -67,7 +67,7 @@ fn force_never_deletes_the_input_or_a_folder_holding_it() {
     let calib = d.path().join("calib.txt");
     std::fs::write(&calib, "some text").unwrap();
     let mut o = qopts(&model, &calib);
-    o.calibration = vec![calib.clone()];
+    o.recipe.calibration = vec![calib.clone()];
     assert!(quantize(&o).is_err());
     assert!(calib.is_file());
     std::fs::remove_file(&calib).unwrap();

@@ -142,43 +142,16 @@ fn flags_that_do_not_apply_are_refused_before_any_work() {
     let e = e.to_str().unwrap();
     let cases: [(&[&str], &[&str]); 12] = [
         (
-            &[
-                "quantize",
-                fx,
-                "--out",
-                g,
-                "--format",
-                "gguf-q4_k_m",
-                "--scale-sign",
-                "signed",
-            ],
-            &["--scale-sign signed", "gguf-q4_k_m", "unsigned"],
+            &["quantize", fx, "--out", e, "--set", "method=best"],
+            &["method", "best", "gptq-search"],
         ),
         (
-            &[
-                "quantize",
-                fx,
-                "--out",
-                e,
-                "--target",
-                "phone",
-                "--scale-sign",
-                "signed",
-            ],
-            &["--scale-sign signed", "--target phone", "LPBQ"],
+            &["quantize", fx, "--out", e, "--set", "damp=2"],
+            &["damp = 2", "(0, 1]"],
         ),
         (
-            &[
-                "quantize",
-                fx,
-                "--out",
-                e,
-                "--method",
-                "rtn",
-                "--scale-sign",
-                "positive",
-            ],
-            &["--scale-sign", "gptq-search"],
+            &["quantize", fx, "--out", e, "--set", "sample=4"],
+            &["the flags", "sample"],
         ),
         (
             &["bench", fx, "--kernels", "--only", "nosuch"],
@@ -241,11 +214,16 @@ fn flags_that_do_not_apply_are_refused_before_any_work() {
                 fx,
                 "--out",
                 e,
-                "--model-tune",
-                "--model-tune-lr",
-                "nan",
+                "--target",
+                "phone",
+                "--set",
+                "lab.refit_rounds=1",
             ],
-            &["--model-tune-lr", "finite"],
+            if cfg!(feature = "lab") {
+                &["lab.refit_rounds", "LPBQ"]
+            } else {
+                &["[lab]", "--features lab"]
+            },
         ),
         (
             &["run", "/definitely/not/here", "--tokens", "1"],
@@ -552,7 +530,7 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
             serde_json::from_str(&std::fs::read_to_string(out.join("quant_report.json")).unwrap())
                 .unwrap();
         let format = if answer == "x86-amx" { "w4a8" } else { "w4a16" };
-        assert_eq!(report["format"], format, "{answer}");
+        assert_eq!(report["recipe"]["format"], format, "{answer}");
         assert!(report["memory_plan"]["activations"].as_u64().unwrap() > 0);
         assert_eq!(report["scale_rule"], "signed_search", "the default");
         assert_eq!(report["objective"], "float-stream", "the default");
@@ -566,7 +544,7 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
     // Positive scales on request, recorded as such.
     let pos = d.path().join("pos");
     ok(quantize()
-        .args(["--quiet", "--scale-sign", "positive", "--out"])
+        .args(["--quiet", "--set", "signed_scales=false", "--out"])
         .arg(&pos));
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(pos.join("quant_report.json")).unwrap())
@@ -586,19 +564,12 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
     // gguf-q4_0 takes either sign on request: the file records the rule, and only the signed
     // one has negative Q4_0 block scales.
     for (sign, rule, any_negative) in [
-        ("signed", "signed_search", true),
-        ("positive", "search", false),
+        ("signed_scales=true", "signed_search", true),
+        ("signed_scales=false", "search", false),
     ] {
-        let g = d.path().join(format!("{sign}.gguf"));
+        let g = d.path().join(format!("{rule}.gguf"));
         ok(quantize()
-            .args([
-                "--quiet",
-                "--format",
-                "gguf-q4_0",
-                "--scale-sign",
-                sign,
-                "--out",
-            ])
+            .args(["--quiet", "--format", "gguf-q4_0", "--set", sign, "--out"])
             .arg(&g));
         let f = spark_tool::formats::gguf::GgufFile::open(&g).unwrap();
         assert_eq!(common::gguf_scale_rule(&f), rule, "{sign}");
@@ -629,33 +600,74 @@ fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
 }
 
 #[test]
-fn block_tune_settings_without_block_tune_are_refused() {
-    // A tuning setting on a run that does not tune would silently do nothing.
-    for (flag, needs) in [
-        (&["--block-tune-steps", "10"][..], "--block-tune"),
-        (&["--block-tune-check", "0"], "--block-tune"),
-        (&["--block-tune-int8"], "--block-tune"),
-        (&["--model-tune-steps", "10"], "--model-tune"),
-        (&["--model-tune-lr", "1e-3"], "--model-tune"),
-        (&["--model-tune-codes-lr", "1e-3"], "--model-tune"),
-        (&["--model-tune-batch", "2"], "--model-tune"),
-        (&["--model-tune-int8"], "--model-tune"),
-        (&["--model-tune-seed", "1"], "--model-tune"),
-    ] {
-        let d = tempfile::tempdir().unwrap();
-        let out = common::tool()
+fn the_recipe_of_an_output_reproduces_it_byte_for_byte() {
+    let d = tempfile::tempdir().unwrap();
+    let quantize = |args: &[&str], out: &std::path::Path| {
+        ok(common::tool()
             .arg("quantize")
             .arg(common::fixture("spark-tiny"))
-            .args(flag)
+            .args(["--quiet", "--no-compare"])
+            .args(args)
             .arg("--out")
-            .arg(d.path().join("q"))
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(2), "{flag:?}");
-        let se = String::from_utf8_lossy(&out.stderr);
-        assert!(se.contains(needs), "{flag:?}: {se}");
-        assert!(!d.path().join("q").exists());
+            .arg(out));
+    };
+    let small = ["--samples", "4", "--seq-len", "64"];
+    // A GPTQ checkpoint, with a baseline key set: its recipe.toml reproduces it.
+    let (a, b) = (d.path().join("a"), d.path().join("b"));
+    quantize(&[&small[..], &["--set", "order=natural"]].concat(), &a);
+    let recipe = std::fs::read_to_string(a.join("recipe.toml")).unwrap();
+    assert!(
+        recipe.contains("order = \"natural\"") && recipe.contains("samples = 4"),
+        "{recipe}"
+    );
+    let file = a.join("recipe.toml");
+    quantize(&["--recipe", file.to_str().unwrap()], &b);
+    for f in ["model.safetensors", "config.json", "recipe.toml"] {
+        assert!(
+            std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(),
+            "{f} differs"
+        );
     }
+    // A GGUF carries its recipe in its metadata; the file itself is a recipe source.
+    let (g1, g2) = (d.path().join("a.gguf"), d.path().join("b.gguf"));
+    quantize(&[&small[..], &["--format", "gguf-q4_0"]].concat(), &g1);
+    quantize(&["--recipe", g1.to_str().unwrap()], &g2);
+    assert!(
+        std::fs::read(&g1).unwrap() == std::fs::read(&g2).unwrap(),
+        "GGUF differs"
+    );
+    // A hand-written partial recipe: its keys, the defaults, and the flags over both.
+    let hand = d.path().join("rtn.toml");
+    std::fs::write(&hand, "method = \"rtn\"\nsamples = 2\nseq_len = 32\n").unwrap();
+    let c = d.path().join("c");
+    quantize(&["--recipe", hand.to_str().unwrap(), "--samples", "3"], &c);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(c.join("quant_report.json")).unwrap())
+            .unwrap();
+    let r = &report["recipe"];
+    assert_eq!(
+        (r["method"].as_str(), r["samples"].as_u64()),
+        (Some("rtn"), Some(3))
+    );
+    assert_eq!(
+        r["order"], "act-static",
+        "a key the file leaves out takes its default"
+    );
+    // A recipe that is not one is refused, naming the file and the key.
+    std::fs::write(&hand, "samples = \"many\"\n").unwrap();
+    let out = common::tool()
+        .arg("quantize")
+        .arg(common::fixture("spark-tiny"))
+        .arg("--recipe")
+        .arg(&hand)
+        .arg("--out")
+        .arg(d.path().join("bad"))
+        .output()
+        .unwrap();
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{se}");
+    assert!(se.contains("rtn.toml") && se.contains("samples"), "{se}");
+    assert!(!d.path().join("bad").exists());
 }
 
 #[test]

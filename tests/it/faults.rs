@@ -64,7 +64,7 @@ fn resume_refuses_weights_changed_in_place_at_the_same_size() {
     let model = copy_fixture(d.path());
     let out = d.path().join("q");
     let mut o = common::quantize_options(&model, &out, WeightFormat::W4A16, 64);
-    (o.samples, o.seq_len, o.compare) = (4, 64, false);
+    (o.recipe.samples, o.recipe.seq_len, o.compare) = (4, 64, false);
     o.stop_after_layers = Some(2);
     assert!(matches!(quantize(&o), Err(QuantizeError::Interrupted(2))));
 
@@ -95,7 +95,7 @@ fn resume_refuses_weights_changed_in_place_at_the_same_size() {
     quantize(&o).unwrap();
     let fresh_dir = d.path().join("fresh");
     let mut f = common::quantize_options(&model, &fresh_dir, WeightFormat::W4A16, 64);
-    (f.samples, f.seq_len, f.compare) = (4, 64, false);
+    (f.recipe.samples, f.recipe.seq_len, f.compare) = (4, 64, false);
     quantize(&f).unwrap();
     assert!(
         std::fs::read(out.join("model.safetensors")).unwrap()

@@ -20,8 +20,8 @@ use spark_tool::quantize::{quantize, ForwardPrecision, QuantizeOptions};
 fn options(out: &Path, ft: FileType) -> QuantizeOptions {
     let mut o =
         common::quantize_options(&common::fixture("spark-tiny"), out, WeightFormat::W4A16, 32);
-    (o.samples, o.seq_len, o.compare, o.gguf) = (8, 128, false, Some(ft));
-    o.forward_precision = ForwardPrecision::F32;
+    (o.recipe.samples, o.recipe.seq_len, o.compare, o.recipe.gguf) = (8, 128, false, Some(ft));
+    o.recipe.forward_precision = ForwardPrecision::F32;
     o
 }
 
@@ -46,7 +46,7 @@ fn round_trip(ft: FileType, want: &[(&str, GgmlType)]) {
     let mut o = options(&path, ft);
     o.dump_dequantized = Some(dump.clone());
     let report = quantize(&o).unwrap();
-    assert_eq!(report.gguf, Some(ft));
+    assert_eq!(report.recipe.gguf, Some(ft));
     let f = GgufFile::open(&path).unwrap();
     for (name, ty) in want {
         let t = f.tensors().iter().find(|t| t.name == *name).unwrap();
@@ -188,14 +188,14 @@ fn our_previous_file_is_replaced_only_with_force() {
     let d = tempfile::tempdir().unwrap();
     let path = d.path().join("m.gguf");
     let mut o = options(&path, FileType::Q8_0);
-    (o.samples, o.seq_len) = (2, 32);
+    (o.recipe.samples, o.recipe.seq_len) = (2, 32);
     quantize(&o).unwrap();
     let first = std::fs::read(&path).unwrap();
     let e = quantize(&o).unwrap_err().to_string();
     assert!(e.contains("force"), "{e}");
     assert_eq!(std::fs::read(&path).unwrap(), first);
     o.force = true;
-    o.gguf = Some(FileType::Q4_0);
+    o.recipe.gguf = Some(FileType::Q4_0);
     quantize(&o).unwrap();
     let f = GgufFile::open(&path).unwrap();
     assert!(matches!(f.kv("general.file_type"), Some(Value::U32(2))));
@@ -233,7 +233,7 @@ fn run_and_parity_read_gguf_files() {
     // Ours: the engine reads the file's own config and runs the dequantized weights.
     let path = d.path().join("m.gguf");
     let mut o = options(&path, FileType::Q8_0);
-    (o.samples, o.seq_len) = (4, 64);
+    (o.recipe.samples, o.recipe.seq_len) = (4, 64);
     quantize(&o).unwrap();
     let q = logits(&path);
     assert_eq!(q.len(), reference.len());
@@ -289,7 +289,7 @@ fn run_encodes_a_gguf_prompt_only_with_a_tokenizer_of_the_files_vocabulary() {
     let fixture = common::fixture("spark-tiny");
     let path = d.path().join("m.gguf");
     let mut o = options(&path, FileType::Q4_0);
-    (o.samples, o.seq_len) = (4, 64);
+    (o.recipe.samples, o.recipe.seq_len) = (4, 64);
     quantize(&o).unwrap();
     let run = |extra: &[&str], logits: &str| {
         let out = common::tool()

@@ -11,6 +11,8 @@ mod gguf_blocks;
 mod golden;
 mod gptq_reference;
 mod hub;
+#[cfg(feature = "lab")]
+mod lab;
 mod loader;
 mod malformed;
 mod parity;

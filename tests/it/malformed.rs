@@ -162,7 +162,7 @@ fn shared() -> &'static Shared {
             .arg("--out")
             .arg(&gptq)
             .args(["--format", "w4a16", "--samples", "2", "--seq-len", "32"])
-            .args(["--no-compare", "--quiet", "--method", "rtn"])
+            .args(["--no-compare", "--quiet", "--set", "method=rtn"])
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -338,7 +338,6 @@ fn cli_values() -> Vec<Case> {
         ("bench", "--repeat", &["0", "-1"]),
         ("quantize", "--samples", &["0", "-1", "x"]),
         ("quantize", "--seq-len", &["0", "-1"]),
-        ("quantize", "--damp", &["NaN", "-0.5", "0", "2", "x", "inf"]),
         ("quantize", "--group-size", &["-1", "0"]),
         ("export-phone", "--context", &["0", "-1", "x"]),
         ("export-phone", "--parts", &["0", "-1"]),
@@ -375,14 +374,16 @@ fn cli_values() -> Vec<Case> {
     }
     // Well-formed numbers the library refuses: named by their flag too.
     for (cmd, flag, v, word) in [
-        ("quantize", "--group-size", "48", "32, 64 or 128"),
+        ("quantize", "--group-size", "48", "group_size = 48"),
         ("export-phone", "--parts", "100", "must be in"),
         ("export-phone", "--context", "1", "must be in"),
     ] {
         let c = Case::new(format!("cli {cmd} {flag} {v} (library)"));
         let model = c.input(&shared().tiny, "model");
         let c = on_model(c, cmd, &model);
-        out.push(c.set(flag, v).names([flag, word]));
+        // A recipe key is named as the recipe spells it (the flag sets that key).
+        let named = if flag == "--group-size" { word } else { flag };
+        out.push(c.set(flag, v).names([named, word]));
     }
     out
 }

@@ -296,7 +296,7 @@ fn checkpoints_qnn_would_misread_are_refused_and_nothing_is_written() {
         64,
     );
     o.compare = false;
-    (o.samples, o.seq_len) = (4, 64);
+    (o.recipe.samples, o.recipe.seq_len) = (4, 64);
     quantize(&o).unwrap();
     let e = err(&free);
     assert!(

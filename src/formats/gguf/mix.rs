@@ -12,6 +12,7 @@ pub enum FileType {
     Q4_0,
     /// Q4_K, with Q6_K for the head and for `attn_qkv` / `ffn_down` in the layers llama.cpp
     /// gives more bits.
+    #[serde(rename = "q4_k_m", alias = "q4_km")]
     Q4KM,
     /// Q8_0 everywhere, the head included.
     Q8_0,

@@ -3,12 +3,11 @@
 
 use std::path::{Path, PathBuf};
 
-use spark_tool::calibration;
-use spark_tool::checkpoint::{Checkpoint, QkvLayout, TensorStore};
+use spark_tool::checkpoint::{Checkpoint, TensorStore};
 use spark_tool::device::{self, Priority, Target, WeightFormat};
 use spark_tool::model::SparkModel;
 use spark_tool::quant::Order;
-use spark_tool::quantize::{Method, QuantizeOptions};
+use spark_tool::quantize::{QuantizeOptions, Recipe};
 
 /// The binary under test: this build's, or `SPARK_TOOL_BIN` (docs/RELIABILITY.md runs the
 /// data-loss cases against an older build to show they catch what it did).
@@ -175,42 +174,24 @@ pub fn quantize_options(
     format: WeightFormat,
     group_size: usize,
 ) -> QuantizeOptions {
-    QuantizeOptions {
-        model_dir: model.to_path_buf(),
-        out_dir: out.to_path_buf(),
+    let recipe = Recipe {
         format,
         group_size,
-        method: Method::GptqSearch,
         order: Order::Natural,
-        signed_scales: true,
-        refit_rounds: 0,
-        descent_passes: 0,
         objective: spark_tool::quantize::Objective::FloatOutput,
-        forward_precision: spark_tool::quantize::ForwardPrecision::Bf16,
-        path: device::decide(
-            &device::CpuFeatures::default(),
-            Target::X86,
-            Priority::Speed,
-        ),
-        calibration: vec![calibration::bundled()],
         samples: 16,
         seq_len: 128,
-        qkv_layout: QkvLayout::Fused,
-        quantize_head: false,
-        damp: 0.01,
-        resume: false,
-        force: false,
-        force_memory: false,
-        progress: false,
-        compare: true,
-        dump_dequantized: None,
-        stop_after_layers: None,
-        keep_on_interrupt: true,
-        gguf: None,
-        block_tune: None,
-        model_tune: None,
-        page: None,
-    }
+        ..Recipe::default()
+    };
+    let path = device::decide(
+        &device::CpuFeatures::default(),
+        Target::X86,
+        Priority::Speed,
+    );
+    let mut o = QuantizeOptions::new(model, out, recipe, path);
+    o.compare = true;
+    o.keep_on_interrupt = true;
+    o
 }
 
 /// `export-phone` options for tests: the CLI's defaults, one part, 2 threads.
