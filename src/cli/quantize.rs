@@ -362,6 +362,22 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
+    print_summary(&report, a.verbose)?;
+    if a.stats {
+        print_phases(&report)?;
+    }
+    print_next_steps(
+        &model_dir,
+        &a.out,
+        report.recipe.gguf.is_some(),
+        report.path.lpbq,
+    );
+    Ok(())
+}
+
+/// The run in a few lines: format, calibration, errors, size, time and memory (`verbose`: every
+/// linear's error too).
+fn print_summary(report: &QuantReport, verbose: bool) -> anyhow::Result<()> {
     let format = match report.recipe.gguf {
         Some(ft) => format!("GGUF {}", ft.llama_name()),
         None => format!(
@@ -381,7 +397,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         &report.calibration_sha256[..12]
     );
     let e = |v: Option<f64>| v.map(|v| format!("{v:.3e}")).unwrap_or_else(|| "-".into());
-    if a.verbose {
+    if verbose {
         println!(
             "{:<42} {:>11} {:>11} {:>11} {:>7} {:>7}",
             "linear", "rtn", "gptq", "gptq+srch", "damp", "s"
@@ -474,33 +490,30 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         gb(report.peak_rss_bytes),
         gb(report.peak_private_bytes),
     );
-    if a.stats {
+    Ok(())
+}
+
+/// Where the time went, per phase (`--stats`).
+fn print_phases(report: &QuantReport) -> anyhow::Result<()> {
+    println!(
+        "{:<14} {:>10} {:>7} {:>10}",
+        "phase", "wall s", "% wall", "CPU use"
+    );
+    for p in &report.phases {
         println!(
-            "{:<14} {:>10} {:>7} {:>10}",
-            "phase", "wall s", "% wall", "CPU use"
-        );
-        for p in &report.phases {
-            println!(
-                "{:<14} {:>10.2} {:>6.1}% {:>9.0}%",
-                serde_json::to_value(p.phase)?.as_str().unwrap_or("?"),
-                p.seconds,
-                100.0 * p.seconds / report.wall_seconds.max(1e-9),
-                100.0 * p.utilisation
-            );
-        }
-        let timed: f64 = report.phases.iter().map(|p| p.seconds).sum();
-        println!(
-            "{:<14} {:>10.2} {:>6.1}%",
-            "(other)",
-            report.wall_seconds - timed,
-            100.0 * (report.wall_seconds - timed) / report.wall_seconds.max(1e-9)
+            "{:<14} {:>10.2} {:>6.1}% {:>9.0}%",
+            serde_json::to_value(p.phase)?.as_str().unwrap_or("?"),
+            p.seconds,
+            100.0 * p.seconds / report.wall_seconds.max(1e-9),
+            100.0 * p.utilisation
         );
     }
-    print_next_steps(
-        &model_dir,
-        &a.out,
-        report.recipe.gguf.is_some(),
-        report.path.lpbq,
+    let timed: f64 = report.phases.iter().map(|p| p.seconds).sum();
+    println!(
+        "{:<14} {:>10.2} {:>6.1}%",
+        "(other)",
+        report.wall_seconds - timed,
+        100.0 * (report.wall_seconds - timed) / report.wall_seconds.max(1e-9)
     );
     Ok(())
 }

@@ -124,7 +124,6 @@ struct Written {
     manifest_part: manifest::Part,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn write_part(
     g: &Graph<WeightSpec>,
     plan: &PartPlan,
@@ -422,47 +421,34 @@ fn n_all(ck: &Checkpoint, prefix: &str) -> Result<usize, ExportError> {
     Ok(ck.entry(&format!("{prefix}.qweight"))?.shape[1])
 }
 
-/// What `crate::artifact` records an export folder as.
-pub const ARTIFACT_KIND: &str = "phone export";
-
-fn export_staged(
-    ck: &Checkpoint,
-    model_dir: &Path,
-    out: &Path,
-    stage: &Path,
-    opts: &ExportOptions,
-    t0: Instant,
-) -> Result<ExportReport, ExportError> {
+/// A GPTQ checkpoint's norm weights by name (its codes are written as they are, so the norms
+/// become their own Mul); `None` for a float checkpoint, whose norms fold into the weights.
+fn gptq_norms(ck: &Checkpoint) -> Result<Option<HashMap<String, Vec<f32>>>, ExportError> {
     let cfg = &ck.config;
-    // GPTQ codes are written as they are: the norms become their own Mul.
-    let norms = if ck.layout.gptq.is_empty() {
-        None
-    } else {
-        let mut m = HashMap::new();
-        for l in 0..cfg.num_hidden_layers {
-            let p = crate::checkpoint::layout::layer_prefix(l);
-            for n in ["input_layernorm.weight", "post_attention_layernorm.weight"] {
-                let name = format!("{p}{n}");
-                m.insert(name.clone(), ck.tensor_f32(&name)?);
-            }
+    if ck.layout.gptq.is_empty() {
+        return Ok(None);
+    }
+    let mut m = HashMap::new();
+    for l in 0..cfg.num_hidden_layers {
+        let p = crate::checkpoint::layout::layer_prefix(l);
+        for n in ["input_layernorm.weight", "post_attention_layernorm.weight"] {
+            let name = format!("{p}{n}");
+            m.insert(name.clone(), ck.tensor_f32(&name)?);
         }
-        m.insert(
-            "model.norm.weight".into(),
-            ck.tensor_f32("model.norm.weight")?,
-        );
-        Some(m)
-    };
-    let builder = StepBuilder {
-        cfg,
-        qkv: &ck.layout.qkv,
-        tied: ck.layout.tied,
-        context: opts.context,
-        gptq: &ck.layout.gptq,
-        gptq_group: cfg.gptq.as_ref().map_or(0, |g| g.group_size),
-        norms: norms.as_ref(),
-    };
-    let plans = graph::plan_parts(cfg, opts.parts);
-    let graphs: Vec<Graph<WeightSpec>> = plans.iter().map(|p| builder.build(p)).collect();
+    }
+    m.insert(
+        "model.norm.weight".into(),
+        ck.tensor_f32("model.norm.weight")?,
+    );
+    Ok(Some(m))
+}
+
+/// The metadata every part's ONNX model carries.
+fn graph_metadata(
+    cfg: &crate::checkpoint::SparkConfig,
+    opts: &ExportOptions,
+    model_dir: &Path,
+) -> BTreeMap<String, String> {
     let mut metadata = BTreeMap::new();
     metadata.insert("runs_in_vllm".into(), "false".into());
     metadata.insert("context".into(), opts.context.to_string());
@@ -491,6 +477,116 @@ fn export_staged(
     if let Some(b) = cfg.bos_token_id {
         metadata.insert("bos_token_id".into(), b.to_string());
     }
+    metadata
+}
+
+/// What the graphs' numerics need beyond the graphs: the checkpoint, calibration settings and
+/// where the calibration runs.
+struct Calibrated<'a> {
+    ck: &'a Checkpoint,
+    opts: &'a ExportOptions,
+    stage: &'a Path,
+    plans: &'a [graph::PartPlan],
+    metadata: &'a BTreeMap<String, String>,
+    total_inits: usize,
+}
+
+/// The graphs in the export's precision, their encodings (quantized precisions) and the
+/// calibration's tokens and seconds.
+type Numerics = (
+    Vec<Graph<WeightSpec>>,
+    Option<Vec<HashMap<String, Encoding>>>,
+    usize,
+    f64,
+);
+
+impl Calibrated<'_> {
+    /// f32 as built, f16 weights, or calibrated Q/DQ nodes for w8a16 / w4a16.
+    fn numerics(
+        &self,
+        graphs: Vec<Graph<WeightSpec>>,
+        reader: &mut weights::WeightReader,
+    ) -> Result<Numerics, ExportError> {
+        let (ck, opts, plans) = (self.ck, self.opts, self.plans);
+        match opts.precision {
+            Precision::F32 => Ok((graphs, None, 0, 0.0)),
+            Precision::F16 => Ok((
+                graphs.into_iter().map(weights::half_weights).collect(),
+                None,
+                0,
+                0.0,
+            )),
+            Precision::W8A16 | Precision::W4A16 => {
+                let tc = Instant::now();
+                let ranges = calibrate::calibrate(
+                    ck,
+                    opts,
+                    self.stage,
+                    plans,
+                    &graphs,
+                    self.metadata,
+                    reader,
+                    self.total_inits,
+                )?;
+                let tokens = opts.calib_samples * opts.calib_seq_len.min(opts.context);
+                let seconds = tc.elapsed().as_secs_f64();
+                let mut qs = Vec::new();
+                let mut encs = Vec::new();
+                for (g, p) in graphs.into_iter().zip(plans) {
+                    let enc = qdq::plan_encodings(
+                        &g,
+                        p.layers.clone(),
+                        &ranges,
+                        opts.kv,
+                        opts.range_margin,
+                    )
+                    .map_err(|missing| {
+                        ExportError::Calibration(format!(
+                            "no calibrated range for {} tensor(s): {}",
+                            missing.len(),
+                            missing
+                                .iter()
+                                .take(8)
+                                .cloned()
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ))
+                    })?;
+                    let q = qdq::quantize(g, enc);
+                    encs.push(q.encodings);
+                    qs.push(q.graph);
+                }
+                Ok((qs, Some(encs), tokens, seconds))
+            }
+        }
+    }
+}
+
+/// What `crate::artifact` records an export folder as.
+pub const ARTIFACT_KIND: &str = "phone export";
+
+fn export_staged(
+    ck: &Checkpoint,
+    model_dir: &Path,
+    out: &Path,
+    stage: &Path,
+    opts: &ExportOptions,
+    t0: Instant,
+) -> Result<ExportReport, ExportError> {
+    let cfg = &ck.config;
+    let norms = gptq_norms(ck)?;
+    let builder = StepBuilder {
+        cfg,
+        qkv: &ck.layout.qkv,
+        tied: ck.layout.tied,
+        context: opts.context,
+        gptq: &ck.layout.gptq,
+        gptq_group: cfg.gptq.as_ref().map_or(0, |g| g.group_size),
+        norms: norms.as_ref(),
+    };
+    let plans = graph::plan_parts(cfg, opts.parts);
+    let graphs: Vec<Graph<WeightSpec>> = plans.iter().map(|p| builder.build(p)).collect();
+    let metadata = graph_metadata(cfg, opts, model_dir);
     let mut reader = weights::WeightReader::new(ck);
     write_safetensors_atomic(
         &stage.join("embed_tokens.safetensors"),
@@ -499,57 +595,16 @@ fn export_staged(
     )?;
     copy_side_files(ck, stage)?;
     let total_inits: usize = graphs.iter().map(|g| g.inits.len()).sum();
-    let mut calibration_tokens = 0;
-    let mut calibration_seconds = 0.0;
-
-    #[allow(clippy::type_complexity)]
-    let (final_graphs, encodings): (
-        Vec<Graph<WeightSpec>>,
-        Option<Vec<HashMap<String, Encoding>>>,
-    ) = match opts.precision {
-        Precision::F32 => (graphs, None),
-        Precision::F16 => (
-            graphs.into_iter().map(weights::half_weights).collect(),
-            None,
-        ),
-        Precision::W8A16 | Precision::W4A16 => {
-            let tc = Instant::now();
-            let ranges = calibrate::calibrate(
-                ck,
-                opts,
-                stage,
-                &plans,
-                &graphs,
-                &metadata,
-                &mut reader,
-                total_inits,
-            )?;
-            calibration_tokens = opts.calib_samples * opts.calib_seq_len.min(opts.context);
-            calibration_seconds = tc.elapsed().as_secs_f64();
-            let mut qs = Vec::new();
-            let mut encs = Vec::new();
-            for (g, p) in graphs.into_iter().zip(&plans) {
-                let enc =
-                    qdq::plan_encodings(&g, p.layers.clone(), &ranges, opts.kv, opts.range_margin)
-                        .map_err(|missing| {
-                            ExportError::Calibration(format!(
-                                "no calibrated range for {} tensor(s): {}",
-                                missing.len(),
-                                missing
-                                    .iter()
-                                    .take(8)
-                                    .cloned()
-                                    .collect::<Vec<_>>()
-                                    .join(", ")
-                            ))
-                        })?;
-                let q = qdq::quantize(g, enc);
-                encs.push(q.encodings);
-                qs.push(q.graph);
-            }
-            (qs, Some(encs))
-        }
+    let calibrated = Calibrated {
+        ck,
+        opts,
+        stage,
+        plans: &plans,
+        metadata: &metadata,
+        total_inits,
     };
+    let (final_graphs, encodings, calibration_tokens, calibration_seconds) =
+        calibrated.numerics(graphs, &mut reader)?;
 
     let pb = artifact::progress_bar(
         opts.progress,

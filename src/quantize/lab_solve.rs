@@ -101,19 +101,21 @@ impl Polish<'_> {
 /// Block-tune layer `li` after its solve ([`block_tune`]): `res` and `layer` get the tuned
 /// linears and norms, and `x` (the quantized stream into the layer) is advanced through the
 /// tuned layer. `y` is the float model's stream out of the layer.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn tune_layer(
+    run: &super::Run<'_>,
     model: &SparkModel,
     layer: &mut DecoderLayer,
-    li: usize,
-    res: &mut LayerResult,
+    (li, res): (usize, &mut LayerResult),
     x: &mut [f32],
     y: &[f32],
-    windows: &calibration::Windows,
-    bt: &super::block_tune::BlockTune,
-    opts: &QuantizeOptions,
-    bar: &ProgressBar,
 ) -> Result<super::block_tune::LayerTuneReport, QuantizeError> {
+    let (opts, windows, bar) = (run.opts, &run.windows, &run.bar);
+    let bt = opts
+        .recipe
+        .lab
+        .block_tune
+        .as_ref()
+        .expect("block tuning runs only when the recipe asks for it");
     let cfg = model.config();
     let ctx = model.ctx_for(layer.kind);
     let (samples, seq_len) = (windows.samples, windows.seq_len);

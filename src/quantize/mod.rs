@@ -403,17 +403,25 @@ struct Solved {
     seconds: f64,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// One shared input's Hessian, factored once for every linear that reads it.
+struct Factored<'a> {
+    solver: &'a GptqSolver,
+    /// H as a dense f32 matrix, for the errors measured against it.
+    hm: &'a [f32],
+    h: &'a Hessian,
+}
+
+/// Solve one linear `w` (`[n, k]`; `energy`: tr(WHWᵀ) when a float target gave it) on `grid`
+/// with the recipe's method, and with `opts.compare` the other methods for the report.
 fn solve_linear(
-    solver: &GptqSolver,
-    hm: &[f32],
-    h: &Hessian,
+    f: &Factored<'_>,
     (w, energy): (&[f32], Option<f64>),
     n: usize,
     (grid, group_size): (Grid, usize),
     opts: &QuantizeOptions,
     phases: &mut Phases,
 ) -> Result<Solved, QuantizeError> {
+    let (solver, hm, h) = (f.solver, f.hm, f.h);
     let (k, method) = (h.dim(), opts.recipe.method);
     let cfg = |rule| GptqConfig {
         group_size,
@@ -541,7 +549,12 @@ fn quantize_group(
     for ((((name, w), &n), &grid), &energy) in
         names.iter().zip(weights).zip(outs).zip(grids).zip(energies)
     {
-        let s = solve_linear(&solver, &hm, h, (w, energy), n, grid, opts, phases)?;
+        let f = Factored {
+            solver: &solver,
+            hm: &hm,
+            h,
+        };
+        let s = solve_linear(&f, (w, energy), n, grid, opts, phases)?;
         reports.push(linear_report(
             name,
             n,
@@ -838,18 +851,16 @@ fn mlp_act_rows(layer: &DecoderLayer, h2: &[f32], ctx: &crate::model::block::Ctx
 
 /// Run one layer on every calibration sample, quantizing its linears in true-sequential order.
 /// `x` holds the residual stream of all samples (`[samples·seq_len, hidden]`) and is advanced in place.
-#[allow(clippy::too_many_arguments)]
 fn quantize_layer(
+    run: &Run<'_>,
     model: &SparkModel,
     layer: &mut DecoderLayer,
     li: usize,
-    x: &mut [f32],
-    mut xf: Option<&mut [f32]>,
-    windows: &calibration::Windows,
-    opts: &QuantizeOptions,
-    bar: &ProgressBar,
+    progress: &mut Progress,
     phases: &mut Phases,
 ) -> Result<(LayerResult, Vec<LinearReport>), QuantizeError> {
+    let (opts, windows, bar) = (run.opts, &run.windows, &run.bar);
+    let (x, mut xf) = (&mut progress.x[..], progress.xf.as_deref_mut());
     let cfg = model.config();
     let ctx = model.ctx_for(layer.kind);
     let (samples, seq_len) = (windows.samples, windows.seq_len);
@@ -1046,7 +1057,12 @@ fn quantize_head(
             Ok(DenseLinear::from_weight(w, r1 - r0, hidden).dequantize())
         })?;
         let grid = opts.recipe.grid_of(None, Proj::Q, cfg.num_hidden_layers);
-        let s = solve_linear(&solver, &hm, &h, (&w, None), r1 - r0, grid, opts, phases)?;
+        let f = Factored {
+            solver: &solver,
+            hm: &hm,
+            h: &h,
+        };
+        let s = solve_linear(&f, (&w, None), r1 - r0, grid, opts, phases)?;
         parts.push(s.parts);
         seconds += s.seconds;
         blocks.push(s.q);
@@ -1471,34 +1487,11 @@ fn layer_loop(
                     .is_some()
                     .then(|| progress.x.clone());
                 #[cfg_attr(not(feature = "lab"), allow(unused_mut))]
-                let (mut res, rep) = quantize_layer(
-                    model,
-                    &mut layer,
-                    li,
-                    &mut progress.x,
-                    progress.xf.as_deref_mut(),
-                    &run.windows,
-                    opts,
-                    &run.bar,
-                    phases,
-                )?;
+                let (mut res, rep) = quantize_layer(run, model, &mut layer, li, progress, phases)?;
                 #[cfg(feature = "lab")]
-                if let (Some(bt), Some(mut x_in), Some(y)) =
-                    (&opts.recipe.lab.block_tune, x_in, progress.xf.as_deref())
-                {
+                if let (Some(mut x_in), Some(y)) = (x_in, progress.xf.as_deref()) {
                     let r = phases.time(Phase::BlockTune, || {
-                        lab_solve::tune_layer(
-                            model,
-                            &mut layer,
-                            li,
-                            &mut res,
-                            &mut x_in,
-                            y,
-                            &run.windows,
-                            bt,
-                            opts,
-                            &run.bar,
-                        )
+                        lab_solve::tune_layer(run, model, &mut layer, (li, &mut res), &mut x_in, y)
                     })?;
                     progress.x = x_in;
                     res.tune = Some(r);
