@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::formats::gptq::GptqInfo;
+use super::gptq::GptqInfo;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {

@@ -324,7 +324,7 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
             store.get(&t.name),
         ) {
             if quantizable && store.get(&format!("{prefix}.qweight")).is_some() {
-                crate::formats::gptq::check_tensors(
+                super::gptq::check_tensors(
                     store,
                     prefix,
                     t.shape[0],
@@ -338,7 +338,7 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
         }
         // The rest of a GPTQ linear without its qweight: say that, not "missing .weight".
         let partial_gptq = t.name.strip_suffix(".weight").and_then(|prefix| {
-            let have: Vec<&str> = crate::formats::gptq::GPTQ_PARTS
+            let have: Vec<&str> = super::gptq::GPTQ_PARTS
                 .iter()
                 .copied()
                 .filter(|p| store.get(&format!("{prefix}.{p}")).is_some())
@@ -399,7 +399,7 @@ pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Ve
             continue;
         }
         if let Some((prefix, part)) = e.name.rsplit_once('.') {
-            if gptq.contains(prefix) && crate::formats::gptq::GPTQ_PARTS.contains(&part) {
+            if gptq.contains(prefix) && super::gptq::GPTQ_PARTS.contains(&part) {
                 continue;
             }
         }
