@@ -166,11 +166,19 @@ pub fn attend_rows<'a, T: KvElem>(
     s.resize(m * n, 0.0);
     // S[m, n] = Q[m, hd] · Kᵀ: key j's element d at k[j·hd + d]. One thread: jobs are parallel.
     // SAFETY: s is m × n, row-major.
-    unsafe { super::gemm_strided(m, n, hd, s.as_mut_ptr(), n, q, hd, k, 1, hd, SERIAL) };
+    unsafe { super::gemm_strided((m, n, hd), (s.as_mut_ptr(), n), (q, hd), (k, 1, hd), SERIAL) };
     probabilities(s, n, rows, |r| lo(r) - first..=p0 + r - first, heads);
     // O[m, hd] = P[m, n] · V[n, hd].
     // SAFETY: out is m × hd, row-major.
-    unsafe { super::gemm_strided(m, hd, n, out.as_mut_ptr(), hd, s, n, v, hd, 1, SERIAL) };
+    unsafe {
+        super::gemm_strided(
+            (m, hd, n),
+            (out.as_mut_ptr(), hd),
+            (s, n),
+            (v, hd, 1),
+            SERIAL,
+        )
+    };
 }
 
 /// Scores `s` (`[rows][heads][stride]`) made probabilities: row r's `visible(r)` scaled and
