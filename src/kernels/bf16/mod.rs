@@ -143,8 +143,7 @@ pub(super) fn bf16_act_panel_matmul(
             panel_slices(
                 tiled.as_ref(),
                 &xb,
-                k,
-                n,
+                (k, n),
                 slices,
                 &expand_bits,
                 &out,
@@ -180,13 +179,10 @@ impl Default for PanelScratch {
 /// caller that is already one job of a parallel loop (attention's blocks of query rows).
 /// Returns false (nothing done) where the CPU lacks AVX512-BF16 or `k` is odd.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_bits_serial(
     isa: Isa,
     xb: &[u16],
-    m: usize,
-    k: usize,
-    n: usize,
+    (m, k, n): (usize, usize, usize),
     y: &mut [f32],
     expand_bits: impl Fn(std::ops::Range<usize>, &mut [u16]),
     buffers: &mut PanelScratch,
@@ -206,8 +202,7 @@ pub(crate) fn matmul_bits_serial(
         panel_slices(
             tiled.as_ref(),
             xb,
-            k,
-            n,
+            (k, n),
             slices,
             &expand_bits,
             &out,
@@ -224,12 +219,10 @@ pub(crate) fn matmul_bits_serial(
 /// # Safety
 /// The CPU has AVX512-BF16 (and AMX where `tiled` exists); the job owns the slices' columns.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn panel_slices(
     tiled: Option<&amx::TiledRows>,
     xb: &[u16],
-    k: usize,
-    n: usize,
+    (k, n): (usize, usize),
     slices: std::ops::Range<usize>,
     expand_bits: &impl Fn(std::ops::Range<usize>, &mut [u16]),
     out: &ColumnsOut,
