@@ -597,30 +597,102 @@ pub fn run(
             c.config().vocab_size
         )));
     }
-    let vocab = r.config().vocab_size;
-    let mut all = Acc::default();
+    let mut cmp = Comparison::new(r, c);
     let mut reports = Vec::new();
     let mut divergence_sum = 0usize;
-    let (mut bad_ref, mut bad_cand) = (0usize, 0usize);
-    // (prompt index, position) of the first non-finite row, in prompt order.
-    let mut first_bad: Option<(usize, usize)> = None;
-    let stop_ids = r.config().eos_token_ids.clone();
-    let mut compare = |pi: usize, pos: usize, s: &RowStats, acc: &mut Acc| {
-        let (fa, fb) = s.finite;
-        bad_ref += usize::from(!fa);
-        bad_cand += usize::from(!fb);
-        if !(fa && fb) && first_bad.is_none_or(|f| (pi, pos) < f) {
-            first_bad = Some((pi, pos));
-        }
-        acc.add(s);
-        all.add(s);
-    };
     // Prompts run in groups whose continuations are decoded in lockstep: each step feeds every
     // unfinished prompt of the group at once (`Engine::step_many`), so a model reads its weights
     // once per step for all of them instead of once per prompt.
     let mut pi0 = 0;
     while pi0 < inp.prompts.len() {
         let group = &inp.prompts[pi0..(pi0 + LOCKSTEP_PROMPTS).min(inp.prompts.len())];
+        let mut live = cmp.prefill(&inp, pi0, group)?;
+        cmp.decode(pi0, &mut live)?;
+        for (p, l) in group.iter().zip(live) {
+            divergence_sum += l.first_divergence.unwrap_or(l.cont.len());
+            let rep = l.report(p);
+            on_prompt(&rep);
+            reports.push(rep);
+        }
+        pi0 += group.len();
+    }
+    let ppl = if inp.eval_windows.is_empty() {
+        (f64::NAN, f64::NAN)
+    } else {
+        (
+            perplexity(r, &inp.eval_windows)?,
+            perplexity(c, &inp.eval_windows)?,
+        )
+    };
+    let overall = cmp.overall(&reports, divergence_sum, &inp.eval_windows, ppl);
+    let gates = gates(&inp.policy, &overall);
+    let mut failures = cmp.failures(&inp, &overall);
+    failures.extend(failed(&gates));
+    Ok(ParityReport {
+        reference: inp.reference_name,
+        candidate: inp.candidate_name,
+        reference_bpw: inp.reference_bpw,
+        candidate_bpw: inp.candidate_bpw,
+        max_new_tokens: inp.max_new_tokens,
+        prompts: reports,
+        passed: failures.is_empty(),
+        failures,
+        gates,
+        policy_source: inp.policy_source,
+        policy: inp.policy,
+        overall,
+    })
+}
+
+/// The two engines compared and what the comparison of their rows has accumulated over all
+/// prompts so far.
+struct Comparison<'a> {
+    r: &'a dyn Engine,
+    c: &'a dyn Engine,
+    vocab: usize,
+    stop_ids: Vec<u32>,
+    all: Acc,
+    bad_ref: usize,
+    bad_cand: usize,
+    /// (prompt index, position) of the first non-finite row, in prompt order.
+    first_bad: Option<(usize, usize)>,
+}
+
+impl<'a> Comparison<'a> {
+    fn new(r: &'a dyn Engine, c: &'a dyn Engine) -> Self {
+        Comparison {
+            r,
+            c,
+            vocab: r.config().vocab_size,
+            stop_ids: r.config().eos_token_ids.clone(),
+            all: Acc::default(),
+            bad_ref: 0,
+            bad_cand: 0,
+            first_bad: None,
+        }
+    }
+
+    /// Count row `s` (prompt `pi`, position `pos`) into the prompt's `acc` and the overall one.
+    fn record(&mut self, pi: usize, pos: usize, s: &RowStats, acc: &mut Acc) {
+        let (fa, fb) = s.finite;
+        self.bad_ref += usize::from(!fa);
+        self.bad_cand += usize::from(!fb);
+        if !(fa && fb) && self.first_bad.is_none_or(|f| (pi, pos) < f) {
+            self.first_bad = Some((pi, pos));
+        }
+        acc.add(s);
+        self.all.add(s);
+    }
+
+    /// Prefill each prompt of `group` (the first is prompt `pi0`) on both engines and compare
+    /// the prompt's rows.
+    fn prefill(
+        &mut self,
+        inp: &ParityInputs,
+        pi0: usize,
+        group: &[Prompt],
+    ) -> Result<Vec<Live<'a, 'a>>, ParityError> {
+        let (r, c, vocab) = (self.r, self.c, self.vocab);
         let mut live = Vec::new();
         let mut kv_bytes = 0u128;
         for (gi, p) in group.iter().enumerate() {
@@ -628,7 +700,7 @@ pub fn run(
             let mut opts = GenerateOptions {
                 max_new_tokens: inp.max_new_tokens,
                 ignore_eos: false,
-                stop_ids: stop_ids.clone(),
+                stop_ids: self.stop_ids.clone(),
                 sampling: None,
                 context: None,
                 capture_logits: true,
@@ -658,7 +730,7 @@ pub fn run(
             };
             let mut acc = Acc::default();
             for (pos, st) in RowStats::of_rows(&lr, &lc, vocab, rows).iter().enumerate() {
-                compare(pi0 + gi, pos, st, &mut acc);
+                self.record(pi0 + gi, pos, st, &mut acc);
             }
             live.push(Live {
                 prompt_tokens: ids.len(),
@@ -672,10 +744,17 @@ pub fn run(
                 first_divergence: None,
             });
         }
-        // The reference decodes greedily; the candidate is forced along the same tokens through
-        // the same path (its decode steps), so each of its rows is exactly what its own greedy
-        // decode would see after the shared prefix: its greedy choices need no second
-        // generation, and an identical artifact matches bit for bit.
+        Ok(live)
+    }
+
+    /// Decode the continuations of `live` (prompts `pi0..`) in lockstep and compare each row.
+    ///
+    /// The reference decodes greedily; the candidate is forced along the same tokens through
+    /// the same path (its decode steps), so each of its rows is exactly what its own greedy
+    /// decode would see after the shared prefix: its greedy choices need no second
+    /// generation, and an identical artifact matches bit for bit.
+    fn decode(&mut self, pi0: usize, live: &mut [Live<'a, 'a>]) -> Result<(), ParityError> {
+        let vocab = self.vocab;
         loop {
             let mut feed = Vec::new();
             for (i, l) in live.iter_mut().enumerate() {
@@ -688,14 +767,14 @@ pub fn run(
                     l.first_divergence = Some(l.cont.len());
                 }
                 l.cont.push(next);
-                if stop_ids.contains(&next) || l.cont.len() >= l.max_new {
+                if self.stop_ids.contains(&next) || l.cont.len() >= l.max_new {
                     l.seqs = None;
                 } else {
                     feed.push(i);
                 }
             }
             if feed.is_empty() {
-                break;
+                return Ok(());
             }
             let tokens: Vec<u32> = feed
                 .iter()
@@ -705,8 +784,8 @@ pub fn run(
                 .iter()
                 .map(|&i| live[i].seqs.take().expect("fed sequences are live"))
                 .unzip();
-            let rows_r = r.step_many(&mut rb, &tokens)?;
-            let rows_c = c.step_many(&mut cb, &tokens)?;
+            let rows_r = self.r.step_many(&mut rb, &tokens)?;
+            let rows_c = self.c.step_many(&mut cb, &tokens)?;
             let stats = RowStats::of_rows(&rows_r, &rows_c, vocab, feed.len());
             for (j, ((&i, seqs), st)) in feed
                 .iter()
@@ -717,103 +796,98 @@ pub fn run(
                 let l = &mut live[i];
                 l.seqs = Some(seqs);
                 let pos = l.prompt_tokens + l.cont.len() - 1;
-                compare(pi0 + i, pos, st, &mut l.acc);
+                self.record(pi0 + i, pos, st, &mut l.acc);
                 l.last_r
                     .copy_from_slice(&rows_r[j * vocab..(j + 1) * vocab]);
                 l.last_c
                     .copy_from_slice(&rows_c[j * vocab..(j + 1) * vocab]);
             }
         }
-        for (p, l) in group.iter().zip(live) {
-            divergence_sum += l.first_divergence.unwrap_or(l.cont.len());
-            let acc = l.acc;
-            let n = acc.n().max(1) as f64;
-            let rep = PromptReport {
-                name: p.name.clone(),
-                prompt_tokens: l.prompt_tokens,
-                greedy_identical: l.first_divergence.is_none(),
-                first_divergence: l.first_divergence,
-                positions: acc.n(),
-                top1: acc.top1 as f64 / n,
-                top5: acc.top5 as f64 / (5.0 * n),
-                kl_mean: acc.kls.iter().sum::<f64>() / n,
-                kl_max: acc.kls.iter().fold(0f64, |m, v| m.max(*v)),
-                max_abs_dlogit: acc.max_abs,
-                snr_db: acc.snr_db(),
-                kl_per_position: acc.kls.clone(),
-            };
-            on_prompt(&rep);
-            reports.push(rep);
+    }
+
+    /// The figures over every position of every prompt; `ppl` is (reference, candidate).
+    fn overall(
+        &self,
+        reports: &[PromptReport],
+        divergence_sum: usize,
+        eval_windows: &[Vec<u32>],
+        (ppl_reference, ppl_candidate): (f64, f64),
+    ) -> Overall {
+        let all = &self.all;
+        let n = all.n().max(1) as f64;
+        let mut kls = all.kls.clone();
+        kls.sort_by(|a, b| a.total_cmp(b));
+        let p99 = kls
+            .get(((kls.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))
+            .copied()
+            .unwrap_or(0.0);
+        Overall {
+            greedy_identical: reports.iter().filter(|p| p.greedy_identical).count(),
+            prompts: reports.len(),
+            mean_tokens_to_divergence: divergence_sum as f64 / reports.len().max(1) as f64,
+            positions: all.n(),
+            top1: all.top1 as f64 / n,
+            top5: all.top5 as f64 / (5.0 * n),
+            kl_mean: all.kls.iter().sum::<f64>() / n,
+            kl_p99: p99,
+            kl_max: kls.last().copied().unwrap_or(0.0),
+            max_abs_dlogit: all.max_abs,
+            snr_db: all.snr_db(),
+            eval_tokens: eval_windows.iter().map(|w| w.len()).sum(),
+            ppl_reference,
+            ppl_candidate,
+            ppl_ratio: ppl_candidate / ppl_reference,
+            non_finite_reference: self.bad_ref,
+            non_finite_candidate: self.bad_cand,
         }
-        pi0 += group.len();
     }
-    let (ppl_reference, ppl_candidate) = if inp.eval_windows.is_empty() {
-        (f64::NAN, f64::NAN)
-    } else {
-        (
-            perplexity(r, &inp.eval_windows)?,
-            perplexity(c, &inp.eval_windows)?,
-        )
-    };
-    let n = all.n().max(1) as f64;
-    let mut kls = all.kls.clone();
-    kls.sort_by(|a, b| a.total_cmp(b));
-    let p99 = kls
-        .get(((kls.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))
-        .copied()
-        .unwrap_or(0.0);
-    let overall = Overall {
-        greedy_identical: reports.iter().filter(|p| p.greedy_identical).count(),
-        prompts: reports.len(),
-        mean_tokens_to_divergence: divergence_sum as f64 / reports.len().max(1) as f64,
-        positions: all.n(),
-        top1: all.top1 as f64 / n,
-        top5: all.top5 as f64 / (5.0 * n),
-        kl_mean: all.kls.iter().sum::<f64>() / n,
-        kl_p99: p99,
-        kl_max: kls.last().copied().unwrap_or(0.0),
-        max_abs_dlogit: all.max_abs,
-        snr_db: all.snr_db(),
-        eval_tokens: inp.eval_windows.iter().map(|w| w.len()).sum(),
-        ppl_reference,
-        ppl_candidate,
-        ppl_ratio: ppl_candidate / ppl_reference,
-        non_finite_reference: bad_ref,
-        non_finite_candidate: bad_cand,
-    };
-    let mut failures = Vec::new();
-    if let Some(d) = &inp.tokenizer_difference {
-        failures.push(format!("tokenizer mismatch: {d}"));
+
+    /// What fails parity whatever the policy: a tokenizer mismatch, non-finite logits or
+    /// perplexity (the policy's gates follow).
+    fn failures(&self, inp: &ParityInputs, overall: &Overall) -> Vec<String> {
+        let (bad_ref, bad_cand) = (self.bad_ref, self.bad_cand);
+        let mut failures = Vec::new();
+        if let Some(d) = &inp.tokenizer_difference {
+            failures.push(format!("tokenizer mismatch: {d}"));
+        }
+        if let Some((pi, pos)) = self.first_bad {
+            let prompt = &inp.prompts[pi].name;
+            failures.push(format!(
+                "non-finite logits (NaN/Inf) at {bad_cand} candidate and {bad_ref} reference positions, \
+                 first in prompt `{prompt}` at position {pos}: the artifact is broken"
+            ));
+        }
+        let (ppl_reference, ppl_candidate) = (overall.ppl_reference, overall.ppl_candidate);
+        let ppl_finite = ppl_candidate.is_finite() && ppl_reference.is_finite();
+        if !inp.eval_windows.is_empty() && !ppl_finite {
+            failures.push(format!(
+                "perplexity is not finite (reference {ppl_reference}, candidate {ppl_candidate})"
+            ));
+        }
+        failures
     }
-    if let Some((pi, pos)) = first_bad {
-        let prompt = &inp.prompts[pi].name;
-        failures.push(format!(
-            "non-finite logits (NaN/Inf) at {bad_cand} candidate and {bad_ref} reference positions, \
-             first in prompt `{prompt}` at position {pos}: the artifact is broken"
-        ));
+}
+
+impl Live<'_, '_> {
+    /// The figures of one finished prompt.
+    fn report(self, p: &Prompt) -> PromptReport {
+        let acc = self.acc;
+        let n = acc.n().max(1) as f64;
+        PromptReport {
+            name: p.name.clone(),
+            prompt_tokens: self.prompt_tokens,
+            greedy_identical: self.first_divergence.is_none(),
+            first_divergence: self.first_divergence,
+            positions: acc.n(),
+            top1: acc.top1 as f64 / n,
+            top5: acc.top5 as f64 / (5.0 * n),
+            kl_mean: acc.kls.iter().sum::<f64>() / n,
+            kl_max: acc.kls.iter().fold(0f64, |m, v| m.max(*v)),
+            max_abs_dlogit: acc.max_abs,
+            snr_db: acc.snr_db(),
+            kl_per_position: acc.kls.clone(),
+        }
     }
-    let ppl_finite = ppl_candidate.is_finite() && ppl_reference.is_finite();
-    if !inp.eval_windows.is_empty() && !ppl_finite {
-        failures.push(format!(
-            "perplexity is not finite (reference {ppl_reference}, candidate {ppl_candidate})"
-        ));
-    }
-    let gates = gates(&inp.policy, &overall);
-    failures.extend(failed(&gates));
-    Ok(ParityReport {
-        reference: inp.reference_name,
-        candidate: inp.candidate_name,
-        reference_bpw: inp.reference_bpw,
-        candidate_bpw: inp.candidate_bpw,
-        max_new_tokens: inp.max_new_tokens,
-        prompts: reports,
-        passed: failures.is_empty(),
-        failures,
-        gates,
-        policy_source: inp.policy_source,
-        policy: inp.policy,
-        overall,
-    })
 }
 
 /// One threshold of a policy against its figure.

@@ -62,6 +62,9 @@ python3 -c "import numpy, scipy, tokenizers, onnx, onnxruntime as o; print('pyth
 # Which of the probe's answers this machine gives (the tests pin theirs: docs/TESTING.md).
 cargo run --release -q -- probe
 
+stage "module cycles"
+# checkpoint → formats → quant → kernels, never back (docs/ARCHITECTURE.md "Module cycles").
+python3 tools/module_cycles.py
 stage "cargo fmt --check"
 cargo fmt --all -- --check
 stage "cargo clippy -D warnings"

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::formats::gptq::GptqInfo;
+use super::gptq::GptqInfo;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -168,52 +168,122 @@ impl SparkConfig {
         Self::from_json_str(&text, &p)
     }
 
-    /// Parse and validate; `origin` names the file in error messages.
+    /// Parse and validate; `origin` names the file in error messages. The checks run in a
+    /// fixed order, so a config with several faults always reports the same one.
     pub fn from_json_str(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let raw = RawConfig::parse(text, origin)?;
+        let f = Fields { origin };
+        raw.check_model_type(f)?;
+        let d = raw.dims(f)?;
+        let layer_types = raw.layer_types(d.num_hidden_layers, f)?;
+        let sliding_window = raw.sliding_window(&layer_types, f)?;
+        let rope = raw.rope(&layer_types, d.head_dim, f)?;
+        raw.check_supported(f)?;
+        let rms_norm_eps = raw.rms_norm_eps(f)?;
+        let eos_token_ids = raw.eos_token_ids(f)?;
+        raw.check_token_ids(&eos_token_ids, d.vocab_size, f)?;
+        Ok(SparkConfig {
+            hidden_size: d.hidden_size,
+            intermediate_size: d.intermediate_size,
+            num_hidden_layers: d.num_hidden_layers,
+            num_attention_heads: d.num_attention_heads,
+            num_key_value_heads: d.num_key_value_heads,
+            head_dim: d.head_dim,
+            vocab_size: d.vocab_size,
+            max_position_embeddings: match raw.max_position_embeddings {
+                Some(0) => return Err(f.err("max_position_embeddings", "must be > 0".into())),
+                v => v.unwrap_or(usize::MAX),
+            },
+            sliding_window,
+            layer_types,
+            rope,
+            rms_norm_eps: rms_norm_eps as f32,
+            tie_word_embeddings: raw.tie_word_embeddings,
+            bos_token_id: raw.bos_token_id,
+            eos_token_ids,
+            pad_token_id: raw.pad_token_id,
+            gptq: raw
+                .quantization_config
+                .as_ref()
+                .map(|q| GptqInfo::from_json(q, origin))
+                .transpose()?,
+        })
+    }
+}
+
+/// Makes the errors of one config file, each naming its key.
+#[derive(Clone, Copy)]
+struct Fields<'a> {
+    origin: &'a str,
+}
+
+impl Fields<'_> {
+    fn err(self, field: &str, message: String) -> ConfigError {
+        ConfigError::Field {
+            path: self.origin.to_string(),
+            field: field.to_string(),
+            message,
+        }
+    }
+
+    /// A required size: present and not 0.
+    fn need(self, v: Option<usize>, field: &str) -> Result<usize, ConfigError> {
+        match v {
+            None => Err(self.err(field, "missing (required for Spark2_5)".into())),
+            Some(0) => Err(self.err(field, "must be > 0".into())),
+            Some(x) => Ok(x),
+        }
+    }
+}
+
+/// The required sizes, checked for consistency and for fitting in memory.
+struct Dims {
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    head_dim: usize,
+    vocab_size: usize,
+}
+
+impl RawConfig {
+    fn parse(text: &str, origin: &str) -> Result<RawConfig, ConfigError> {
         let value: serde_json::Value =
             serde_json::from_str(text).map_err(|source| ConfigError::Json {
                 path: origin.to_string(),
                 source,
             })?;
-        let raw: RawConfig = serde_json::from_value(value.clone()).map_err(|source| {
+        serde_json::from_value(value.clone()).map_err(|source| {
             culprit_key(&value, origin).unwrap_or(ConfigError::Json {
                 path: origin.to_string(),
                 source,
             })
-        })?;
-        let err = |field: &str, message: String| ConfigError::Field {
-            path: origin.to_string(),
-            field: field.to_string(),
-            message,
-        };
-        let need = |v: Option<usize>, field: &str| -> Result<usize, ConfigError> {
-            match v {
-                None => Err(err(field, "missing (required for Spark2_5)".into())),
-                Some(0) => Err(err(field, "must be > 0".into())),
-                Some(x) => Ok(x),
-            }
-        };
+        })
+    }
 
-        match raw.model_type.as_deref() {
-            Some("spark2_5") => {}
-            Some(other) => {
-                return Err(err(
-                    "model_type",
-                    format!("expected \"spark2_5\", found \"{other}\""),
-                ))
-            }
-            None => return Err(err("model_type", "missing; expected \"spark2_5\"".into())),
+    fn check_model_type(&self, f: Fields) -> Result<(), ConfigError> {
+        match self.model_type.as_deref() {
+            Some("spark2_5") => Ok(()),
+            Some(other) => Err(f.err(
+                "model_type",
+                format!("expected \"spark2_5\", found \"{other}\""),
+            )),
+            None => Err(f.err("model_type", "missing; expected \"spark2_5\"".into())),
         }
-        let hidden_size = need(raw.hidden_size, "hidden_size")?;
-        let intermediate_size = need(raw.intermediate_size, "intermediate_size")?;
-        let num_hidden_layers = need(raw.num_hidden_layers, "num_hidden_layers")?;
-        let num_attention_heads = need(raw.num_attention_heads, "num_attention_heads")?;
-        let num_key_value_heads = need(raw.num_key_value_heads, "num_key_value_heads")?;
+    }
+
+    fn dims(&self, f: Fields) -> Result<Dims, ConfigError> {
+        let hidden_size = f.need(self.hidden_size, "hidden_size")?;
+        let intermediate_size = f.need(self.intermediate_size, "intermediate_size")?;
+        let num_hidden_layers = f.need(self.num_hidden_layers, "num_hidden_layers")?;
+        let num_attention_heads = f.need(self.num_attention_heads, "num_attention_heads")?;
+        let num_key_value_heads = f.need(self.num_key_value_heads, "num_key_value_heads")?;
         // Never derived from hidden/heads: the 4B would get 160 instead of 256.
-        let head_dim = need(raw.head_dim, "head_dim")?;
-        let vocab_size = need(raw.vocab_size, "vocab_size")?;
+        let head_dim = f.need(self.head_dim, "head_dim")?;
+        let vocab_size = f.need(self.vocab_size, "vocab_size")?;
         if num_attention_heads % num_key_value_heads != 0 {
-            return Err(err(
+            return Err(f.err(
                 "num_key_value_heads",
                 format!(
                     "num_attention_heads ({num_attention_heads}) must be a multiple of num_key_value_heads ({num_key_value_heads})"
@@ -238,7 +308,7 @@ impl SparkConfig {
                 .and_then(|r| r.checked_mul(hidden_size)?.checked_mul(4))
                 .is_none()
             {
-                return Err(err(
+                return Err(f.err(
                     field,
                     format!(
                         "too large: the weights it sizes (with hidden_size {hidden_size}, head_dim {head_dim}) overflow the address space"
@@ -246,12 +316,28 @@ impl SparkConfig {
                 ));
             }
         }
+        Ok(Dims {
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            vocab_size,
+        })
+    }
 
-        let names = raw
+    fn layer_types(
+        &self,
+        num_hidden_layers: usize,
+        f: Fields,
+    ) -> Result<Vec<LayerType>, ConfigError> {
+        let names = self
             .layer_types
-            .ok_or_else(|| err("layer_types", "missing".into()))?;
+            .as_ref()
+            .ok_or_else(|| f.err("layer_types", "missing".into()))?;
         if names.len() != num_hidden_layers {
-            return Err(err(
+            return Err(f.err(
                 "layer_types",
                 format!(
                     "has {} entries, expected num_hidden_layers = {num_hidden_layers}",
@@ -265,7 +351,7 @@ impl SparkConfig {
                 "sliding_attention" => LayerType::Sliding,
                 "full_attention" => LayerType::Full,
                 other => {
-                    return Err(err(
+                    return Err(f.err(
                         &format!("layer_types[{i}]"),
                         format!(
                         "expected \"sliding_attention\" or \"full_attention\", found \"{other}\""
@@ -274,22 +360,31 @@ impl SparkConfig {
                 }
             });
         }
+        Ok(layer_types)
+    }
 
-        let has_sliding = layer_types.contains(&LayerType::Sliding);
-        let sliding_window = match raw.sliding_window {
-            Some(w) if w > 0 => w,
-            _ if has_sliding => {
-                return Err(err(
-                    "sliding_window",
-                    "missing or 0 but layer_types has sliding_attention layers".into(),
-                ))
-            }
-            _ => 0,
-        };
+    fn sliding_window(&self, layer_types: &[LayerType], f: Fields) -> Result<usize, ConfigError> {
+        match self.sliding_window {
+            Some(w) if w > 0 => Ok(w),
+            _ if layer_types.contains(&LayerType::Sliding) => Err(f.err(
+                "sliding_window",
+                "missing or 0 but layer_types has sliding_attention layers".into(),
+            )),
+            _ => Ok(0),
+        }
+    }
 
-        let raw_rope = raw
+    /// The rotary parameters of each layer type `layer_types` uses.
+    fn rope(
+        &self,
+        layer_types: &[LayerType],
+        head_dim: usize,
+        f: Fields,
+    ) -> Result<BTreeMap<LayerType, RopeSpec>, ConfigError> {
+        let raw_rope = self
             .rope_parameters
-            .ok_or_else(|| err("rope_parameters", "missing".into()))?;
+            .as_ref()
+            .ok_or_else(|| f.err("rope_parameters", "missing".into()))?;
         let mut rope = BTreeMap::new();
         for t in [LayerType::Sliding, LayerType::Full] {
             if !layer_types.contains(&t) {
@@ -297,7 +392,7 @@ impl SparkConfig {
             }
             let field = format!("rope_parameters.{}", t.config_name());
             let r = raw_rope.get(t.config_name()).ok_or_else(|| {
-                err(
+                f.err(
                     &field,
                     "missing; every layer type used in layer_types needs its rope parameters"
                         .into(),
@@ -305,7 +400,7 @@ impl SparkConfig {
             })?;
             if let Some(kind) = r.rope_type.as_deref() {
                 if kind != "default" {
-                    return Err(err(
+                    return Err(f.err(
                         &format!("{field}.rope_type"),
                         format!("only \"default\" (no scaling) is supported, found \"{kind}\""),
                     ));
@@ -314,7 +409,7 @@ impl SparkConfig {
             let theta = r
                 .rope_theta
                 .filter(|t| *t > 0.0)
-                .ok_or_else(|| err(&format!("{field}.rope_theta"), "missing or <= 0".into()))?;
+                .ok_or_else(|| f.err(&format!("{field}.rope_theta"), "missing or <= 0".into()))?;
             let factor = r.partial_rotary_factor.unwrap_or(1.0);
             let dims_f = head_dim as f64 * factor;
             let rotary_dims = dims_f.round() as usize;
@@ -322,7 +417,7 @@ impl SparkConfig {
                 || (dims_f - rotary_dims as f64).abs() > 1e-9
                 || !rotary_dims.is_multiple_of(2)
             {
-                return Err(err(
+                return Err(f.err(
                     &format!("{field}.partial_rotary_factor"),
                     format!(
                         "head_dim {head_dim} × {factor} = {dims_f} rotated dims; expected an even whole number in (0, head_dim]"
@@ -331,11 +426,15 @@ impl SparkConfig {
             }
             rope.insert(t, RopeSpec { theta, rotary_dims });
         }
+        Ok(rope)
+    }
 
-        match raw.hidden_act.as_deref() {
+    /// The architecture switches Spark2_5 fixes: GELU, a sigmoid gate per head, no biases.
+    fn check_supported(&self, f: Fields) -> Result<(), ConfigError> {
+        match self.hidden_act.as_deref() {
             Some("gelu") => {}
             other => {
-                return Err(err(
+                return Err(f.err(
                     "hidden_act",
                     format!(
                         "expected \"gelu\" (exact erf GEGLU), found {}",
@@ -344,47 +443,56 @@ impl SparkConfig {
                 ))
             }
         }
-        if raw.headwise_attn_output_gate == Some(false) {
-            return Err(err(
+        if self.headwise_attn_output_gate == Some(false) {
+            return Err(f.err(
                 "headwise_attn_output_gate",
                 "false is not supported: Spark2_5 checkpoints gate each attention head".into(),
             ));
         }
-        match raw.gate_attn_act_mode.as_deref() {
+        match self.gate_attn_act_mode.as_deref() {
             Some("sigmoid") | None => {}
             Some(other) => {
-                return Err(err(
+                return Err(f.err(
                     "gate_attn_act_mode",
                     format!("expected \"sigmoid\", found \"{other}\""),
                 ))
             }
         }
         for (field, v) in [
-            ("attention_bias", raw.attention_bias),
-            ("mlp_bias", raw.mlp_bias),
+            ("attention_bias", self.attention_bias),
+            ("mlp_bias", self.mlp_bias),
         ] {
             if v == Some(true) {
-                return Err(err(
+                return Err(f.err(
                     field,
                     "true is not supported: Spark2_5 has no biases".into(),
                 ));
             }
         }
-        let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
+        Ok(())
+    }
+
+    fn rms_norm_eps(&self, f: Fields) -> Result<f64, ConfigError> {
+        let rms_norm_eps = self.rms_norm_eps.unwrap_or(1e-6);
         if !(rms_norm_eps > 0.0 && rms_norm_eps < 1.0) {
-            return Err(err(
+            return Err(f.err(
                 "rms_norm_eps",
                 format!("expected a small positive value, found {rms_norm_eps}"),
             ));
         }
-        let eos_token_ids = match raw.eos_token_id {
+        Ok(rms_norm_eps)
+    }
+
+    /// `eos_token_id`: absent, one id or a list of them.
+    fn eos_token_ids(&self, f: Fields) -> Result<Vec<u32>, ConfigError> {
+        Ok(match &self.eos_token_id {
             None | Some(serde_json::Value::Null) => Vec::new(),
             Some(serde_json::Value::Number(n)) => {
                 vec![n
                     .as_u64()
                     .and_then(|x| u32::try_from(x).ok())
                     .ok_or_else(|| {
-                        err(
+                        f.err(
                             "eos_token_id",
                             "expected a non-negative 32-bit integer".into(),
                         )
@@ -395,56 +503,39 @@ impl SparkConfig {
                 .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| {
-                    err(
+                    f.err(
                         "eos_token_id",
                         "expected non-negative 32-bit integers".into(),
                     )
                 })?,
-            Some(_) => return Err(err("eos_token_id", "expected an integer or a list".into())),
-        };
+            Some(_) => return Err(f.err("eos_token_id", "expected an integer or a list".into())),
+        })
+    }
+
+    /// Every special token id must be inside the vocabulary.
+    fn check_token_ids(
+        &self,
+        eos_token_ids: &[u32],
+        vocab_size: usize,
+        f: Fields,
+    ) -> Result<(), ConfigError> {
         for (field, id) in [
-            ("bos_token_id", raw.bos_token_id),
-            ("pad_token_id", raw.pad_token_id),
+            ("bos_token_id", self.bos_token_id),
+            ("pad_token_id", self.pad_token_id),
         ]
         .into_iter()
         .chain(eos_token_ids.iter().map(|&e| ("eos_token_id", Some(e))))
         {
             if let Some(id) = id {
                 if id as usize >= vocab_size {
-                    return Err(err(
+                    return Err(f.err(
                         field,
                         format!("{id} is outside the vocabulary (vocab_size {vocab_size})"),
                     ));
                 }
             }
         }
-
-        Ok(SparkConfig {
-            hidden_size,
-            intermediate_size,
-            num_hidden_layers,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            vocab_size,
-            max_position_embeddings: match raw.max_position_embeddings {
-                Some(0) => return Err(err("max_position_embeddings", "must be > 0".into())),
-                v => v.unwrap_or(usize::MAX),
-            },
-            sliding_window,
-            layer_types,
-            rope,
-            rms_norm_eps: rms_norm_eps as f32,
-            tie_word_embeddings: raw.tie_word_embeddings,
-            bos_token_id: raw.bos_token_id,
-            eos_token_ids,
-            pad_token_id: raw.pad_token_id,
-            gptq: raw
-                .quantization_config
-                .as_ref()
-                .map(|q| GptqInfo::from_json(q, origin))
-                .transpose()?,
-        })
+        Ok(())
     }
 }
 

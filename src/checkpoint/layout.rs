@@ -1,6 +1,8 @@
 //! The tensors a Spark2_5 checkpoint must contain (docs/MODEL.md §3), and
 //! the check of a real checkpoint against them.
 
+use std::collections::BTreeSet;
+
 use safetensors::Dtype;
 use serde::Serialize;
 
@@ -278,169 +280,221 @@ fn is_ignorable(name: &str) -> bool {
 }
 
 pub fn check(cfg: &SparkConfig, store: &TensorStore) -> Result<CheckedLayout, Vec<String>> {
-    let mut warnings = Vec::new();
-    let has_head = store.get("lm_head.weight").is_some();
-    let tied = match cfg.tie_word_embeddings {
-        Some(t) => t,
-        None => {
-            warnings.push(format!(
-                "config.json has no `tie_word_embeddings`; {} because the checkpoint {} `lm_head.weight`",
-                if has_head { "using the untied lm_head.weight" } else { "tying the head to the embedding" },
-                if has_head { "contains" } else { "has no" }
-            ));
-            !has_head
-        }
+    let mut c = LayoutCheck {
+        cfg,
+        store,
+        problems: Vec::new(),
+        warnings: Vec::new(),
     };
-    let qkv: Vec<QkvLayout> = (0..cfg.num_hidden_layers)
-        .map(|l| {
-            let p = layer_prefix(l);
-            // `.weight` for dense checkpoints, `.qweight` for GPTQ ones.
-            let has = |m: &str| {
-                ["weight", "qweight"]
-                    .iter()
-                    .any(|t| store.get(&format!("{p}self_attn.{m}.{t}")).is_some())
-            };
-            if !has("q_k_v_proj") && has("q_proj") {
-                QkvLayout::Split
-            } else {
-                QkvLayout::Fused
-            }
-        })
-        .collect();
+    let tied = c.tied();
+    let qkv = c.qkv_layouts();
     let expected = expected_tensors(cfg, tied, &qkv);
-    let mut problems = Vec::new();
-    let mut gptq = std::collections::BTreeSet::new();
-    for t in &expected {
-        let quantizable = matches!(
-            t.class,
-            TensorClass::AttentionQkv
-                | TensorClass::AttentionOut
-                | TensorClass::Mlp
-                | TensorClass::LmHead
-        );
-        if let (Some(info), Some(prefix), None) = (
-            &cfg.gptq,
-            t.name.strip_suffix(".weight"),
-            store.get(&t.name),
-        ) {
-            if quantizable && store.get(&format!("{prefix}.qweight")).is_some() {
-                crate::formats::gptq::check_tensors(
-                    store,
-                    prefix,
-                    t.shape[0],
-                    t.shape[1],
-                    info.group_size,
-                    &mut problems,
-                );
-                gptq.insert(prefix.to_string());
-                continue;
-            }
-        }
-        // The rest of a GPTQ linear without its qweight: say that, not "missing .weight".
-        let partial_gptq = t.name.strip_suffix(".weight").and_then(|prefix| {
-            let have: Vec<&str> = crate::formats::gptq::GPTQ_PARTS
-                .iter()
-                .copied()
-                .filter(|p| store.get(&format!("{prefix}.{p}")).is_some())
-                .collect();
-            (!have.is_empty()).then_some((prefix, have))
-        });
-        match store.get(&t.name) {
-            None if partial_gptq
-                .as_ref()
-                .is_some_and(|(_, have)| have.contains(&"qweight"))
-                && cfg.gptq.is_none() =>
-            {
-                let (prefix, have) = partial_gptq.expect("checked");
-                problems.push(format!(
-                    "linear `{prefix}` is stored as GPTQ ({}) but config.json has no \
-                     `quantization_config` (quant_method \"gptq\", bits 4, group_size, sym, \
-                     desc_act) to read it with; restore it from the checkpoint's source",
-                    have.join(", "),
-                ));
-            }
-            None if partial_gptq.is_some() => {
-                let (prefix, have) = partial_gptq.expect("checked");
-                problems.push(format!(
-                    "linear `{prefix}` has GPTQ tensors ({}) but no `{prefix}.qweight`; expected a complete \
-                     GPTQ set (qweight, qzeros, scales) or a dense `{}` of shape {:?}",
-                    have.join(", "),
-                    t.name,
-                    t.shape
-                ));
-            }
-            None => problems.push(format!(
-                "missing tensor `{}` (expected shape {:?})",
-                t.name, t.shape
-            )),
-            Some(e) => {
-                if e.shape != t.shape {
-                    problems.push(format!(
-                        "tensor `{}` in {} has shape {:?}, expected {:?}",
-                        t.name,
-                        store.file_of(e).display(),
-                        e.shape,
-                        t.shape
-                    ));
-                }
-                if !matches!(e.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
-                    problems.push(format!(
-                        "tensor `{}` in {} has dtype {:?}, expected BF16, F16 or F32",
-                        t.name,
-                        store.file_of(e).display(),
-                        e.dtype
-                    ));
-                }
-            }
-        }
-    }
-    for e in store.entries() {
-        if expected.iter().any(|t| t.name == e.name) {
-            continue;
-        }
-        if let Some((prefix, part)) = e.name.rsplit_once('.') {
-            if gptq.contains(prefix) && crate::formats::gptq::GPTQ_PARTS.contains(&part) {
-                continue;
-            }
-        }
-        if e.name == "lm_head.weight" && tied {
-            let emb = store.get("model.embedding.weight");
-            let same = emb.is_some_and(|m| m.dtype == e.dtype && store.bytes(m) == store.bytes(e));
-            warnings.push(if same {
-                "`lm_head.weight` is present but config says tie_word_embeddings=true; it equals the embedding and is ignored".into()
-            } else {
-                "`lm_head.weight` is present but config says tie_word_embeddings=true and it DIFFERS from the embedding; it is ignored, as HF and vLLM do — check the config".into()
-            });
-        } else if is_ignorable(&e.name) {
-            warnings.push(format!("ignoring buffer `{}`", e.name));
-        } else {
-            problems.push(format!(
-                "unexpected tensor `{}` in {} (shape {:?}, {:?}) is not part of Spark2_5",
-                e.name,
-                store.file_of(e).display(),
-                e.shape,
-                e.dtype
-            ));
-        }
-    }
-    // vLLM quantizes the head only when the config says so, and then needs its GPTQ tensors.
-    if cfg.gptq.as_ref().is_some_and(|g| g.lm_head) && !gptq.contains("lm_head") {
-        problems.push(
-            "config.json's quantization_config.lm_head is true but the checkpoint has no GPTQ head \
-             (lm_head.qweight, qzeros, scales); set it to false or restore the head's tensors"
-                .into(),
-        );
-    }
-    if problems.is_empty() {
+    let gptq = c.check_expected(&expected);
+    c.check_unexpected(&expected, &gptq, tied);
+    c.check_gptq_head(&gptq);
+    if c.problems.is_empty() {
         Ok(CheckedLayout {
             tied,
             gptq,
             qkv,
             expected,
-            warnings,
+            warnings: c.warnings,
         })
     } else {
-        Err(problems)
+        Err(c.problems)
+    }
+}
+
+/// A checkpoint's tensors against its config: every problem found, and the warnings.
+struct LayoutCheck<'a> {
+    cfg: &'a SparkConfig,
+    store: &'a TensorStore,
+    problems: Vec<String>,
+    warnings: Vec<String>,
+}
+
+impl LayoutCheck<'_> {
+    /// Whether the head is tied to the embedding: the config's word, else whether the
+    /// checkpoint lacks `lm_head.weight`.
+    fn tied(&mut self) -> bool {
+        let (cfg, store, warnings) = (self.cfg, self.store, &mut self.warnings);
+        let has_head = store.get("lm_head.weight").is_some();
+        match cfg.tie_word_embeddings {
+            Some(t) => t,
+            None => {
+                warnings.push(format!(
+                    "config.json has no `tie_word_embeddings`; {} because the checkpoint {} `lm_head.weight`",
+                    if has_head { "using the untied lm_head.weight" } else { "tying the head to the embedding" },
+                    if has_head { "contains" } else { "has no" }
+                ));
+                !has_head
+            }
+        }
+    }
+
+    /// Each layer's q/k/v storage: split when it has `q_proj` and no `q_k_v_proj`.
+    fn qkv_layouts(&self) -> Vec<QkvLayout> {
+        let (cfg, store) = (self.cfg, self.store);
+        (0..cfg.num_hidden_layers)
+            .map(|l| {
+                let p = layer_prefix(l);
+                // `.weight` for dense checkpoints, `.qweight` for GPTQ ones.
+                let has = |m: &str| {
+                    ["weight", "qweight"]
+                        .iter()
+                        .any(|t| store.get(&format!("{p}self_attn.{m}.{t}")).is_some())
+                };
+                if !has("q_k_v_proj") && has("q_proj") {
+                    QkvLayout::Split
+                } else {
+                    QkvLayout::Fused
+                }
+            })
+            .collect()
+    }
+
+    /// Check every expected tensor (dense, or a GPTQ set where the config allows one); returns
+    /// the prefixes of the linears stored as GPTQ.
+    fn check_expected(&mut self, expected: &[ExpectedTensor]) -> BTreeSet<String> {
+        let (cfg, store, problems) = (self.cfg, self.store, &mut self.problems);
+        let mut gptq = BTreeSet::new();
+        for t in expected {
+            let quantizable = matches!(
+                t.class,
+                TensorClass::AttentionQkv
+                    | TensorClass::AttentionOut
+                    | TensorClass::Mlp
+                    | TensorClass::LmHead
+            );
+            if let (Some(info), Some(prefix), None) = (
+                &cfg.gptq,
+                t.name.strip_suffix(".weight"),
+                store.get(&t.name),
+            ) {
+                if quantizable && store.get(&format!("{prefix}.qweight")).is_some() {
+                    super::gptq::check_tensors(
+                        store,
+                        prefix,
+                        t.shape[0],
+                        t.shape[1],
+                        info.group_size,
+                        problems,
+                    );
+                    gptq.insert(prefix.to_string());
+                    continue;
+                }
+            }
+            // The rest of a GPTQ linear without its qweight: say that, not "missing .weight".
+            let partial_gptq = t.name.strip_suffix(".weight").and_then(|prefix| {
+                let have: Vec<&str> = super::gptq::GPTQ_PARTS
+                    .iter()
+                    .copied()
+                    .filter(|p| store.get(&format!("{prefix}.{p}")).is_some())
+                    .collect();
+                (!have.is_empty()).then_some((prefix, have))
+            });
+            match store.get(&t.name) {
+                None if partial_gptq
+                    .as_ref()
+                    .is_some_and(|(_, have)| have.contains(&"qweight"))
+                    && cfg.gptq.is_none() =>
+                {
+                    let (prefix, have) = partial_gptq.expect("checked");
+                    problems.push(format!(
+                        "linear `{prefix}` is stored as GPTQ ({}) but config.json has no \
+                         `quantization_config` (quant_method \"gptq\", bits 4, group_size, sym, \
+                         desc_act) to read it with; restore it from the checkpoint's source",
+                        have.join(", "),
+                    ));
+                }
+                None if partial_gptq.is_some() => {
+                    let (prefix, have) = partial_gptq.expect("checked");
+                    problems.push(format!(
+                        "linear `{prefix}` has GPTQ tensors ({}) but no `{prefix}.qweight`; expected a complete \
+                         GPTQ set (qweight, qzeros, scales) or a dense `{}` of shape {:?}",
+                        have.join(", "),
+                        t.name,
+                        t.shape
+                    ));
+                }
+                None => problems.push(format!(
+                    "missing tensor `{}` (expected shape {:?})",
+                    t.name, t.shape
+                )),
+                Some(e) => {
+                    if e.shape != t.shape {
+                        problems.push(format!(
+                            "tensor `{}` in {} has shape {:?}, expected {:?}",
+                            t.name,
+                            store.file_of(e).display(),
+                            e.shape,
+                            t.shape
+                        ));
+                    }
+                    if !matches!(e.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+                        problems.push(format!(
+                            "tensor `{}` in {} has dtype {:?}, expected BF16, F16 or F32",
+                            t.name,
+                            store.file_of(e).display(),
+                            e.dtype
+                        ));
+                    }
+                }
+            }
+        }
+        gptq
+    }
+
+    /// Every stored tensor the layout does not expect: ignored with a warning, or a problem.
+    fn check_unexpected(
+        &mut self,
+        expected: &[ExpectedTensor],
+        gptq: &BTreeSet<String>,
+        tied: bool,
+    ) {
+        let (store, problems, warnings) = (self.store, &mut self.problems, &mut self.warnings);
+        for e in store.entries() {
+            if expected.iter().any(|t| t.name == e.name) {
+                continue;
+            }
+            if let Some((prefix, part)) = e.name.rsplit_once('.') {
+                if gptq.contains(prefix) && super::gptq::GPTQ_PARTS.contains(&part) {
+                    continue;
+                }
+            }
+            if e.name == "lm_head.weight" && tied {
+                let emb = store.get("model.embedding.weight");
+                let same =
+                    emb.is_some_and(|m| m.dtype == e.dtype && store.bytes(m) == store.bytes(e));
+                warnings.push(if same {
+                    "`lm_head.weight` is present but config says tie_word_embeddings=true; it equals the embedding and is ignored".into()
+                } else {
+                    "`lm_head.weight` is present but config says tie_word_embeddings=true and it DIFFERS from the embedding; it is ignored, as HF and vLLM do — check the config".into()
+                });
+            } else if is_ignorable(&e.name) {
+                warnings.push(format!("ignoring buffer `{}`", e.name));
+            } else {
+                problems.push(format!(
+                    "unexpected tensor `{}` in {} (shape {:?}, {:?}) is not part of Spark2_5",
+                    e.name,
+                    store.file_of(e).display(),
+                    e.shape,
+                    e.dtype
+                ));
+            }
+        }
+    }
+
+    fn check_gptq_head(&mut self, gptq: &BTreeSet<String>) {
+        let (cfg, problems) = (self.cfg, &mut self.problems);
+        // vLLM quantizes the head only when the config says so, and then needs its GPTQ tensors.
+        if cfg.gptq.as_ref().is_some_and(|g| g.lm_head) && !gptq.contains("lm_head") {
+            problems.push(
+                "config.json's quantization_config.lm_head is true but the checkpoint has no GPTQ head \
+                 (lm_head.qweight, qzeros, scales); set it to false or restore the head's tensors"
+                    .into(),
+            );
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! expected tensor layout, and atomic safetensors writing.
 
 pub mod config;
+pub mod gptq;
 pub mod layout;
 pub mod store;
 pub mod write;

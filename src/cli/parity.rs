@@ -149,31 +149,7 @@ pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
         }
     }
     // Every output is checked before the comparison runs, and the baseline read.
-    let mut inputs = vec![a.reference.as_path(), a.candidate.as_path()];
-    inputs.extend(a.prompts.as_deref());
-    inputs.extend(a.eval_text.as_deref());
-    if let PolicyChoice::File(p, _) = &choice {
-        inputs.push(p);
-    }
-    inputs.extend(a.baseline.as_deref());
-    if let Some(path) = &a.json {
-        ParityReport::check_path(path, &inputs)?;
-    }
-    if let Some(path) = &a.html {
-        report::check_html_path(path, &inputs)?;
-    }
-    if let Some(path) = &a.markdown {
-        report::check_markdown_path(path, &inputs)?;
-    }
-    let outputs: Vec<(Setting, &Path)> = [
-        (Setting::Json, &a.json),
-        (Setting::Html, &a.html),
-        (Setting::Markdown, &a.markdown),
-    ]
-    .into_iter()
-    .filter_map(|(s, p)| p.as_deref().map(|p| (s, p)))
-    .collect();
-    report::check_distinct(&outputs)?;
+    a.check_outputs(&choice)?;
     let baseline = a
         .baseline
         .as_deref()
@@ -221,44 +197,121 @@ pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
         eval_windows,
         policy,
         policy_source,
-        tokenizer_difference: match (&reference.tokenizer, load::is_gguf(&a.candidate)) {
-            // A GGUF carries its vocabulary: compared with what the reference's tokenizer gives.
-            (Some(t), true) => {
-                let f = spark_tool::formats::gguf::GgufFile::open(&a.candidate)?;
-                let dir = t.parent().unwrap_or(std::path::Path::new("."));
-                spark_tool::formats::gguf::spark::vocabulary_difference(
-                    &f,
-                    dir,
-                    candidate.engine.config().vocab_size,
-                )?
-            }
-            _ => parity::tokenizer_difference(
-                reference.tokenizer.as_deref(),
-                candidate.tokenizer.as_deref(),
-            )?,
-        },
+        tokenizer_difference: tokenizer_difference(&reference, &candidate, &a.candidate)?,
     };
+    print_prompt_header();
+    let report = parity::run(inputs, print_prompt_row)?;
+    print_summary(&report);
+    a.write_reports(&report, baseline.as_ref())?;
+    Ok(print_verdict(&report))
+}
+
+impl ParityArgs {
+    /// Refuse an output path that would overwrite an input (or another output) or cannot be
+    /// written, before any work.
+    fn check_outputs(&self, choice: &PolicyChoice) -> anyhow::Result<()> {
+        let mut inputs = vec![self.reference.as_path(), self.candidate.as_path()];
+        inputs.extend(self.prompts.as_deref());
+        inputs.extend(self.eval_text.as_deref());
+        if let PolicyChoice::File(p, _) = &choice {
+            inputs.push(p);
+        }
+        inputs.extend(self.baseline.as_deref());
+        if let Some(path) = &self.json {
+            ParityReport::check_path(path, &inputs)?;
+        }
+        if let Some(path) = &self.html {
+            report::check_html_path(path, &inputs)?;
+        }
+        if let Some(path) = &self.markdown {
+            report::check_markdown_path(path, &inputs)?;
+        }
+        let outputs: Vec<(Setting, &Path)> = [
+            (Setting::Json, &self.json),
+            (Setting::Html, &self.html),
+            (Setting::Markdown, &self.markdown),
+        ]
+        .into_iter()
+        .filter_map(|(s, p)| p.as_deref().map(|p| (s, p)))
+        .collect();
+        report::check_distinct(&outputs)?;
+        Ok(())
+    }
+
+    /// Write the reports asked for.
+    fn write_reports(
+        &self,
+        report: &ParityReport,
+        baseline: Option<&Baseline>,
+    ) -> anyhow::Result<()> {
+        if let Some(path) = &self.json {
+            report.write(path)?;
+            println!("wrote {}", path.display());
+        }
+        if let Some(path) = &self.html {
+            report::parity::write_html(path, report, baseline)?;
+            println!("wrote {}", path.display());
+        }
+        if let Some(path) = &self.markdown {
+            report::parity::write_markdown(path, report, baseline)?;
+            println!("wrote {}", path.display());
+        }
+        Ok(())
+    }
+}
+
+/// How the candidate's vocabulary differs from the reference's tokenizer
+/// ([`parity::tokenizer_difference`]).
+fn tokenizer_difference(
+    reference: &super::Opened,
+    candidate: &super::Opened,
+    candidate_path: &Path,
+) -> anyhow::Result<Option<String>> {
+    let difference = match (&reference.tokenizer, load::is_gguf(candidate_path)) {
+        // A GGUF carries its vocabulary: compared with what the reference's tokenizer gives.
+        (Some(t), true) => {
+            let f = spark_tool::formats::gguf::GgufFile::open(candidate_path)?;
+            let dir = t.parent().unwrap_or(std::path::Path::new("."));
+            spark_tool::formats::gguf::spark::vocabulary_difference(
+                &f,
+                dir,
+                candidate.engine.config().vocab_size,
+            )?
+        }
+        _ => parity::tokenizer_difference(
+            reference.tokenizer.as_deref(),
+            candidate.tokenizer.as_deref(),
+        )?,
+    };
+    Ok(difference)
+}
+
+fn print_prompt_header() {
     println!(
         "{:<24} {:>6} {:>7} {:>6} {:>6} {:>9} {:>9} {:>8} {:>7}",
         "prompt", "tokens", "greedy", "top1", "top5", "KL mean", "KL max", "max|Δ|", "SNR dB"
     );
-    let report = parity::run(inputs, |p| {
-        println!(
-            "{:<24} {:>6} {:>7} {:>6.3} {:>6.3} {:>9.2e} {:>9.2e} {:>8.3} {:>7.1}",
-            p.name,
-            p.prompt_tokens,
-            match p.first_divergence {
-                None => "same".to_string(),
-                Some(i) => format!("@{i}"),
-            },
-            p.top1,
-            p.top5,
-            p.kl_mean,
-            p.kl_max,
-            p.max_abs_dlogit,
-            p.snr_db
-        );
-    })?;
+}
+
+fn print_prompt_row(p: &parity::PromptReport) {
+    println!(
+        "{:<24} {:>6} {:>7} {:>6.3} {:>6.3} {:>9.2e} {:>9.2e} {:>8.3} {:>7.1}",
+        p.name,
+        p.prompt_tokens,
+        match p.first_divergence {
+            None => "same".to_string(),
+            Some(i) => format!("@{i}"),
+        },
+        p.top1,
+        p.top5,
+        p.kl_mean,
+        p.kl_max,
+        p.max_abs_dlogit,
+        p.snr_db
+    );
+}
+
+fn print_summary(report: &ParityReport) {
     let o = &report.overall;
     println!(
         "overall: greedy identical {}/{} (mean {:.1} tokens to divergence), top-1 {:.4}, top-5 {:.4}, KL mean {:.3e} p99 {:.3e} max {:.3e}, max|Δlogit| {:.3}, SNR {:.1} dB over {} positions",
@@ -290,29 +343,21 @@ pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
             .collect();
         println!("gates: {}", gates.join("; "));
     }
-    if let Some(path) = &a.json {
-        report.write(path)?;
-        println!("wrote {}", path.display());
-    }
-    if let Some(path) = &a.html {
-        report::parity::write_html(path, &report, baseline.as_ref())?;
-        println!("wrote {}", path.display());
-    }
-    if let Some(path) = &a.markdown {
-        report::parity::write_markdown(path, &report, baseline.as_ref())?;
-        println!("wrote {}", path.display());
-    }
+}
+
+/// Print the verdict; the exit code is 1 on drift.
+fn print_verdict(report: &ParityReport) -> i32 {
     match report.verdict() {
         parity::Verdict::Pass => {
             println!("PASS (policy: {})", report.policy_source);
-            Ok(0)
+            0
         }
         parity::Verdict::NotGated => {
             println!(
                 "NOT GATED: no threshold was checked (policy: {})",
                 report.policy_source
             );
-            Ok(0)
+            0
         }
         parity::Verdict::Drift => {
             println!(
@@ -320,7 +365,7 @@ pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
                 report.failures.join("; "),
                 report.policy_source
             );
-            Ok(1)
+            1
         }
     }
 }

@@ -185,46 +185,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         eprintln!("warning: {w}");
     }
     let gguf = spark_tool::load::is_gguf(&dir);
-    let tokenizer_path = match &a.tokenizer {
-        Some(t) if gguf => {
-            let f = spark_tool::formats::gguf::GgufFile::open(&dir)?;
-            let vocab = loaded.engine.config().vocab_size;
-            Some(spark_tool::load::gguf_tokenizer(&dir, &f, vocab, t)?)
-        }
-        Some(_) => bail!(
-            "--tokenizer is for GGUF files; {} is tokenized with its own tokenizer.json",
-            dir.display()
-        ),
-        None => loaded.tokenizer.clone(),
-    };
+    let tokenizer_path = a.tokenizer_path(&dir, gguf, &loaded)?;
     let tokenizer = match &tokenizer_path {
         Some(p) => Some(SparkTokenizer::from_file(p)?),
         None => None,
     };
-    let prompt: Vec<u32> = match (&a.prompt, &a.tokens) {
-        (Some(text), _) => {
-            let tok = tokenizer.as_ref().with_context(|| match gguf {
-                true => format!(
-                    "{} is a GGUF file, which carries no tokenizer.json: pass --tokenizer \
-                     MODEL_DIR (the folder of the model's tokenizer.json), put the tokenizer.json \
-                     beside the file, or pass --tokens instead of --prompt",
-                    dir.display()
-                ),
-                false => format!(
-                    "{} has no tokenizer.json; pass --tokens instead of --prompt",
-                    dir.display()
-                ),
-            })?;
-            let text = if a.chat {
-                render_chat(text, a.system.as_deref(), !a.no_think)
-            } else {
-                text.clone()
-            };
-            tok.encode(&text)?
-        }
-        (None, Some(ids)) => ids.clone(),
-        (None, None) => bail!("nothing to run: pass --prompt TEXT or --tokens 1,2,3"),
-    };
+    let prompt = a.prompt_tokens(tokenizer.as_ref(), &dir, gguf)?;
     if prompt.is_empty() {
         bail!("the prompt tokenized to zero tokens");
     }
@@ -279,44 +245,109 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         spark_tool::generate::write_logits(path, &out, cfg.vocab_size)?;
     }
     if a.stats {
-        let s = &out.stats;
-        let dec = &s.decode_ms;
-        let (mn, mx) = dec
-            .iter()
-            .fold((f64::INFINITY, 0f64), |(a, b), &x| (a.min(x), b.max(x)));
-        eprintln!("load            {load_ms:9.1} ms");
-        eprintln!(
-            "prefill         {:9.1} ms  ({} tokens, {:.1} tok/s)",
-            s.prefill_ms,
-            s.prompt_tokens,
-            s.prompt_tokens as f64 / (s.prefill_ms / 1e3)
-        );
-        if !dec.is_empty() {
-            eprintln!(
-                "decode / token  {:9.2} ms  (min {mn:.2}, max {mx:.2}; {} steps, {:.1} tok/s)",
-                s.decode_mean_ms(),
-                dec.len(),
-                1e3 / s.decode_mean_ms()
-            );
-        }
-        eprintln!("sampling        {:9.2} ms total", s.sampling_ms);
-        if let Some(t) = first_token {
-            // What a user waits for: open + repack + tokenize + prefill + sample.
-            eprintln!(
-                "first token     {:9.1} ms  after the start of loading",
-                (t - t_load).as_secs_f64() * 1e3
-            );
-        }
-        eprintln!(
-            "generated {} tokens{}; threads {}",
-            s.generated_tokens,
-            if out.stopped_at_eos {
-                " (stopped at EOS)"
-            } else {
-                ""
-            },
-            rayon::current_num_threads()
-        );
+        // What a user waits for: open + repack + tokenize + prefill + sample.
+        let first_token_ms = first_token.map(|t| (t - t_load).as_secs_f64() * 1e3);
+        print_stats(&out, load_ms, first_token_ms);
     }
     Ok(())
+}
+
+impl RunArgs {
+    /// The tokenizer.json to read: the artifact's own, or for a GGUF file the one `--tokenizer`
+    /// names (checked against the file's vocabulary).
+    fn tokenizer_path(
+        &self,
+        dir: &std::path::Path,
+        gguf: bool,
+        loaded: &super::Opened,
+    ) -> anyhow::Result<Option<PathBuf>> {
+        Ok(match &self.tokenizer {
+            Some(t) if gguf => {
+                let f = spark_tool::formats::gguf::GgufFile::open(dir)?;
+                let vocab = loaded.engine.config().vocab_size;
+                Some(spark_tool::load::gguf_tokenizer(dir, &f, vocab, t)?)
+            }
+            Some(_) => bail!(
+                "--tokenizer is for GGUF files; {} is tokenized with its own tokenizer.json",
+                dir.display()
+            ),
+            None => loaded.tokenizer.clone(),
+        })
+    }
+
+    /// The prompt's token ids: `--prompt` tokenized (in the chat frame with `--chat`), or
+    /// `--tokens`.
+    fn prompt_tokens(
+        &self,
+        tokenizer: Option<&SparkTokenizer>,
+        dir: &std::path::Path,
+        gguf: bool,
+    ) -> anyhow::Result<Vec<u32>> {
+        Ok(match (&self.prompt, &self.tokens) {
+            (Some(text), _) => {
+                let tok = tokenizer.with_context(|| match gguf {
+                    true => format!(
+                        "{} is a GGUF file, which carries no tokenizer.json: pass --tokenizer \
+                         MODEL_DIR (the folder of the model's tokenizer.json), put the tokenizer.json \
+                         beside the file, or pass --tokens instead of --prompt",
+                        dir.display()
+                    ),
+                    false => format!(
+                        "{} has no tokenizer.json; pass --tokens instead of --prompt",
+                        dir.display()
+                    ),
+                })?;
+                let text = if self.chat {
+                    render_chat(text, self.system.as_deref(), !self.no_think)
+                } else {
+                    text.clone()
+                };
+                tok.encode(&text)?
+            }
+            (None, Some(ids)) => ids.clone(),
+            (None, None) => bail!("nothing to run: pass --prompt TEXT or --tokens 1,2,3"),
+        })
+    }
+}
+
+/// `--stats`: per-phase timers on stderr.
+fn print_stats(
+    out: &spark_tool::generate::GenerateOutput,
+    load_ms: f64,
+    first_token_ms: Option<f64>,
+) {
+    let s = &out.stats;
+    let dec = &s.decode_ms;
+    let (mn, mx) = dec
+        .iter()
+        .fold((f64::INFINITY, 0f64), |(a, b), &x| (a.min(x), b.max(x)));
+    eprintln!("load            {load_ms:9.1} ms");
+    eprintln!(
+        "prefill         {:9.1} ms  ({} tokens, {:.1} tok/s)",
+        s.prefill_ms,
+        s.prompt_tokens,
+        s.prompt_tokens as f64 / (s.prefill_ms / 1e3)
+    );
+    if !dec.is_empty() {
+        eprintln!(
+            "decode / token  {:9.2} ms  (min {mn:.2}, max {mx:.2}; {} steps, {:.1} tok/s)",
+            s.decode_mean_ms(),
+            dec.len(),
+            1e3 / s.decode_mean_ms()
+        );
+    }
+    eprintln!("sampling        {:9.2} ms total", s.sampling_ms);
+    if let Some(ms) = first_token_ms {
+        eprintln!("first token     {ms:9.1} ms  after the start of loading");
+    }
+    eprintln!(
+        "generated {} tokens{}; threads {}",
+        s.generated_tokens,
+        if out.stopped_at_eos {
+            " (stopped at EOS)"
+        } else {
+            ""
+        },
+        rayon::current_num_threads()
+    );
 }

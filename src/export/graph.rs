@@ -182,13 +182,13 @@ pub struct StepBuilder<'a> {
 }
 
 impl StepBuilder<'_> {
-    #[allow(clippy::too_many_arguments)]
+    /// The `[k, rows.len()]` initializer `name` from rows `rows` of the stored `tensor`, with norm
+    /// `fold` folded in (unless norms are applied on their own) and scaled by `mul`.
     fn weight(
         &self,
         g: &mut Graph<WeightSpec>,
         name: &str,
-        tensor: String,
-        rows: Range<usize>,
+        (tensor, rows): (String, Range<usize>),
         k: usize,
         fold: Option<String>,
         mul: f32,
@@ -239,7 +239,7 @@ impl StepBuilder<'_> {
         let (prefix, rows) = proj.stored_at(l, self.qkv[l], self.cfg);
         let [n, k] = proj.shape(self.cfg);
         let rows = rows.unwrap_or(0..n);
-        self.weight(g, name, format!("{prefix}.weight"), rows, k, fold, mul)
+        self.weight(g, name, (format!("{prefix}.weight"), rows), k, fold, mul)
     }
 
     /// `x / sqrt(mean(x²) + eps)` over the last axis of `[1, 1, H]`, times the norm weight
@@ -523,8 +523,7 @@ impl StepBuilder<'_> {
             let w = self.weight(
                 &mut g,
                 "lm_head_w",
-                tensor.into(),
-                0..cfg.vocab_size,
+                (tensor.into(), 0..cfg.vocab_size),
                 h,
                 Some(fold.into()),
                 1.0,

@@ -304,83 +304,20 @@ fn lpbq_weight(q: &mut Graph<WeightSpec>, name: &str, shape: &[usize], spec: Wei
 pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantized {
     let outputs: HashSet<String> = g.outputs.iter().map(|o| o.name.clone()).collect();
     let inits: HashSet<String> = g.inits.iter().map(|i| i.info.name.clone()).collect();
+    let names = QdqNames { outputs: &outputs };
     let mut q = Graph::new(&g.name);
-    // Names: float value, integer value, dequantized value.
-    let float_name = |t: &str| -> String {
-        if outputs.contains(t) {
-            format!("{t}_f")
-        } else {
-            t.to_string()
-        }
-    };
-    let q_name = |t: &str| -> String {
-        if enc_is_kv(t) {
-            t.to_string()
-        } else {
-            format!("{t}_q")
-        }
-    };
-    let dq_name = |t: &str| -> String {
-        if outputs.contains(t) && !enc_is_kv(t) {
-            t.to_string()
-        } else {
-            format!("{t}_dq")
-        }
-    };
-    let add_qdq = |q: &mut Graph<WeightSpec>, t: &str, e: &Encoding, with_q: bool| {
-        let shape = g.info[t].shape.clone();
-        let sc = q.const_f32(&format!("{t}_scale"), &[e.scale], &[]);
-        let zp = q.init(
-            &format!("{t}_zp"),
-            qtype_dtype(e.dtype),
-            &[],
-            Source::Bytes(zp_bytes(e)),
-        );
-        if with_q {
-            q.node(
-                "QuantizeLinear",
-                &q_name(t),
-                &[&float_name(t), &sc, &zp],
-                qtype_dtype(e.dtype),
-                &shape,
-                Vec::new(),
-            );
-        }
-        q.node(
-            "DequantizeLinear",
-            &dq_name(t),
-            &[&q_name(t), &sc, &zp],
-            DType::F32,
-            &shape,
-            Vec::new(),
-        );
-    };
-
     for i in &g.inputs {
         let e = enc[&i.name];
         if enc_is_kv(&i.name) {
             q.input(&i.name, qtype_dtype(e.dtype), &i.shape);
-            add_qdq(&mut q, &i.name, &e, false);
+            names.add_qdq(&mut q, &i.name, &g.info[&i.name].shape, &e, false);
         } else {
             q.input(&i.name, DType::F32, &i.shape);
-            add_qdq(&mut q, &i.name, &e, true);
+            names.add_qdq(&mut q, &i.name, &g.info[&i.name].shape, &e, true);
         }
     }
-    let on_grid: HashMap<String, Encoding> = g
-        .nodes
-        .iter()
-        .filter(|n| n.op == "Concat")
-        .flat_map(|n| {
-            let e = enc
-                .get(&n.outputs[0])
-                .copied()
-                .filter(|e| e.dtype == QType::Uint16);
-            n.inputs
-                .iter()
-                .filter(|t| inits.contains(*t) && g.info[*t].dtype == DType::F32)
-                .filter_map(move |t| e.map(|e| (t.clone(), e)))
-        })
-        .collect();
+    let on_grid = concat_grids(&g, &enc, &inits);
+    // Each quantized initializer's name → the name of its dequantized value.
     let mut weights: HashMap<String, String> = HashMap::new();
     for init in g.inits {
         let name = init.info.name.clone();
@@ -390,74 +327,11 @@ pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantiz
                 weights.insert(name, dq);
             }
             Source::Deferred(spec) => {
-                let [k, n] = [init.info.shape[0], init.info.shape[1]];
-                let wq = q.init(
-                    &format!("{name}_q"),
-                    DType::I8,
-                    &[k, n],
-                    Source::Deferred(WeightSpec {
-                        repr: Repr::Q8,
-                        ..spec.clone()
-                    }),
-                );
-                let ws = q.init(
-                    &format!("{name}_scale"),
-                    DType::F32,
-                    &[n],
-                    Source::Deferred(WeightSpec {
-                        repr: Repr::Q8Scale,
-                        ..spec
-                    }),
-                );
-                let wz = q.init(
-                    &format!("{name}_zp"),
-                    DType::I8,
-                    &[n],
-                    Source::Bytes(vec![0; n]),
-                );
-                let dq = q.node(
-                    "DequantizeLinear",
-                    &format!("{name}_dq"),
-                    &[&wq, &ws, &wz],
-                    DType::F32,
-                    &[k, n],
-                    vec![("axis", Attr::Int(1))],
-                );
+                let dq = int8_weight(&mut q, &name, &init.info.shape, spec);
                 weights.insert(name, dq);
             }
             Source::Bytes(b) if init.info.dtype == DType::F32 => {
-                // A float constant (the RMSNorm epsilon: exact uint16 code 65535; a norm weight
-                // applied on its own: uint16 over its range).
-                let v: Vec<f32> = b
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
-                // A constant a Concat joins to an activation is written on the Concat's grid.
-                let (e, codes) = match on_grid.get(&name) {
-                    Some(e) => (*e, uint16_on_grid(&v, e)),
-                    None => uint16_constant(&v),
-                };
-                let c = q.init(
-                    &format!("{name}_q"),
-                    DType::U16,
-                    &init.info.shape,
-                    Source::Bytes(codes.iter().flat_map(|c| c.to_le_bytes()).collect()),
-                );
-                let sc = q.const_f32(&format!("{name}_scale"), &[e.scale], &[]);
-                let zp = q.init(
-                    &format!("{name}_zp"),
-                    DType::U16,
-                    &[],
-                    Source::Bytes(zp_bytes(&e)),
-                );
-                let dq = q.node(
-                    "DequantizeLinear",
-                    &format!("{name}_dq"),
-                    &[&c, &sc, &zp],
-                    DType::F32,
-                    &init.info.shape,
-                    Vec::new(),
-                );
+                let dq = uint16_constant_init(&mut q, &init.info, &b, on_grid.get(&name));
                 weights.insert(name, dq);
             }
             src => {
@@ -475,7 +349,7 @@ pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantiz
                 } else if inits.contains(t) || g.info[t].dtype != DType::F32 {
                     t.clone()
                 } else {
-                    dq_name(t)
+                    names.dq(t)
                 }
             })
             .collect();
@@ -483,25 +357,25 @@ pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantiz
         let info = g.info[&out].clone();
         q.push(
             Node {
-                name: format!("{}/{}", float_name(&out), n.op),
+                name: format!("{}/{}", names.float(&out), n.op),
                 op: n.op,
                 inputs,
-                outputs: vec![float_name(&out)],
+                outputs: vec![names.float(&out)],
                 attrs: n.attrs,
             },
             info.dtype,
             &info.shape,
         );
         if info.dtype == DType::F32 {
-            add_qdq(&mut q, &out, &enc[&out], true);
+            names.add_qdq(&mut q, &out, &info.shape, &enc[&out], true);
         }
     }
     for o in &g.outputs {
         let e = enc[&o.name];
         let name = if enc_is_kv(&o.name) {
-            q_name(&o.name)
+            names.q(&o.name)
         } else {
-            dq_name(&o.name)
+            names.dq(&o.name)
         };
         let info = q.info[&name].clone();
         debug_assert!(enc_is_kv(&o.name) == (info.dtype == qtype_dtype(e.dtype)));
@@ -515,6 +389,178 @@ pub fn quantize(g: Graph<WeightSpec>, enc: HashMap<String, Encoding>) -> Quantiz
         graph: q,
         encodings: enc,
     }
+}
+
+/// The names of a float tensor's three values in the QDQ graph: float, integer (quantized) and
+/// dequantized. A graph output keeps its own name on the value the app reads: the integer one
+/// for the KV cache, the dequantized one otherwise.
+struct QdqNames<'a> {
+    outputs: &'a HashSet<String>,
+}
+
+impl QdqNames<'_> {
+    fn float(&self, t: &str) -> String {
+        if self.outputs.contains(t) {
+            format!("{t}_f")
+        } else {
+            t.to_string()
+        }
+    }
+
+    fn q(&self, t: &str) -> String {
+        if enc_is_kv(t) {
+            t.to_string()
+        } else {
+            format!("{t}_q")
+        }
+    }
+
+    fn dq(&self, t: &str) -> String {
+        if self.outputs.contains(t) && !enc_is_kv(t) {
+            t.to_string()
+        } else {
+            format!("{t}_dq")
+        }
+    }
+
+    /// Append the QuantizeLinear (when `with_q`) and DequantizeLinear nodes of activation `t`
+    /// of `shape` with encoding `e`.
+    fn add_qdq(
+        &self,
+        q: &mut Graph<WeightSpec>,
+        t: &str,
+        shape: &[usize],
+        e: &Encoding,
+        with_q: bool,
+    ) {
+        let sc = q.const_f32(&format!("{t}_scale"), &[e.scale], &[]);
+        let zp = q.init(
+            &format!("{t}_zp"),
+            qtype_dtype(e.dtype),
+            &[],
+            Source::Bytes(zp_bytes(e)),
+        );
+        if with_q {
+            q.node(
+                "QuantizeLinear",
+                &self.q(t),
+                &[&self.float(t), &sc, &zp],
+                qtype_dtype(e.dtype),
+                shape,
+                Vec::new(),
+            );
+        }
+        q.node(
+            "DequantizeLinear",
+            &self.dq(t),
+            &[&self.q(t), &sc, &zp],
+            DType::F32,
+            shape,
+            Vec::new(),
+        );
+    }
+}
+
+/// The float initializers a Concat joins to a uint16 activation, each with that Concat's
+/// encoding: they are written on its grid.
+fn concat_grids(
+    g: &Graph<WeightSpec>,
+    enc: &HashMap<String, Encoding>,
+    inits: &HashSet<String>,
+) -> HashMap<String, Encoding> {
+    g.nodes
+        .iter()
+        .filter(|n| n.op == "Concat")
+        .flat_map(|n| {
+            let e = enc
+                .get(&n.outputs[0])
+                .copied()
+                .filter(|e| e.dtype == QType::Uint16);
+            n.inputs
+                .iter()
+                .filter(|t| inits.contains(*t) && g.info[*t].dtype == DType::F32)
+                .filter_map(move |t| e.map(|e| (t.clone(), e)))
+        })
+        .collect()
+}
+
+/// A float weight `[k, n]` as int8 symmetric per output channel, dequantized; returns the
+/// dequantized value's name.
+fn int8_weight(q: &mut Graph<WeightSpec>, name: &str, shape: &[usize], spec: WeightSpec) -> String {
+    let [k, n] = [shape[0], shape[1]];
+    let wq = q.init(
+        &format!("{name}_q"),
+        DType::I8,
+        &[k, n],
+        Source::Deferred(WeightSpec {
+            repr: Repr::Q8,
+            ..spec.clone()
+        }),
+    );
+    let ws = q.init(
+        &format!("{name}_scale"),
+        DType::F32,
+        &[n],
+        Source::Deferred(WeightSpec {
+            repr: Repr::Q8Scale,
+            ..spec
+        }),
+    );
+    let wz = q.init(
+        &format!("{name}_zp"),
+        DType::I8,
+        &[n],
+        Source::Bytes(vec![0; n]),
+    );
+    q.node(
+        "DequantizeLinear",
+        &format!("{name}_dq"),
+        &[&wq, &ws, &wz],
+        DType::F32,
+        &[k, n],
+        vec![("axis", Attr::Int(1))],
+    )
+}
+
+/// A float constant (the RMSNorm epsilon: exact uint16 code 65535; a norm weight applied on its
+/// own: uint16 over its range) as uint16, dequantized; one a Concat joins to an activation
+/// (`grid`) is written on the Concat's grid. Returns the dequantized value's name.
+fn uint16_constant_init(
+    q: &mut Graph<WeightSpec>,
+    info: &TensorInfo,
+    bytes: &[u8],
+    grid: Option<&Encoding>,
+) -> String {
+    let name = &info.name;
+    let v: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let (e, codes) = match grid {
+        Some(e) => (*e, uint16_on_grid(&v, e)),
+        None => uint16_constant(&v),
+    };
+    let c = q.init(
+        &format!("{name}_q"),
+        DType::U16,
+        &info.shape,
+        Source::Bytes(codes.iter().flat_map(|c| c.to_le_bytes()).collect()),
+    );
+    let sc = q.const_f32(&format!("{name}_scale"), &[e.scale], &[]);
+    let zp = q.init(
+        &format!("{name}_zp"),
+        DType::U16,
+        &[],
+        Source::Bytes(zp_bytes(&e)),
+    );
+    q.node(
+        "DequantizeLinear",
+        &format!("{name}_dq"),
+        &[&c, &sc, &zp],
+        DType::F32,
+        &info.shape,
+        Vec::new(),
+    )
 }
 
 #[cfg(test)]

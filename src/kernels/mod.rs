@@ -84,7 +84,7 @@ impl F32Matmul for GemmCrateMatmul {
             gemm::Parallelism::None
         };
         // SAFETY: the asserts above: x is m×k, w is n×k, y is m×n, all row-major.
-        unsafe { gemm_nt(m, n, k, x, w, y.as_mut_ptr(), n, par) }
+        unsafe { gemm_nt((m, n, k), x, w, (y.as_mut_ptr(), n), par) }
     }
 }
 
@@ -126,13 +126,10 @@ pub fn panel_matmul(
             // columns `cols` of the m×n y, owned by this job alone.
             unsafe {
                 gemm_nt(
-                    m,
-                    cols.len(),
-                    k,
+                    (m, cols.len(), k),
                     x,
                     w,
-                    out.ptr_at(0, cols.start),
-                    n,
+                    (out.ptr_at(0, cols.start), n),
                     gemm::Parallelism::None,
                 )
             }
@@ -146,40 +143,30 @@ pub fn panel_matmul(
 /// # Safety
 /// `dst` must be valid for writes of m rows of n values at stride `dst_rs` that nothing else
 /// accesses.
-#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_nt(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     x: &[f32],
     w: &[f32],
-    dst: *mut f32,
-    dst_rs: usize,
+    (dst, dst_rs): (*mut f32, usize),
     par: gemm::Parallelism,
 ) {
     // rhs = wᵀ: element (kk, j) at w[j·k + kk].
     // SAFETY: forwarded from the caller.
-    unsafe { gemm_strided(m, n, k, dst, dst_rs, x, k, w, 1, k, par) }
+    unsafe { gemm_strided((m, n, k), (dst, dst_rs), (x, k), (w, 1, k), par) }
 }
 
 /// `dst[m, n] = lhs[m, k] · rhs` with `gemm`: lhs rows `lhs_rs` apart, rhs element (kk, j) at
 /// `rhs[kk·rhs_rs + j·rhs_cs]`, dst rows `dst_rs` apart; the one home of every f32 `gemm` call.
+/// Each operand comes with its strides, as `(data, row stride[, column stride])`.
 ///
 /// # Safety
 /// `dst` must be valid for writes of m rows of n values at stride `dst_rs` that nothing else
 /// accesses. (The operands' bounds are asserted.)
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm_strided(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    lhs: &[f32],
-    lhs_rs: usize,
-    rhs: &[f32],
-    rhs_rs: usize,
-    rhs_cs: usize,
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (*mut f32, usize),
+    (lhs, lhs_rs): (&[f32], usize),
+    (rhs, rhs_rs, rhs_cs): (&[f32], usize, usize),
     par: gemm::Parallelism,
 ) {
     if m == 0 || n == 0 {

@@ -360,16 +360,14 @@ fn attention_over<T: KvElem>(
                 let lo = |r| lo_of(r0 + r);
                 let p0 = start + r0;
                 let done = bits.get(kvh).is_some_and(|kv| {
-                    kernels::attention::attend_rows_bf16(qb, rows, kv, lo, p0, heads, scratch, ob)
+                    kernels::attention::attend_rows_bf16(qb, rows, kv, (lo, p0), heads, scratch, ob)
                 });
                 if !done {
                     kernels::attention::attend_rows(
                         qb,
                         rows,
-                        |pos| key(pos, kvh),
-                        |pos| value(pos, kvh),
-                        lo,
-                        p0,
+                        (|pos| key(pos, kvh), |pos| value(pos, kvh)),
+                        (lo, p0),
                         heads,
                         scratch,
                         ob,

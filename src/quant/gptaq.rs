@@ -93,7 +93,7 @@ impl CrossMoment {
                     let rows = (k - r0).min(BLOCK);
                     // SAFETY: d and q hold t × k values; rows r0.. of part are written by
                     // this job alone.
-                    unsafe { at_b_block(&out, (r0, rows), (0, k), d, q, t, k, 1.0) };
+                    unsafe { at_b_block(&out, (r0, rows), (0, k), (d, q), (t, k), 1.0) };
                 });
             }
             self.sum.fold(&part);

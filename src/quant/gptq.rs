@@ -4,6 +4,8 @@
 //! W[n, k]), so the column GPTQ processes is contiguous and the produced
 //! codes are already in the [K, N] order GPTQ's `qweight` packs.
 
+use std::ops::Range;
+
 use faer::linalg::triangular_inverse::invert_lower_triangular;
 use faer::{Mat, Par};
 use rayon::prelude::*;
@@ -510,7 +512,7 @@ impl GptqSolver {
         let mut chunks: Vec<RowChunk> = (0..n)
             .step_by(width)
             .map(|r0| {
-                let mut c = RowChunk::new(w, k, r0, (r0 + width).min(n), self, &sched, gs, bs);
+                let mut c = RowChunk::new(w, k, r0..(r0 + width).min(n), self, &sched, gs, bs);
                 if let Some(s) = given {
                     c.fix_scales(s, n);
                 }
@@ -655,12 +657,11 @@ struct RowChunk {
 }
 
 impl RowChunk {
-    #[allow(clippy::too_many_arguments)]
+    /// The chunk of output rows `r0..r1` of `w` (`[n, k]`).
     fn new(
         w: &[f32],
         k: usize,
-        r0: usize,
-        r1: usize,
+        Range { start: r0, end: r1 }: Range<usize>,
         s: &GptqSolver,
         sched: &Schedule,
         gs: usize,
@@ -706,19 +707,16 @@ impl RowChunk {
     }
 
     /// Group `g`'s current weights, row by row, into `buf` (`[nc, G]`: row `nn`'s G weights are
-    /// contiguous) and its importances into `imp`, at position `i` of block `i1..i2`. In-block
+    /// contiguous) and its importances into `imp`, at position `i` of `block` (`i1..i2`). In-block
     /// updates go to `wt` directly; a member in a later block (act order) has not had this
     /// block's columns so far flushed into it yet, so they are applied here.
-    #[allow(clippy::too_many_arguments)]
     fn load_group(
         &mut self,
         s: &GptqSolver,
         sched: &Schedule,
-        g: usize,
-        gs: usize,
-        i1: usize,
+        (g, gs): (usize, usize),
+        Range { start: i1, end: i2 }: Range<usize>,
         i: usize,
-        i2: usize,
     ) {
         let (k, nc, u) = (s.k, self.r1 - self.r0, &s.u);
         let members = sched.members(g, gs);
@@ -773,7 +771,7 @@ impl RowChunk {
                 let (per, g0) = (sched.tier / gs, tier * sched.tier / gs);
                 let mut free = vec![0f32; nc * per];
                 for j in 0..per {
-                    self.load_group(s, sched, g0 + j, gs, i1, i, i2);
+                    self.load_group(s, sched, (g0 + j, gs), i1..i2, i);
                     for nn in 0..nc {
                         free[nn * per + j] = grid.untiered().group_scale(
                             &self.buf[nn * gs..(nn + 1) * gs],
@@ -790,7 +788,7 @@ impl RowChunk {
             }
             if sched.members(g, gs)[0] == i && !self.fixed {
                 let t = std::time::Instant::now();
-                self.load_group(s, sched, g, gs, i1, i, i2);
+                self.load_group(s, sched, (g, gs), i1..i2, i);
                 for nn in 0..nc {
                     let d = self.tier_d[tier * nc + nn];
                     self.scales[g * nc + nn] =
@@ -869,7 +867,7 @@ pub(crate) fn matmul_nn(
     c: &mut [f32],
     parallel: bool,
 ) {
-    matmul_strided_a(a, (1, k), m, k, b, n, c, parallel);
+    matmul_strided_a(a, (1, k), (m, k, n), b, c, parallel);
 }
 
 /// `c[m, n] = aᵀ · b` for `a` `[k, m]` and `b` `[k, n]`, row-major: `a` read through its strides,
@@ -884,18 +882,15 @@ pub(crate) fn matmul_tn(
     c: &mut [f32],
     parallel: bool,
 ) {
-    matmul_strided_a(a, (m, 1), m, k, b, n, c, parallel);
+    matmul_strided_a(a, (m, 1), (m, k, n), b, c, parallel);
 }
 
-/// `c[m, n] = A · b` with A's element (i, l) at `a[l·a_cs + i·a_rs]`.
-#[allow(clippy::too_many_arguments)]
+/// `c[m, n] = A · b` with A (`[m, k]`) element (i, l) at `a[l·a_cs + i·a_rs]`.
 fn matmul_strided_a(
     a: &[f32],
     (a_cs, a_rs): (usize, usize),
-    m: usize,
-    k: usize,
+    (m, k, n): (usize, usize, usize),
     b: &[f32],
-    n: usize,
     c: &mut [f32],
     parallel: bool,
 ) {
@@ -989,16 +984,10 @@ pub(crate) fn rows_times_block(
     // SAFETY: out holds n rows of cols values (asserted).
     unsafe {
         crate::kernels::gemm_strided(
-            n,
-            cols,
-            rows,
-            out.as_mut_ptr(),
-            cols,
-            &d[r0..],
-            k,
-            &h[r0 * k + c0..],
-            k,
-            1,
+            (n, cols, rows),
+            (out.as_mut_ptr(), cols),
+            (&d[r0..], k),
+            (&h[r0 * k + c0..], k, 1),
             gemm::Parallelism::None,
         )
     }

@@ -26,22 +26,19 @@ pub(crate) const CHUNK: usize = 4096;
 /// Side of the square blocks of H computed as separate GEMMs.
 pub(crate) const BLOCK: usize = 512;
 
-/// One block of `beta · aᵀ·b` for `t` rows of `a` and `b` (`[t, k]`, row-major): rows `r0..r0 +
+/// One block of `beta · aᵀ·b` for `t` rows of `a` and `b` (both `[t, k]`, row-major): rows `r0..r0 +
 /// rows` (columns of `a`) and columns `c0..c0 + cols` (columns of `b`) of the `[k, k]` result,
 /// written into `out` at the same place.
 ///
 /// # Safety
 /// `a` and `b` hold at least `t × k` values, the block lies inside `out` (`[k, k]`), and no other
 /// job writes it at the same time.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn at_b_block(
     out: &ColumnsOut,
     (r0, rows): (usize, usize),
     (c0, cols): (usize, usize),
-    a: &[f32],
-    b: &[f32],
-    t: usize,
-    k: usize,
+    (a, b): (&[f32], &[f32]),
+    (t, k): (usize, usize),
     beta: f32,
 ) {
     // lhs = columns r0.. of a, transposed ([rows, t]: rs 1, cs k); rhs = columns c0.. of b
@@ -120,7 +117,9 @@ impl Hessian {
                     let (rows, cols) = ((k - r0).min(BLOCK), (k - c0).min(BLOCK));
                     // SAFETY: chunk holds t × k values; the block at (r0, c0) of part is
                     // written by this job alone.
-                    unsafe { at_b_block(&out, (r0, rows), (c0, cols), chunk, chunk, t, k, 2.0) };
+                    unsafe {
+                        at_b_block(&out, (r0, rows), (c0, cols), (chunk, chunk), (t, k), 2.0)
+                    };
                 });
                 1.0
             };

@@ -195,74 +195,8 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         .collect::<Result<Vec<_>, _>>()?;
     let phases = phase_chart(r)?;
     let format = json_name(&r.recipe.format).to_uppercase();
-    let headline = format!(
-        "{format} g{} by {}: mean relative output error {}{}, {:.3} bits per weight",
-        r.recipe.group_size,
-        json_name(&r.recipe.method),
-        page::sci(r.mean_error),
-        r.mean_rtn_error
-            .map_or(String::new(), |e| format!(" (RTN {})", page::sci(e))),
-        r.bits_per_weight
-    );
-    let plan = &r.memory_plan;
-    let settings: Vec<(&str, String)> = vec![
-        ("model", r.model.clone()),
-        ("output", r.out.clone()),
-        ("format", format.clone()),
-        ("group size", r.recipe.group_size.to_string()),
-        ("method", json_name(&r.recipe.method)),
-        ("scale rule", json_name(&r.scale_rule)),
-        ("column order", json_name(&r.recipe.order)),
-        ("refit rounds", r.recipe.lab.refit_rounds.to_string()),
-        ("descent passes", r.recipe.lab.descent_passes.to_string()),
-        ("objective", json_name(&r.objective)),
-        ("block tuning", block_tuning(r)),
-        ("model tuning", model_tuning(r)),
-        ("calibration forward", json_name(&r.recipe.forward_precision)),
-        ("q/k/v layout", json_name(&r.recipe.qkv_layout)),
-        ("4-bit head", r.recipe.quantize_head.to_string()),
-        (
-            "calibration",
-            format!(
-                "{} × {} tokens from {} (sha256 {})",
-                r.samples,
-                r.seq_len,
-                r.calibration_files.join(", "),
-                r.calibration_sha256
-            ),
-        ),
-        ("bits per weight", format!("{:.3}", r.bits_per_weight)),
-        ("output size", page::bytes(r.output_bytes)),
-        (
-            "time",
-            format!(
-                "wall {:.1} s, CPU {:.1} s, {:.0} % of {} threads",
-                r.wall_seconds,
-                r.cpu_seconds,
-                100.0 * r.cpu_utilisation,
-                r.threads
-            ),
-        ),
-        (
-            "peak memory",
-            format!(
-                "RSS {}, private {}; planned {} (activations {}, Hessian {}, weights {}, fixed {}, block tuning {}, model tuning {})",
-                r.peak_rss_bytes.map_or("–".into(), page::bytes),
-                r.peak_private_bytes.map_or("–".into(), page::bytes),
-                page::bytes(plan.total()),
-                page::bytes(plan.activations),
-                page::bytes(plan.hessian),
-                page::bytes(plan.weights),
-                page::bytes(plan.fixed),
-                page::bytes(plan.block_tune),
-                page::bytes(plan.model_tune)
-            ),
-        ),
-        (
-            "resumed from layer",
-            r.resumed_from_layer.map_or("–".into(), |l| l.to_string()),
-        ),
-    ];
+    let headline = headline(r, &format);
+    let settings = settings(r, &format);
     let p = &r.path;
     let body = html! {
         p { strong { (headline) } }
@@ -341,6 +275,82 @@ pub fn html(r: &QuantReport) -> Result<String, ReportError> {
         &format!("{} → {}", r.model, r.out),
         body,
     ))
+}
+
+/// The page's first line: format, method, mean error and size.
+fn headline(r: &QuantReport, format: &str) -> String {
+    format!(
+        "{format} g{} by {}: mean relative output error {}{}, {:.3} bits per weight",
+        r.recipe.group_size,
+        json_name(&r.recipe.method),
+        page::sci(r.mean_error),
+        r.mean_rtn_error
+            .map_or(String::new(), |e| format!(" (RTN {})", page::sci(e))),
+        r.bits_per_weight
+    )
+}
+
+/// The run's settings and resources, one row each.
+fn settings(r: &QuantReport, format: &str) -> Vec<(&'static str, String)> {
+    let plan = &r.memory_plan;
+    vec![
+        ("model", r.model.clone()),
+        ("output", r.out.clone()),
+        ("format", format.to_string()),
+        ("group size", r.recipe.group_size.to_string()),
+        ("method", json_name(&r.recipe.method)),
+        ("scale rule", json_name(&r.scale_rule)),
+        ("column order", json_name(&r.recipe.order)),
+        ("refit rounds", r.recipe.lab.refit_rounds.to_string()),
+        ("descent passes", r.recipe.lab.descent_passes.to_string()),
+        ("objective", json_name(&r.objective)),
+        ("block tuning", block_tuning(r)),
+        ("model tuning", model_tuning(r)),
+        ("calibration forward", json_name(&r.recipe.forward_precision)),
+        ("q/k/v layout", json_name(&r.recipe.qkv_layout)),
+        ("4-bit head", r.recipe.quantize_head.to_string()),
+        (
+            "calibration",
+            format!(
+                "{} × {} tokens from {} (sha256 {})",
+                r.samples,
+                r.seq_len,
+                r.calibration_files.join(", "),
+                r.calibration_sha256
+            ),
+        ),
+        ("bits per weight", format!("{:.3}", r.bits_per_weight)),
+        ("output size", page::bytes(r.output_bytes)),
+        (
+            "time",
+            format!(
+                "wall {:.1} s, CPU {:.1} s, {:.0} % of {} threads",
+                r.wall_seconds,
+                r.cpu_seconds,
+                100.0 * r.cpu_utilisation,
+                r.threads
+            ),
+        ),
+        (
+            "peak memory",
+            format!(
+                "RSS {}, private {}; planned {} (activations {}, Hessian {}, weights {}, fixed {}, block tuning {}, model tuning {})",
+                r.peak_rss_bytes.map_or("–".into(), page::bytes),
+                r.peak_private_bytes.map_or("–".into(), page::bytes),
+                page::bytes(plan.total()),
+                page::bytes(plan.activations),
+                page::bytes(plan.hessian),
+                page::bytes(plan.weights),
+                page::bytes(plan.fixed),
+                page::bytes(plan.block_tune),
+                page::bytes(plan.model_tune)
+            ),
+        ),
+        (
+            "resumed from layer",
+            r.resumed_from_layer.map_or("–".into(), |l| l.to_string()),
+        ),
+    ]
 }
 
 /// Write the page into the checkpoint folder being built (`dir`), atomically.

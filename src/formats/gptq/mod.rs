@@ -1,6 +1,8 @@
-//! GPTQ v1 checkpoints (docs/GPTQ_FORMAT.md): everything about the format lives here, in both
-//! directions; nothing about Hessians. `config` reads and writes `quantization_config`, `read`
-//! checks and decodes a linear's tensors, this file packs and writes them.
+//! GPTQ v1 checkpoints (docs/GPTQ_FORMAT.md), in both directions; nothing about Hessians.
+//! `config` writes `quantization_config`, `read` decodes a linear's tensors, this file packs and
+//! writes them. What the layout check needs to accept a GPTQ checkpoint (the `quantization_config`
+//! as read, the tensor set of one linear) lives in `checkpoint::gptq`, below this module, and is
+//! re-exported here so the format's surface stays in one place.
 //!
 //! Per quantized linear with W `[N, K]` and group size G:
 //! `qweight` i32 `[K/8, N]` (codes packed along K, k = 8r + j in bits 4j..4j+3),
@@ -10,17 +12,15 @@
 mod config;
 pub(crate) mod read;
 
-pub use config::{legacy_quantize_config, quantization_config, GptqInfo};
-pub use read::{check_tensors, read_linear, GptqLinearData};
+pub use crate::checkpoint::gptq::{check_tensors, GptqInfo, GPTQ_PARTS};
+pub use config::{legacy_quantize_config, quantization_config};
+pub use read::{read_linear, GptqLinearData};
 
 use half::f16;
 use safetensors::Dtype;
 
 use crate::checkpoint::write::{OwnedTensor, TensorSpec};
 use crate::quant::QuantizedWeight;
-
-/// The tensors of one GPTQ linear, as `<prefix>.<part>`.
-pub const GPTQ_PARTS: [&str; 4] = ["qweight", "qzeros", "scales", "g_idx"];
 
 /// Every qzeros word of a symmetric (zero 8) v1 checkpoint.
 pub const QZEROS_V1_SYM: i32 = 0x7777_7777;

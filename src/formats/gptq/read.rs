@@ -1,64 +1,12 @@
-//! Reading the GPTQ tensors of one linear (docs/GPTQ_FORMAT.md §1–§2): the tensor-set check
-//! of the layout and the decoding of zero points, scales and g_idx that every loader needs.
+//! Reading the GPTQ tensors of one linear (docs/GPTQ_FORMAT.md §1–§2): the decoding of zero
+//! points, scales and g_idx that every loader needs (the tensor-set check of the layout is
+//! `checkpoint::gptq::check_tensors`).
 
 use rayon::prelude::*;
 use std::ops::Range;
 
-use safetensors::Dtype;
-
 use super::{unpack_qzeros_v1, GptqInfo};
 use crate::checkpoint::{CheckpointError, TensorEntry, TensorStore};
-
-/// The GPTQ tensor set of one linear W `[n, k]` (docs/GPTQ_FORMAT.md §1).
-pub fn check_tensors(
-    store: &TensorStore,
-    prefix: &str,
-    n: usize,
-    k: usize,
-    g: usize,
-    problems: &mut Vec<String>,
-) {
-    let mut want = |part: &str, dtypes: &[Dtype], shape: Vec<usize>, required: bool| {
-        let name = format!("{prefix}.{part}");
-        match store.get(&name) {
-            None if required => problems.push(format!(
-                "missing tensor `{name}` (GPTQ, expected shape {shape:?})"
-            )),
-            None => {}
-            Some(e) => {
-                if e.shape != shape {
-                    problems.push(format!(
-                        "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
-                        store.file_of(e).display(),
-                        e.shape
-                    ));
-                }
-                if !dtypes.contains(&e.dtype) {
-                    problems.push(format!(
-                        "tensor `{name}` in {} has dtype {:?}, expected {dtypes:?}",
-                        store.file_of(e).display(),
-                        e.dtype
-                    ));
-                }
-            }
-        }
-    };
-    if g == 0 || !k.is_multiple_of(8) || !n.is_multiple_of(8) || !k.is_multiple_of(g) {
-        problems.push(format!(
-            "`{prefix}`: shape [{n}, {k}] cannot hold GPTQ with group size {g}"
-        ));
-        return;
-    }
-    want("qweight", &[Dtype::I32], vec![k / 8, n], true);
-    want("qzeros", &[Dtype::I32], vec![k / g, n / 8], true);
-    want(
-        "scales",
-        &[Dtype::F16, Dtype::BF16, Dtype::F32],
-        vec![k / g, n],
-        true,
-    );
-    want("g_idx", &[Dtype::I32], vec![k], false);
-}
 
 /// One GPTQ linear as stored, decoded for output columns `cols` (all of a split projection, or
 /// its slice of a fused `q_k_v_proj`): codes stay packed in the memory map.
@@ -172,6 +120,7 @@ pub fn read_linear<'a>(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::checkpoint::gptq::check_tensors;
     use crate::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
     use crate::formats::gptq::tensors_for;
     use crate::quant::QuantizedWeight;

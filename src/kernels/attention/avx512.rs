@@ -63,10 +63,10 @@ pub(super) unsafe fn attend<'a, T, K, V>(
             // SAFETY: heads h0.. of q and the key row hold hd values each (asserted).
             unsafe {
                 match left {
-                    4.. => score::<T, 4>(q, kr, hd, h0, j, n, scale, scores),
-                    3 => score::<T, 3>(q, kr, hd, h0, j, n, scale, scores),
-                    2 => score::<T, 2>(q, kr, hd, h0, j, n, scale, scores),
-                    _ => score::<T, 1>(q, kr, hd, h0, j, n, scale, scores),
+                    4.. => score::<T, 4>(q, kr, hd, h0, (j, n), scale, scores),
+                    3 => score::<T, 3>(q, kr, hd, h0, (j, n), scale, scores),
+                    2 => score::<T, 2>(q, kr, hd, h0, (j, n), scale, scores),
+                    _ => score::<T, 1>(q, kr, hd, h0, (j, n), scale, scores),
                 }
             }
             h0 += left.min(4);
@@ -115,19 +115,17 @@ pub(super) unsafe fn attend<'a, T, K, V>(
     }
 }
 
-/// `scores[(h0 + h)·n + j] = scale · q[h0 + h] · k` for `G` heads: each 16 values of the key
-/// are loaded once for the `G` heads; two partial sums per head (even and odd chunks) hide the
-/// add latency.
+/// `scores[(h0 + h)·n + j] = scale · q[h0 + h] · k` for `G` heads (`(j, n)`: key j of score rows
+/// n long): each 16 values of the key are loaded once for the `G` heads; two partial sums per
+/// head (even and odd chunks) hide the add latency.
 #[inline]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn score<T: KvElem, const G: usize>(
     q: &[f32],
     k: &[T],
     hd: usize,
     h0: usize,
-    j: usize,
-    n: usize,
+    (j, n): (usize, usize),
     scale: f32,
     scores: &mut [f32],
 ) {

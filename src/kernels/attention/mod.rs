@@ -129,22 +129,19 @@ pub struct RowsScratch {
     panel: super::bf16::PanelScratch,
 }
 
-/// [`attend`] for `rows` consecutive query rows at once, as two GEMMs: row r sits at position
-/// `p0 + r` and sees positions `lo(r)..=p0 + r` (`lo` nondecreasing, as causal and sliding
-/// windows are). The block's keys and values (positions `lo(0)..=p0 + rows − 1`) are gathered
+/// [`attend`] for `rows` consecutive query rows at once, as two GEMMs: with the window `(lo, p0)`,
+/// row r sits at position `p0 + r` and sees positions `lo(r)..=p0 + r` (`lo` nondecreasing, as
+/// causal and sliding windows are); `key` and `value` give a position's rows. The block's keys and values (positions `lo(0)..=p0 + rows − 1`) are gathered
 /// once, S = Q·Kᵀ over all of them, each row's scores outside its window are dropped before
 /// its softmax, and O = P·V. `q` and `out` are `[rows][heads][hd]` for the query heads of one
 /// KV head. The same math as [`attend`] row by row (f32 `gemm`; with `heads.bf16` the
 /// probabilities rounded to bf16 first); the sums run in the GEMM's order, so results differ in
 /// the last bits.
-#[allow(clippy::too_many_arguments)]
 pub fn attend_rows<'a, T: KvElem>(
     q: &[f32],
     rows: usize,
-    key: impl Fn(usize) -> &'a [T],
-    value: impl Fn(usize) -> &'a [T],
-    lo: impl Fn(usize) -> usize,
-    p0: usize,
+    (key, value): (impl Fn(usize) -> &'a [T], impl Fn(usize) -> &'a [T]),
+    (lo, p0): (impl Fn(usize) -> usize, usize),
     heads: Heads,
     scratch: &mut RowsScratch,
     out: &mut [f32],
@@ -166,11 +163,19 @@ pub fn attend_rows<'a, T: KvElem>(
     s.resize(m * n, 0.0);
     // S[m, n] = Q[m, hd] · Kᵀ: key j's element d at k[j·hd + d]. One thread: jobs are parallel.
     // SAFETY: s is m × n, row-major.
-    unsafe { super::gemm_strided(m, n, hd, s.as_mut_ptr(), n, q, hd, k, 1, hd, SERIAL) };
+    unsafe { super::gemm_strided((m, n, hd), (s.as_mut_ptr(), n), (q, hd), (k, 1, hd), SERIAL) };
     probabilities(s, n, rows, |r| lo(r) - first..=p0 + r - first, heads);
     // O[m, hd] = P[m, n] · V[n, hd].
     // SAFETY: out is m × hd, row-major.
-    unsafe { super::gemm_strided(m, hd, n, out.as_mut_ptr(), hd, s, n, v, hd, 1, SERIAL) };
+    unsafe {
+        super::gemm_strided(
+            (m, hd, n),
+            (out.as_mut_ptr(), hd),
+            (s, n),
+            (v, hd, 1),
+            SERIAL,
+        )
+    };
 }
 
 /// Scores `s` (`[rows][heads][stride]`) made probabilities: row r's `visible(r)` scaled and
@@ -261,16 +266,14 @@ pub fn bf16_rows_run() -> bool {
 
 /// [`attend_rows`] with bf16 operands (`heads.bf16`) on the bf16 kernels (AMX tiles or
 /// `vdpbf16ps`: exact products, f32 sums) over keys and values from `kv`, which must hold the
-/// positions `lo(0)..=p0 + rows − 1`. The keys of a block are padded with zero rows to whole
+/// positions `lo(0)..=p0 + rows − 1` of the window `(lo, p0)`. The keys of a block are padded with zero rows to whole
 /// 32-key steps. Returns false (nothing done) where the CPU has no bf16 kernels; the caller
 /// then runs [`attend_rows`], the same math in f32 `gemm`.
-#[allow(clippy::too_many_arguments)]
 pub fn attend_rows_bf16(
     q: &[f32],
     rows: usize,
     kv: &KvBits,
-    lo: impl Fn(usize) -> usize,
-    p0: usize,
+    (lo, p0): (impl Fn(usize) -> usize, usize),
     heads: Heads,
     scratch: &mut RowsScratch,
     out: &mut [f32],
@@ -298,7 +301,7 @@ pub fn attend_rows_bf16(
             o[..have * hd].copy_from_slice(src);
             o[have * hd..].fill(0);
         };
-        if !super::bf16::matmul_bits_serial(isa, bits, m, hd, n2, s, keys, panel) {
+        if !super::bf16::matmul_bits_serial(isa, bits, (m, hd, n2), s, keys, panel) {
             return false;
         }
         // Rounded to bf16 by the conversion to bits (the same rounding, one pass fewer).
@@ -316,7 +319,7 @@ pub fn attend_rows_bf16(
                 o[n..].fill(0);
             }
         };
-        let done = super::bf16::matmul_bits_serial(isa, bits, m, n2, hd, out, values, panel);
+        let done = super::bf16::matmul_bits_serial(isa, bits, (m, n2, hd), out, values, panel);
         assert!(done, "the first product ran on this tier");
         true
     }
@@ -407,13 +410,11 @@ mod tests {
 
     /// `rows` query rows of `q` at positions `p0..` (`lo(r)` the first key row r sees) over `k`
     /// and `v` (`[positions][hd]`): through [`attend_rows`], and row by row through [`attend`].
-    #[allow(clippy::too_many_arguments)]
     fn block_and_row_by_row(
         q: &[f32],
         rows: usize,
         (k, v): (&[f32], &[f32]),
-        lo: impl Fn(usize) -> usize,
-        p0: usize,
+        (lo, p0): (impl Fn(usize) -> usize, usize),
         heads: Heads,
         scratch: &mut RowsScratch,
     ) -> (Vec<f32>, Vec<f32>) {
@@ -422,10 +423,8 @@ mod tests {
         attend_rows(
             q,
             rows,
-            |p| &k[p * hd..(p + 1) * hd],
-            |p| &v[p * hd..(p + 1) * hd],
-            &lo,
-            p0,
+            (|p| &k[p * hd..(p + 1) * hd], |p| &v[p * hd..(p + 1) * hd]),
+            (&lo, p0),
             heads,
             scratch,
             &mut block,
@@ -506,7 +505,8 @@ mod tests {
             let q: Vec<f32> = (0..rows * heads * hd).map(|_| 4.0 * rnd()).collect();
             let lo = |r: usize| window.map_or(0, |w: usize| (p0 + r + 1).saturating_sub(w));
             let heads = f32_heads(hd, 0.25);
-            let (got, want) = block_and_row_by_row(&q, rows, (&k, &v), lo, p0, heads, &mut scratch);
+            let (got, want) =
+                block_and_row_by_row(&q, rows, (&k, &v), (lo, p0), heads, &mut scratch);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     (g - w).abs() <= 1e-5,
@@ -637,10 +637,11 @@ mod tests {
                     hd,
                 );
                 let mut tiled = vec![f32::NAN; q.len()];
-                let ran = attend_rows_bf16(&q, rows, &kv, lo, p0, heads, &mut scratch, &mut tiled);
+                let ran =
+                    attend_rows_bf16(&q, rows, &kv, (lo, p0), heads, &mut scratch, &mut tiled);
                 assert_eq!(ran, bf16_rows_run());
                 let (gemm, want) =
-                    block_and_row_by_row(&q, rows, (&k, &v), lo, p0, heads, &mut scratch);
+                    block_and_row_by_row(&q, rows, (&k, &v), (lo, p0), heads, &mut scratch);
                 // Three keys per row: tight (see `bf16_operands_round_the_probabilities`); many: a
                 // probability's rounding may flip with the sums' order.
                 let tol = if window == Some(3) { 2e-5 } else { 2e-3 };
@@ -695,9 +696,25 @@ mod tests {
             let (key32, value32) = (&w32.key, &w32.value);
             pair = [vec![0f32; q.len()], vec![1f32; q.len()]];
             let out = &mut pair[0];
-            attend_rows(&q, 32, key32, value32, |_| 0, 40, heads, &mut scratch, out);
+            attend_rows(
+                &q,
+                32,
+                (key32, value32),
+                (|_| 0, 40),
+                heads,
+                &mut scratch,
+                out,
+            );
             let out = &mut pair[1];
-            attend_rows(&q, 32, key16, value16, |_| 0, 40, heads, &mut scratch, out);
+            attend_rows(
+                &q,
+                32,
+                (key16, value16),
+                (|_| 0, 40),
+                heads,
+                &mut scratch,
+                out,
+            );
             assert_eq!(pair[0], pair[1], "attend_rows, bf16 {bf16}");
         }
         let (w32, w16) = (kv_rows(&k, &v, hd, (0, 0)), kv_rows(&k16, &v16, hd, (0, 0)));

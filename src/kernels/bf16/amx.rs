@@ -16,7 +16,7 @@
 use std::arch::asm;
 use std::ops::Range;
 
-use super::avx512::GEMM_SLICE;
+use super::avx512::{SliceCols, GEMM_SLICE};
 use crate::kernels::amx::{self, Aligned};
 use crate::kernels::par::ColumnsOut;
 
@@ -110,10 +110,9 @@ pub(super) fn slices_per_group(k: usize) -> usize {
     ((1 << 20) / (64 * k.clamp(1, PASS_STEPS * DEPTH))).clamp(1, 8)
 }
 
-/// `y[r, c0..c0 + cols] = x[r] · slices` for rows `rows` of `a` (starting at a 32-row block):
-/// `slices` holds consecutive packed slices
-/// ([`pack_bf16_slice`](super::avx512::pack_bf16_slice)), the first for columns `c0…`; `acc`
-/// is the job's scratch the accumulator tiles of partial blocks are stored to.
+/// `y[r, c0..c0 + cols] = x[r] · slices` for rows `rows` of `a` (starting at a 32-row block),
+/// for the packed slices of `job` ([`SliceCols`]); `acc` is the job's scratch the accumulator
+/// tiles of partial blocks are stored to.
 ///
 /// A reduction longer than [`PASS_STEPS`] goes in [`passes`] over the whole 32 × 32 blocks, the
 /// last partial row block and partial slice in [`one_pass`]. Rows and columns are independent,
@@ -122,17 +121,19 @@ pub(super) fn slices_per_group(k: usize) -> usize {
 /// # Safety
 /// The CPU has AMX-BF16 and the OS granted this process tile state
 /// ([`Isa::Amx`](crate::kernels::isa::Isa::Amx)); the job owns columns `c0..c0 + cols`.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn bf16_gemm_slices(
     a: &TiledRows,
-    slices: &[u16],
+    job: SliceCols,
     rows: Range<usize>,
-    c0: usize,
-    cols: usize,
-    out: &ColumnsOut,
     acc: &mut Aligned<f32>,
 ) {
+    let SliceCols {
+        slices,
+        c0,
+        cols,
+        out,
+    } = job;
     let per_slice = GEMM_SLICE * a.steps * DEPTH;
     assert!(slices.len().is_multiple_of(per_slice));
     let group = slices.len() / per_slice;
@@ -156,25 +157,28 @@ pub(super) unsafe fn bf16_gemm_slices(
                 passes(a, head, whole_rows.clone(), c0, whole, out);
             }
             if whole > 0 && whole_rows.end < rows.end {
-                one_pass(
-                    a,
-                    head,
-                    whole_rows.end..rows.end,
+                let job = SliceCols {
+                    slices: head,
                     c0,
-                    whole * GEMM_SLICE,
+                    cols: whole * GEMM_SLICE,
                     out,
-                    acc,
-                );
+                };
+                one_pass(a, job, whole_rows.end..rows.end, acc);
             }
             if whole * GEMM_SLICE < cols {
                 let tail = &slices[whole * per_slice..(whole + 1) * per_slice];
-                let (c, n) = (c0 + whole * GEMM_SLICE, cols - whole * GEMM_SLICE);
-                one_pass(a, tail, rows, c, n, out, acc);
+                let job = SliceCols {
+                    slices: tail,
+                    c0: c0 + whole * GEMM_SLICE,
+                    cols: cols - whole * GEMM_SLICE,
+                    out,
+                };
+                one_pass(a, job, rows, acc);
             }
         }
     } else {
         // SAFETY: as above.
-        unsafe { one_pass(a, slices, rows, c0, cols, out, acc) };
+        unsafe { one_pass(a, job, rows, acc) };
     }
     // SAFETY: releases the tile state configured above.
     unsafe { amx::release() };
@@ -188,17 +192,14 @@ pub(super) unsafe fn bf16_gemm_slices(
 ///
 /// # Safety
 /// As [`bf16_gemm_slices`], with tiles configured and the arguments checked there.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn one_pass(
-    a: &TiledRows,
-    slices: &[u16],
-    rows: Range<usize>,
-    c0: usize,
-    cols: usize,
-    out: &ColumnsOut,
-    acc: &mut Aligned<f32>,
-) {
+unsafe fn one_pass(a: &TiledRows, job: SliceCols, rows: Range<usize>, acc: &mut Aligned<f32>) {
+    let SliceCols {
+        slices,
+        c0,
+        cols,
+        out,
+    } = job;
     let (steps, k) = (a.steps, a.steps * DEPTH);
     let per_slice = GEMM_SLICE * k;
     let group = slices.len() / per_slice;

@@ -413,8 +413,17 @@ pub(super) fn slices_per_group(k: usize) -> usize {
     ((4 << 20) / (GEMM_SLICE * 2 * k.max(1))).clamp(1, 16)
 }
 
-/// [`bf16_gemm_slice`] over consecutive packed slices (`slices`, the first for columns `c0…`,
-/// `cols` columns in all), blocks of rows outer: a block's activations stay in L2 while each
+/// The columns one job of the slice GEMMs writes: consecutive packed slices
+/// ([`pack_bf16_slice`]), the first for columns `c0…`, `cols` columns in all, into `out`.
+#[derive(Clone, Copy)]
+pub(super) struct SliceCols<'a> {
+    pub slices: &'a [u16],
+    pub c0: usize,
+    pub cols: usize,
+    pub out: &'a ColumnsOut,
+}
+
+/// [`bf16_gemm_slice`] over the consecutive packed slices of `job`, blocks of rows outer: a block's activations stay in L2 while each
 /// slice of the group passes over them, so the activations stream from memory once per group
 /// (at 16K calibration rows they are 64–213 MB, far beyond the caches). Slice `i` covers rows
 /// below `row_end(i)` only (the upper triangle of a Gram matrix). Each output is the same sum in
@@ -422,18 +431,20 @@ pub(super) fn slices_per_group(k: usize) -> usize {
 ///
 /// # Safety
 /// As [`bf16_gemm_slice`]: AVX512-BF16 on this CPU, and the job owns columns `c0..c0 + cols`.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(super) unsafe fn bf16_gemm_slices(
     xb: &[u16],
     k: usize,
-    slices: &[u16],
+    job: SliceCols,
     rows: Range<usize>,
-    c0: usize,
-    cols: usize,
     row_end: &dyn Fn(usize) -> usize,
-    out: &ColumnsOut,
 ) {
+    let SliceCols {
+        slices,
+        c0,
+        cols,
+        out,
+    } = job;
     let per_slice = GEMM_SLICE * k;
     let block = (ROW_BLOCK_BYTES / (2 * k.max(1)))
         .next_multiple_of(8)

@@ -143,8 +143,7 @@ pub(super) fn bf16_act_panel_matmul(
             panel_slices(
                 tiled.as_ref(),
                 &xb,
-                k,
-                n,
+                (k, n),
                 slices,
                 &expand_bits,
                 &out,
@@ -180,13 +179,10 @@ impl Default for PanelScratch {
 /// caller that is already one job of a parallel loop (attention's blocks of query rows).
 /// Returns false (nothing done) where the CPU lacks AVX512-BF16 or `k` is odd.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_bits_serial(
     isa: Isa,
     xb: &[u16],
-    m: usize,
-    k: usize,
-    n: usize,
+    (m, k, n): (usize, usize, usize),
     y: &mut [f32],
     expand_bits: impl Fn(std::ops::Range<usize>, &mut [u16]),
     buffers: &mut PanelScratch,
@@ -206,8 +202,7 @@ pub(crate) fn matmul_bits_serial(
         panel_slices(
             tiled.as_ref(),
             xb,
-            k,
-            n,
+            (k, n),
             slices,
             &expand_bits,
             &out,
@@ -224,12 +219,10 @@ pub(crate) fn matmul_bits_serial(
 /// # Safety
 /// The CPU has AVX512-BF16 (and AMX where `tiled` exists); the job owns the slices' columns.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn panel_slices(
     tiled: Option<&amx::TiledRows>,
     xb: &[u16],
-    k: usize,
-    n: usize,
+    (k, n): (usize, usize),
     slices: std::ops::Range<usize>,
     expand_bits: &impl Fn(std::ops::Range<usize>, &mut [u16]),
     out: &ColumnsOut,
@@ -265,40 +258,29 @@ unsafe fn panel_slices(
         }
         let cols = g0 * GEMM_SLICE..(g1 * GEMM_SLICE).min(n);
         let slices = &packed[..(g1 - g0) * GEMM_SLICE * k];
-        // SAFETY: the caller guarantees the tier and owns columns `cols`.
-        unsafe {
-            gemm_slices(
-                tiled,
-                xb,
-                k,
-                slices,
-                0..m,
-                cols.start,
-                cols.len(),
-                out,
-                scratch,
-            )
+        let job = avx512::SliceCols {
+            slices,
+            c0: cols.start,
+            cols: cols.len(),
+            out,
         };
+        // SAFETY: the caller guarantees the tier and owns columns `cols`.
+        unsafe { gemm_slices(tiled, xb, k, job, 0..m, scratch) };
     }
 }
 
-/// The GEMM of consecutive packed slices (`slices`, the first for columns `c0…`, `cols`
-/// columns in all) on the best tier: AMX tiles for every row when `tiled` holds them (built by
+/// The GEMM of `job`'s consecutive packed slices on the best tier: AMX tiles for every row when `tiled` holds them (built by
 /// [`tiled_rows`] where the CPU has tiles), `vdpbf16ps` rows otherwise.
 ///
 /// # Safety
 /// `isa` ≥ [`Isa::Avx512Bf16`] was detected on this CPU; the job owns columns `c0..c0 + cols`.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_slices(
     tiled: Option<&amx::TiledRows>,
     xb: &[u16],
     k: usize,
-    slices: &[u16],
+    job: avx512::SliceCols,
     rows: std::ops::Range<usize>,
-    c0: usize,
-    cols: usize,
-    out: &ColumnsOut,
     scratch: &mut super::amx::Aligned<f32>,
 ) {
     let mut rest = rows.start;
@@ -306,23 +288,12 @@ unsafe fn gemm_slices(
         if rows.start.is_multiple_of(amx::ROWS) && rows.end <= a.rows() {
             rest = rows.end;
             // SAFETY: `tiled` exists only under the AMX tier; the caller owns the columns.
-            unsafe { amx::bf16_gemm_slices(a, slices, rows.clone(), c0, cols, out, scratch) };
+            unsafe { amx::bf16_gemm_slices(a, job, rows.clone(), scratch) };
         }
     }
     if rest < rows.end {
         // SAFETY: as above, AVX512-BF16 checked by the caller.
-        unsafe {
-            avx512::bf16_gemm_slices(
-                xb,
-                k,
-                slices,
-                rest..rows.end,
-                c0,
-                cols,
-                &|_| usize::MAX,
-                out,
-            )
-        };
+        unsafe { avx512::bf16_gemm_slices(xb, k, job, rest..rows.end, &|_| usize::MAX) };
     }
 }
 
@@ -421,10 +392,14 @@ pub fn gram_bf16_with(
                             k
                         }
                     };
-                    // SAFETY: as above; this job alone writes columns c0..c0 + c.
-                    unsafe {
-                        avx512::bf16_gemm_slices(&at, t2, packed, 0..k, c0, c, &row_end, &dst)
+                    let job = avx512::SliceCols {
+                        slices: packed,
+                        c0,
+                        cols: c,
+                        out: &dst,
                     };
+                    // SAFETY: as above; this job alone writes columns c0..c0 + c.
+                    unsafe { avx512::bf16_gemm_slices(&at, t2, job, 0..k, &row_end) };
                 },
             );
         true
@@ -477,18 +452,14 @@ fn gram_amx(a: &[f32], b: Option<&[f32]>, t: usize, k: usize, t2: usize, out: &m
                     unsafe { avx512::pack_slice_of_rows(cols_of, t, k, (s0, sc), t2, p) };
                 }
                 let rows = if b.is_none() { 0..c0 + c } else { 0..k };
-                // SAFETY: the tier was checked by the caller; this job alone writes columns c0..c0 + c.
-                unsafe {
-                    amx::bf16_gemm_slices(
-                        &tiled,
-                        &packed[..used * per_slice],
-                        rows,
-                        c0,
-                        c,
-                        &dst,
-                        scratch,
-                    )
+                let job = avx512::SliceCols {
+                    slices: &packed[..used * per_slice],
+                    c0,
+                    cols: c,
+                    out: &dst,
                 };
+                // SAFETY: the tier was checked by the caller; this job alone writes columns c0..c0 + c.
+                unsafe { amx::bf16_gemm_slices(&tiled, job, rows, scratch) };
             },
         );
     true

@@ -271,56 +271,77 @@ pub(super) unsafe fn w4a8_tiles(
                     unsafe { amx::store_accumulators(cbuf[u % 2 * ACC..].as_mut_ptr() as *mut u8) };
                 }
             }
-            match pairs {
-                Pairs::Adjacent(_) => {
-                    for (j, tile) in pair.iter().enumerate() {
-                        let Some((pw, tile)) = *tile else { continue };
-                        let mask = column_mask(pw, tile);
-                        for (r, o) in o.iter().enumerate() {
-                            // SAFETY: this job owns the tile's columns; the mask keeps to n.
-                            unsafe {
-                                _mm512_mask_storeu_ps(
-                                    out.ptr_at(c0 + r, tile * TILE),
-                                    mask,
-                                    round_bf16_ps(o[j]),
-                                )
-                            };
-                        }
-                    }
-                }
-                Pairs::GeluMul(g, _) => {
-                    // Both outputs rounded to bf16 as the kernel stores them, then the same
-                    // `gelu_mul` a separate pass would run.
-                    let (gs, us) = (&mut gu.0[..o.len() * TILE], &mut gu.1[..o.len() * TILE]);
-                    for ((o, gr), ur) in o
-                        .iter()
-                        .zip(gs.chunks_exact_mut(TILE))
-                        .zip(us.chunks_exact_mut(TILE))
-                    {
-                        // SAFETY: 16 values each.
-                        unsafe {
-                            _mm512_storeu_ps(gr.as_mut_ptr(), round_bf16_ps(o[0]));
-                            _mm512_storeu_ps(ur.as_mut_ptr(), round_bf16_ps(o[1]));
-                        }
-                    }
-                    gelu_mul(gs, us);
-                    let mask = column_mask(g, q);
-                    for (r, gr) in gs.chunks_exact(TILE).enumerate() {
-                        // SAFETY: this job owns the tile's columns; the mask keeps to n.
-                        unsafe {
-                            _mm512_mask_storeu_ps(
-                                out.ptr_at(c0 + r, q * TILE),
-                                mask,
-                                _mm512_loadu_ps(gr.as_ptr()),
-                            )
-                        };
-                    }
-                }
-            }
+            // SAFETY: as for this function; the job owns pair q's columns.
+            unsafe { store_pair(pairs, q, &o, c0, out, &mut gu) };
         }
     }
     // SAFETY: releases the tile state this function configured.
     unsafe { amx::release() };
+}
+
+/// Store pair `q`'s f32 outputs `o` of the chunk's rows `c0…`: each column tile rounded to
+/// bf16, or GELU(gate) ⊙ up for [`Pairs::GeluMul`] (`gu` is its scratch). Once per pair and
+/// chunk, outside the tile loop.
+///
+/// # Safety
+/// As for [`w4a8_tiles`]: AVX-512 F/BW/VL, and the job owns pair `q`'s output columns.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn store_pair(
+    pairs: Pairs<'_>,
+    q: usize,
+    o: &[[__m512; 2]],
+    c0: usize,
+    out: &ColumnsOut,
+    gu: &mut (Vec<f32>, Vec<f32>),
+) {
+    let pair = pairs.get(q);
+    match pairs {
+        Pairs::Adjacent(_) => {
+            for (j, tile) in pair.iter().enumerate() {
+                let Some((pw, tile)) = *tile else { continue };
+                let mask = column_mask(pw, tile);
+                for (r, o) in o.iter().enumerate() {
+                    // SAFETY: this job owns the tile's columns; the mask keeps to n.
+                    unsafe {
+                        _mm512_mask_storeu_ps(
+                            out.ptr_at(c0 + r, tile * TILE),
+                            mask,
+                            round_bf16_ps(o[j]),
+                        )
+                    };
+                }
+            }
+        }
+        Pairs::GeluMul(g, _) => {
+            // Both outputs rounded to bf16 as the kernel stores them, then the same
+            // `gelu_mul` a separate pass would run.
+            let (gs, us) = (&mut gu.0[..o.len() * TILE], &mut gu.1[..o.len() * TILE]);
+            for ((o, gr), ur) in o
+                .iter()
+                .zip(gs.chunks_exact_mut(TILE))
+                .zip(us.chunks_exact_mut(TILE))
+            {
+                // SAFETY: 16 values each.
+                unsafe {
+                    _mm512_storeu_ps(gr.as_mut_ptr(), round_bf16_ps(o[0]));
+                    _mm512_storeu_ps(ur.as_mut_ptr(), round_bf16_ps(o[1]));
+                }
+            }
+            gelu_mul(gs, us);
+            let mask = column_mask(g, q);
+            for (r, gr) in gs.chunks_exact(TILE).enumerate() {
+                // SAFETY: this job owns the tile's columns; the mask keeps to n.
+                unsafe {
+                    _mm512_mask_storeu_ps(
+                        out.ptr_at(c0 + r, q * TILE),
+                        mask,
+                        _mm512_loadu_ps(gr.as_ptr()),
+                    )
+                };
+            }
+        }
+    }
 }
 
 /// Block `b` of column tile `tile`'s weights as signed bytes `q − z` in `tdpbssd`'s B layout
