@@ -62,9 +62,10 @@ python3 -c "import numpy, scipy, tokenizers, onnx, onnxruntime as o; print('pyth
 # Which of the probe's answers this machine gives (the tests pin theirs: docs/TESTING.md).
 cargo run --release -q -- probe
 
-stage "module cycles"
+stage "module cycles, long functions"
 # checkpoint → formats → quant → kernels, never back (docs/ARCHITECTURE.md "Module cycles").
 python3 tools/module_cycles.py
+python3 tools/long_functions.py
 stage "cargo fmt --check"
 cargo fmt --all -- --check
 stage "cargo clippy -D warnings"
