@@ -38,6 +38,7 @@ fn lpbq_checkpoint() -> PathBuf {
             Priority::Speed,
         );
         assert!(o.path.lpbq);
+        o.recipe.lpbq = true;
         o.compare = false;
         quantize(&o).expect("quantize --target phone");
         dir
