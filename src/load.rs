@@ -41,7 +41,8 @@ impl WeightClass {
     fn of_ggml(t: crate::formats::gguf::GgmlType) -> Self {
         use crate::formats::gguf::GgmlType as G;
         match t {
-            G::Q4_0 | G::Q4_1 | G::Q4_K => WeightClass::Int4,
+            // Q5_0 appears only as Q4_K's fallback: gated with the 4-bit types it stands in for.
+            G::Q4_0 | G::Q4_1 | G::Q4_K | G::Q5_0 => WeightClass::Int4,
             G::Q8_0 | G::Q6_K => WeightClass::Int8,
             G::F32 | G::F16 | G::BF16 => WeightClass::Float,
         }

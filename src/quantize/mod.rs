@@ -162,15 +162,27 @@ pub fn grid_for(
     gguf: Option<FileType>,
     gptq: Grid,
     group_size: usize,
-    li: Option<usize>,
-    proj: Proj,
-    layers: usize,
+    (li, proj): (Option<usize>, Proj),
+    cfg: &SparkConfig,
 ) -> (Grid, usize) {
     let Some(ft) = gguf else {
         return (gptq, group_size);
     };
-    crate::formats::gguf::quantized::grid_of(ft.type_of(gguf_tensor(li, proj), layers))
+    let ty = ft.type_of(
+        gguf_tensor(li, proj),
+        cfg.num_hidden_layers,
+        row_len(li, proj, cfg),
+    );
+    crate::formats::gguf::quantized::grid_of(ty)
         .expect("every file type assigns solvable block types")
+}
+
+/// The row length (inputs) of projection `proj` of layer `li` (`None`: the head).
+pub fn row_len(li: Option<usize>, proj: Proj, cfg: &SparkConfig) -> usize {
+    match li {
+        None => cfg.hidden_size,
+        Some(_) => proj.shape(cfg)[1],
+    }
 }
 
 /// What the GGUF type rule calls projection `proj` of layer `li` (`None`: the head).
@@ -700,10 +712,9 @@ impl LayerSolve<'_> {
             .map(|p| format!("{}{}", layer_prefix(self.li), p.module()))
             .collect();
         let outs: Vec<usize> = projs.iter().map(|p| p.shape(cfg)[0]).collect();
-        let layers = cfg.num_hidden_layers;
         let grids: Vec<(Grid, usize)> = projs
             .iter()
-            .map(|&p| self.opts.recipe.grid_of(Some(self.li), p, layers))
+            .map(|&p| self.opts.recipe.grid_of(Some(self.li), p, cfg))
             .collect();
         let mut weights: Vec<Vec<f32>> = self.phases.time(Phase::Install, || {
             projs
@@ -1056,7 +1067,7 @@ fn quantize_head(
             let w = crate::model::DenseWeight::load(ck, tensor, Some(r0..r1))?;
             Ok(DenseLinear::from_weight(w, r1 - r0, hidden).dequantize())
         })?;
-        let grid = opts.recipe.grid_of(None, Proj::Q, cfg.num_hidden_layers);
+        let grid = opts.recipe.grid_of(None, Proj::Q, cfg);
         let f = Factored {
             solver: &solver,
             hm: &hm,
@@ -1104,13 +1115,13 @@ fn check_gguf_shapes(
         }
     }
     for (name, li, p, k) in solved {
-        let (grid, gs) = opts.recipe.grid_of(li, p, layers);
+        let (grid, gs) = opts.recipe.grid_of(li, p, cfg);
         let block = grid.tier_of(k).unwrap_or(gs);
         if k % block != 0 {
             return Err(QuantizeError::Invalid(format!(
                 "{name}: {k} inputs are not a multiple of {block}, the block of its {} type; \
                  this model cannot be written as {}",
-                ft.type_of(gguf_tensor(li, p), layers).name(),
+                ft.type_of(gguf_tensor(li, p), layers, k).name(),
                 ft.llama_name()
             )));
         }

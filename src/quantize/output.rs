@@ -39,7 +39,8 @@ pub struct Output {
     gguf: Option<FileType>,
     gptq_grid: Grid,
     group_size: usize,
-    layers: usize,
+    /// The model's shapes (a GGUF tensor's type depends on its row length).
+    config: SparkConfig,
     tied: bool,
     /// Set once model tuning has staged every layer's tuned state beside the solved one: the
     /// solved files stay as they are, so a resume tunes from them again.
@@ -281,7 +282,7 @@ impl Output {
             gguf: opts.recipe.gguf,
             gptq_grid: opts.recipe.gptq_grid(),
             group_size: opts.recipe.group_size,
-            layers: ck.config.num_hidden_layers,
+            config: ck.config.clone(),
             tied: ck.layout.tied,
             model_tuned: false.into(),
         })
@@ -443,9 +444,8 @@ impl Output {
                 self.gguf,
                 self.gptq_grid,
                 self.group_size,
-                Some(li),
-                proj,
-                self.layers,
+                (Some(li), proj),
+                &self.config,
             )
             .0;
             let q = read_q(&store, part, grid).ok_or_else(|| {
@@ -824,9 +824,12 @@ impl Output {
             match slot {
                 Slot::Norm { .. } => GgmlType::F32,
                 Slot::Embedding if !self.tied => GgmlType::BF16,
-                Slot::Embedding | Slot::Head => ft.type_of(GgufTensor::Head, layers),
+                Slot::Embedding | Slot::Head => {
+                    ft.type_of(GgufTensor::Head, layers, cfg.hidden_size)
+                }
                 Slot::Linear { layer, projs } => {
-                    ft.type_of(super::gguf_tensor(Some(*layer), projs[0]), layers)
+                    let k = projs[0].shape(cfg)[1];
+                    ft.type_of(super::gguf_tensor(Some(*layer), projs[0]), layers, k)
                 }
             }
         };

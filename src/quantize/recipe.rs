@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 
 use super::lab::{self, Lab};
 use super::{ForwardPrecision, Method, Objective};
-use crate::checkpoint::{Proj, QkvLayout};
+use crate::checkpoint::{Proj, QkvLayout, SparkConfig};
 use crate::device::WeightFormat;
 use crate::formats::gguf::mix::FileType;
 use crate::quant::{Grid, Order, ScaleRule};
@@ -262,14 +262,13 @@ impl Recipe {
     }
 
     /// The grid and group size projection `proj` of layer `li` (`None`: the head) is solved on.
-    pub fn grid_of(&self, li: Option<usize>, proj: Proj, layers: usize) -> (Grid, usize) {
+    pub fn grid_of(&self, li: Option<usize>, proj: Proj, cfg: &SparkConfig) -> (Grid, usize) {
         super::grid_for(
             self.gguf,
             self.gptq_grid(),
             self.group_size,
-            li,
-            proj,
-            layers,
+            (li, proj),
+            cfg,
         )
     }
 

@@ -9,6 +9,7 @@ use crate::common;
 use std::path::Path;
 use std::process::Command;
 
+use spark_tool::checkpoint::write::{write_safetensors_atomic, OwnedTensor};
 use spark_tool::checkpoint::TensorStore;
 use spark_tool::device::WeightFormat;
 use spark_tool::formats::gguf::mix::FileType;
@@ -80,25 +81,7 @@ fn round_trip(ft: FileType, want: &[(&str, GgmlType)]) {
     }
     assert_eq!(f.tensors().len(), 2 + 8 * 8, "tied: no output.weight");
     // Every solved tensor decodes to exactly what the solve computed with.
-    let store = TensorStore::open_file(&dump).unwrap();
-    let mut checked = 0;
-    for t in f.tensors() {
-        let Some(e) = store.get(&t.name) else {
-            assert!(t.name.ends_with("norm.weight"), "{} was not dumped", t.name);
-            assert_eq!(t.ty, GgmlType::F32);
-            continue;
-        };
-        let want = store.to_f32(e).unwrap();
-        let got = f.dequantize(&t.name).unwrap();
-        assert_eq!(got.len(), want.len(), "{}", t.name);
-        let diff = got
-            .iter()
-            .zip(&want)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        assert_eq!(diff, 0, "{}: {diff} values differ from the solve", t.name);
-        checked += 1;
-    }
+    let checked = assert_decodes_to(&f, &dump);
     assert_eq!(checked, 1 + 8 * 6, "the head and six linears per layer");
     assert!(matches!(
         f.kv("general.file_type"),
@@ -128,6 +111,119 @@ fn round_trip(ft: FileType, want: &[(&str, GgmlType)]) {
             reference.to_str().unwrap(),
         ]);
     }
+}
+
+/// Every tensor of `f` the solve dumped to `dump` decodes to exactly those values (the rest are
+/// F32 norms); returns how many were compared.
+fn assert_decodes_to(f: &GgufFile, dump: &Path) -> usize {
+    let store = TensorStore::open_file(dump).unwrap();
+    let mut checked = 0;
+    for t in f.tensors() {
+        let Some(e) = store.get(&t.name) else {
+            assert!(t.name.ends_with("norm.weight"), "{} was not dumped", t.name);
+            assert_eq!(t.ty, GgmlType::F32);
+            continue;
+        };
+        let want = store.to_f32(e).unwrap();
+        let got = f.dequantize(&t.name).unwrap();
+        assert_eq!(got.len(), want.len(), "{}", t.name);
+        let diff = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(diff, 0, "{}: {diff} values differ from the solve", t.name);
+        checked += 1;
+    }
+    checked
+}
+
+/// A copy of spark-tiny at `dst` whose MLP is `width` wide (the first `width` rows of gate and
+/// up, the first `width` columns of down).
+fn narrowed_fixture(dst: &Path, width: usize) {
+    common::copy_dir(&common::fixture("spark-tiny"), dst);
+    let file = dst.join("model.safetensors");
+    let store = TensorStore::open_file(&file).unwrap();
+    let mut tensors = Vec::new();
+    for e in store.entries() {
+        let (bytes, size) = (store.bytes(e), e.dtype.bitsize() / 8);
+        let (shape, data) =
+            if e.name.ends_with("gate_proj.weight") || e.name.ends_with("up_proj.weight") {
+                let k = e.shape[1];
+                (vec![width, k], bytes[..width * k * size].to_vec())
+            } else if e.name.ends_with("down_proj.weight") {
+                let (n, k) = (e.shape[0], e.shape[1]);
+                let rows = (0..n).flat_map(|r| &bytes[r * k * size..(r * k + width) * size]);
+                (vec![n, width], rows.copied().collect())
+            } else {
+                (e.shape.clone(), bytes.to_vec())
+            };
+        tensors.push(OwnedTensor {
+            name: e.name.clone(),
+            dtype: e.dtype,
+            shape,
+            data,
+        });
+    }
+    drop(store);
+    write_safetensors_atomic(&file, &tensors, None).unwrap();
+    let cfg_path = dst.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["intermediate_size"] = serde_json::json!(width);
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+}
+
+#[test]
+fn rows_that_are_not_whole_k_blocks_take_llama_cpps_fallback_types() {
+    // 704 = 2.75 × 256: down_proj's rows fit no K-quant block, so Q4_K_M gives it Q5_0 (Q8_0 in
+    // the layers where llama.cpp gives ffn_down Q6_K), as llama-quantize does; the rest keep
+    // their K-quants.
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("narrow");
+    narrowed_fixture(&model, 704);
+    let (path, dump) = (
+        d.path().join("m.gguf"),
+        d.path().join("m.dequant.safetensors"),
+    );
+    let mut o = common::quantize_options(&model, &path, WeightFormat::W4A16, 32);
+    (o.recipe.samples, o.recipe.seq_len, o.compare) = (8, 128, false);
+    (o.recipe.gguf, o.recipe.forward_precision) = (Some(FileType::Q4KM), ForwardPrecision::F32);
+    o.dump_dequantized = Some(dump.clone());
+    quantize(&o).unwrap();
+    let f = GgufFile::open(&path).unwrap();
+    for (name, ty) in [
+        ("blk.0.ffn_down.weight", GgmlType::Q8_0),
+        ("blk.1.ffn_down.weight", GgmlType::Q5_0),
+        ("blk.1.ffn_up.weight", GgmlType::Q4_K),
+        ("blk.0.attn_qkv.weight", GgmlType::Q6_K),
+        ("token_embd.weight", GgmlType::Q6_K),
+    ] {
+        let t = f.tensors().iter().find(|t| t.name == name).unwrap();
+        assert_eq!(t.ty, ty, "{name}");
+    }
+    assert_eq!(assert_decodes_to(&f, &dump), 1 + 8 * 6);
+    if common::have_gguf() {
+        python(&[
+            "tools/gguf_check.py",
+            path.to_str().unwrap(),
+            dump.to_str().unwrap(),
+        ]);
+    }
+    // Our engine runs it, and parity's built-in 4-bit policy passes it against its float model.
+    let out = common::tool()
+        .arg("parity")
+        .arg(&model)
+        .arg(&path)
+        .args(["--max-new-tokens", "8"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -76,6 +76,11 @@ fn case(rng: &mut ChaCha8Rng, name: &str, ty: GgmlType, k: usize, n_rows: usize)
                 formula
                     .extend((0..k).map(|e| q[e] as f32 * d[e / 32].to_f32() + m[e / 32].to_f32()));
             }
+            GgmlType::Q5_0 => {
+                let (q, d) = (bytes_of(rng, k, 32), halves(rng, k / 32));
+                blocks::encode_q5_0(&q, &d, &mut out);
+                formula.extend((0..k).map(|e| (q[e] as i32 - 16) as f32 * d[e / 32].to_f32()));
+            }
             GgmlType::Q8_0 => {
                 let (q, d) = (signed(rng, k), halves(rng, k / 32));
                 blocks::encode_q8_0(&q, &d, &mut out);
@@ -138,6 +143,7 @@ fn cases() -> Vec<Case> {
         case(&mut rng, "blk.0.ffn_down.weight", GgmlType::Q6_K, 256, 4),
         case(&mut rng, "blk.0.ffn_up.weight", GgmlType::Q4_0, 512, 3),
         case(&mut rng, "blk.0.ffn_gate.weight", GgmlType::Q4_1, 256, 2),
+        case(&mut rng, "blk.0.attn_output.weight", GgmlType::Q5_0, 704, 3),
         case(&mut rng, "token_embd.weight", GgmlType::Q8_0, 512, 5),
         case(&mut rng, "dense.f32", GgmlType::F32, 256, 2),
         case(&mut rng, "dense.f16", GgmlType::F16, 96, 3),

@@ -29,7 +29,7 @@ impl ActQuant {
             GgmlType::F32 => ActQuant::F32,
             GgmlType::F16 => ActQuant::F16,
             GgmlType::BF16 => ActQuant::Bf16,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => ActQuant::Q8_0,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => ActQuant::Q8_0,
             GgmlType::Q4_K | GgmlType::Q6_K => ActQuant::Q8K,
         }
     }

@@ -38,6 +38,20 @@ pub fn encode_q4_1(codes: &[u8], d: &[f16], m: &[f16], out: &mut Vec<u8>) {
     }
 }
 
+/// Q5_0: per 32 codes 0…31, fp16 `d`, 4 bytes whose bit j is code j's fifth bit, then code j's
+/// low nibble in byte j (low) or j − 16 (high) as Q4_0; value (q − 16)·d.
+pub fn encode_q5_0(codes: &[u8], d: &[f16], out: &mut Vec<u8>) {
+    for (q, &d) in codes.chunks_exact(32).zip(d) {
+        push_f16(out, d);
+        let qh = q
+            .iter()
+            .enumerate()
+            .fold(0u32, |h, (j, &c)| h | (((c >> 4) & 1) as u32) << j);
+        out.extend_from_slice(&qh.to_le_bytes());
+        push_nibbles32(out, q);
+    }
+}
+
 /// Q8_0: per 32 int8 codes, fp16 `d` then the codes; value q·d.
 pub fn encode_q8_0(codes: &[i8], d: &[f16], out: &mut Vec<u8>) {
     for (q, &d) in codes.chunks_exact(32).zip(d) {
@@ -151,6 +165,18 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        GgmlType::Q5_0 => {
+            for (b, o) in blocks {
+                let d = f16_at(b, 0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for j in 0..16 {
+                    let hi = |i: usize| (((qh >> i) & 1) << 4) as i32;
+                    let (lo, up) = ((b[6 + j] & 0xF) as i32, (b[6 + j] >> 4) as i32);
+                    o[j] = ((lo | hi(j)) - 16) as f32 * d;
+                    o[j + 16] = ((up | hi(j + 16)) - 16) as f32 * d;
+                }
+            }
+        }
         GgmlType::Q8_0 => {
             for (b, o) in blocks {
                 let d = f16_at(b, 0);
@@ -243,6 +269,14 @@ mod tests {
         let v = decode(GgmlType::Q4_0, &b, n);
         for i in 0..n {
             assert_eq!(v[i], (codes[i] as i32 - 8) as f32 * d[i / 32].to_f32());
+        }
+
+        let codes5: Vec<u8> = (0..n).map(|_| rnd(32) as u8).collect();
+        let mut b = Vec::new();
+        encode_q5_0(&codes5, &d, &mut b);
+        let v = decode(GgmlType::Q5_0, &b, n);
+        for i in 0..n {
+            assert_eq!(v[i], (codes5[i] as i32 - 16) as f32 * d[i / 32].to_f32());
         }
 
         let m = halves(n / 32, &mut rnd);

@@ -68,10 +68,24 @@ impl FileType {
         }
     }
 
-    /// The type of `tensor` in a model of `layers` layers (llama.cpp `llama_tensor_get_type_impl`
-    /// without an imatrix, for these three file types). Row lengths must be a multiple of the
-    /// type's block; callers check with [`GgmlType::row_bytes`].
-    pub fn type_of(self, tensor: Tensor, layers: usize) -> GgmlType {
+    /// The type of `tensor`, whose rows are `row` long, in a model of `layers` layers (llama.cpp
+    /// `llama_tensor_get_type_impl` without an imatrix, for these three file types). A row that
+    /// is not whole 256-element K-quant blocks falls back as llama.cpp does: Q4_K → Q5_0, Q6_K →
+    /// Q8_0. Callers still check the result's block with [`GgmlType::row_bytes`].
+    pub fn type_of(self, tensor: Tensor, layers: usize, row: usize) -> GgmlType {
+        let ty = self.rule(tensor, layers);
+        if row.is_multiple_of(ty.block_len()) {
+            return ty;
+        }
+        match ty {
+            GgmlType::Q4_K => GgmlType::Q5_0,
+            GgmlType::Q6_K => GgmlType::Q8_0,
+            other => other,
+        }
+    }
+
+    /// The type the file type's rule gives `tensor` when its rows fit every block.
+    fn rule(self, tensor: Tensor, layers: usize) -> GgmlType {
         // llama.cpp's use_more_bits: the first and last eighth, and every third layer between.
         let more_bits = |i: usize| {
             let n = layers;
@@ -98,17 +112,24 @@ mod tests {
     fn q4_k_m_gives_more_bits_where_llama_cpp_does() {
         // 36 layers (the 4B): n/8 = 4, 7n/8 = 31; between, (i − 4) % 3 == 2 → 6, 9, …, 30.
         let six: Vec<usize> = (0..36)
-            .filter(|&i| FileType::Q4KM.type_of(Tensor::FfnDown { layer: i }, 36) == GgmlType::Q6_K)
+            .filter(|&i| {
+                FileType::Q4KM.type_of(Tensor::FfnDown { layer: i }, 36, 256) == GgmlType::Q6_K
+            })
             .collect();
         let want: Vec<usize> = (0..4).chain((6..31).step_by(3)).chain(31..36).collect();
         assert_eq!(six, want);
         // 8 layers (the fixture): 0, 3, 6, 7.
         let six: Vec<usize> = (0..8)
-            .filter(|&i| FileType::Q4KM.type_of(Tensor::AttnQkv { layer: i }, 8) == GgmlType::Q6_K)
+            .filter(|&i| {
+                FileType::Q4KM.type_of(Tensor::AttnQkv { layer: i }, 8, 256) == GgmlType::Q6_K
+            })
             .collect();
         assert_eq!(six, [0, 3, 6, 7]);
-        assert_eq!(FileType::Q4KM.type_of(Tensor::Other, 8), GgmlType::Q4_K);
-        assert_eq!(FileType::Q4KM.type_of(Tensor::Head, 8), GgmlType::Q6_K);
+        assert_eq!(
+            FileType::Q4KM.type_of(Tensor::Other, 8, 256),
+            GgmlType::Q4_K
+        );
+        assert_eq!(FileType::Q4KM.type_of(Tensor::Head, 8, 256), GgmlType::Q6_K);
     }
 
     #[test]
@@ -118,10 +139,36 @@ mod tests {
             Tensor::FfnDown { layer: 0 },
             Tensor::Other,
         ] {
-            assert_eq!(FileType::Q4_0.type_of(t, 28), GgmlType::Q4_0);
-            assert_eq!(FileType::Q8_0.type_of(t, 28), GgmlType::Q8_0);
+            assert_eq!(FileType::Q4_0.type_of(t, 28, 256), GgmlType::Q4_0);
+            assert_eq!(FileType::Q8_0.type_of(t, 28, 256), GgmlType::Q8_0);
         }
-        assert_eq!(FileType::Q4_0.type_of(Tensor::Head, 28), GgmlType::Q6_K);
-        assert_eq!(FileType::Q8_0.type_of(Tensor::Head, 28), GgmlType::Q8_0);
+        assert_eq!(
+            FileType::Q4_0.type_of(Tensor::Head, 28, 256),
+            GgmlType::Q6_K
+        );
+        assert_eq!(
+            FileType::Q8_0.type_of(Tensor::Head, 28, 256),
+            GgmlType::Q8_0
+        );
+    }
+
+    #[test]
+    fn rows_that_are_not_whole_k_blocks_fall_back_as_llama_cpp_does() {
+        // 704 = 2.75 × 256: Q4_K → Q5_0, Q6_K → Q8_0; 32-element types are kept.
+        assert_eq!(
+            FileType::Q4KM.type_of(Tensor::Other, 8, 704),
+            GgmlType::Q5_0
+        );
+        let down = |layer| FileType::Q4KM.type_of(Tensor::FfnDown { layer }, 8, 704);
+        assert_eq!((down(0), down(1)), (GgmlType::Q8_0, GgmlType::Q5_0));
+        assert_eq!(FileType::Q4_0.type_of(Tensor::Head, 8, 128), GgmlType::Q8_0);
+        assert_eq!(
+            FileType::Q4_0.type_of(Tensor::Other, 8, 704),
+            GgmlType::Q4_0
+        );
+        assert_eq!(
+            FileType::Q4KM.type_of(Tensor::Other, 8, 512),
+            GgmlType::Q4_K
+        );
     }
 }

@@ -41,6 +41,7 @@ pub enum GgmlType {
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
     Q8_0,
     Q4_K,
     Q6_K,
@@ -54,6 +55,7 @@ impl GgmlType {
             GgmlType::F16 => 1,
             GgmlType::Q4_0 => 2,
             GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
             GgmlType::Q8_0 => 8,
             GgmlType::Q4_K => 12,
             GgmlType::Q6_K => 14,
@@ -67,6 +69,7 @@ impl GgmlType {
             GgmlType::F16,
             GgmlType::Q4_0,
             GgmlType::Q4_1,
+            GgmlType::Q5_0,
             GgmlType::Q8_0,
             GgmlType::Q4_K,
             GgmlType::Q6_K,
@@ -80,7 +83,7 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => 32,
             GgmlType::Q4_K | GgmlType::Q6_K => 256,
         }
     }
@@ -92,6 +95,7 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::BF16 => 2,
             GgmlType::Q4_0 => 18,
             GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
             GgmlType::Q8_0 => 34,
             GgmlType::Q4_K => 144,
             GgmlType::Q6_K => 210,
@@ -104,6 +108,7 @@ impl GgmlType {
             GgmlType::F16 => "F16",
             GgmlType::Q4_0 => "Q4_0",
             GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4_K => "Q4_K",
             GgmlType::Q6_K => "Q6_K",

@@ -12,6 +12,7 @@ use crate::quant::{Grid, QuantizedWeight};
 pub fn grid_of(t: GgmlType) -> Option<(Grid, usize)> {
     Some(match t {
         GgmlType::Q4_0 => (Grid::fp16(4), 32),
+        GgmlType::Q5_0 => (Grid::fp16(5), 32),
         GgmlType::Q8_0 => (Grid::fp16(8), 32),
         GgmlType::Q4_K => (Grid::tiered(4, 63), 32),
         GgmlType::Q6_K => (Grid::tiered(6, 127), 16),
@@ -69,11 +70,15 @@ pub fn encode_rows(
         let scale = |g: usize| q.scales[g * n + r];
         let groups = k / gs;
         match ty {
-            GgmlType::Q4_0 => {
+            GgmlType::Q4_0 | GgmlType::Q5_0 => {
                 let d = (0..groups)
                     .map(|g| exact_f16(scale(g), name))
                     .collect::<Result<Vec<_>, _>>()?;
-                blocks::encode_q4_0(&codes, &d, out);
+                if ty == GgmlType::Q4_0 {
+                    blocks::encode_q4_0(&codes, &d, out);
+                } else {
+                    blocks::encode_q5_0(&codes, &d, out);
+                }
             }
             GgmlType::Q8_0 => {
                 let d = (0..groups)
