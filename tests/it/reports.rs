@@ -96,7 +96,10 @@ fn pages_for(answer: &str) {
         serde_json::from_str(&std::fs::read_to_string(q.join("quant_report.json")).unwrap())
             .unwrap();
     let format = if answer == "x86-amx" { "w4a8" } else { "w4a16" };
-    assert_eq!(qr["recipe"]["format"], format, "the probe's answer {answer}");
+    assert_eq!(
+        qr["recipe"]["format"], format,
+        "the probe's answer {answer}"
+    );
     let mean = qr["mean_error"].as_f64().unwrap();
     assert!(page.contains(&format!("{mean:.2e}")), "mean error {mean}");
     assert!(page.contains(qr["linears"][0]["name"].as_str().unwrap()));
