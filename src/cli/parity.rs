@@ -11,6 +11,25 @@ use spark_tool::tokenizer::SparkTokenizer;
 
 use super::run::ExecArgs;
 
+/// Set when the JSON report goes to stdout (`--json -`): the text report then goes to stderr.
+static TEXT_ON_STDERR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `println!`, or `eprintln!` while stdout carries the JSON report.
+macro_rules! say {
+    ($($t:tt)*) => {
+        if TEXT_ON_STDERR.load(std::sync::atomic::Ordering::Relaxed) {
+            eprintln!($($t)*)
+        } else {
+            println!($($t)*)
+        }
+    };
+}
+
+/// Whether `--json` names stdout.
+fn is_stdout(p: &Path) -> bool {
+    p.as_os_str() == "-"
+}
+
 #[derive(Args)]
 #[command(group(ArgGroup::new("report").multiple(true)))]
 pub struct ParityArgs {
@@ -60,8 +79,8 @@ pub struct ParityArgs {
     /// Most held-out perplexity of the candidate over the reference's.
     #[arg(long, value_parser = super::non_negative)]
     max_ppl_ratio: Option<f64>,
-    /// Write the full report as JSON to this file.
-    #[arg(long)]
+    /// Write the full report as JSON to this file; `-` prints it on stdout (the text then goes to stderr).
+    #[arg(long, value_name = "FILE|-")]
     json: Option<PathBuf>,
     /// Write the report as one self-contained HTML page (charts inline, nothing fetched).
     #[arg(long, group = "report")]
@@ -150,6 +169,9 @@ pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
     }
     // Every output is checked before the comparison runs, and the baseline read.
     a.check_outputs(&choice)?;
+    if a.json.as_deref().is_some_and(is_stdout) {
+        TEXT_ON_STDERR.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     let baseline = a
         .baseline
         .as_deref()
@@ -217,7 +239,7 @@ impl ParityArgs {
             inputs.push(p);
         }
         inputs.extend(self.baseline.as_deref());
-        if let Some(path) = &self.json {
+        if let Some(path) = self.json.as_deref().filter(|p| !is_stdout(p)) {
             ParityReport::check_path(path, &inputs)?;
         }
         if let Some(path) = &self.html {
@@ -232,7 +254,7 @@ impl ParityArgs {
             (Setting::Markdown, &self.markdown),
         ]
         .into_iter()
-        .filter_map(|(s, p)| p.as_deref().map(|p| (s, p)))
+        .filter_map(|(s, p)| p.as_deref().filter(|p| !is_stdout(p)).map(|p| (s, p)))
         .collect();
         report::check_distinct(&outputs)?;
         Ok(())
@@ -244,17 +266,21 @@ impl ParityArgs {
         report: &ParityReport,
         baseline: Option<&Baseline>,
     ) -> anyhow::Result<()> {
-        if let Some(path) = &self.json {
-            report.write(path)?;
-            println!("wrote {}", path.display());
+        match &self.json {
+            Some(p) if is_stdout(p) => println!("{}", serde_json::to_string_pretty(report)?),
+            Some(path) => {
+                report.write(path)?;
+                say!("wrote {}", path.display());
+            }
+            None => {}
         }
         if let Some(path) = &self.html {
             report::parity::write_html(path, report, baseline)?;
-            println!("wrote {}", path.display());
+            say!("wrote {}", path.display());
         }
         if let Some(path) = &self.markdown {
             report::parity::write_markdown(path, report, baseline)?;
-            println!("wrote {}", path.display());
+            say!("wrote {}", path.display());
         }
         Ok(())
     }
@@ -287,14 +313,22 @@ fn tokenizer_difference(
 }
 
 fn print_prompt_header() {
-    println!(
+    say!(
         "{:<24} {:>6} {:>7} {:>6} {:>6} {:>9} {:>9} {:>8} {:>7}",
-        "prompt", "tokens", "greedy", "top1", "top5", "KL mean", "KL max", "max|Δ|", "SNR dB"
+        "prompt",
+        "tokens",
+        "greedy",
+        "top1",
+        "top5",
+        "KL mean",
+        "KL max",
+        "max|Δ|",
+        "SNR dB"
     );
 }
 
 fn print_prompt_row(p: &parity::PromptReport) {
-    println!(
+    say!(
         "{:<24} {:>6} {:>7} {:>6.3} {:>6.3} {:>9.2e} {:>9.2e} {:>8.3} {:>7.1}",
         p.name,
         p.prompt_tokens,
@@ -313,17 +347,18 @@ fn print_prompt_row(p: &parity::PromptReport) {
 
 fn print_summary(report: &ParityReport) {
     let o = &report.overall;
-    println!(
+    say!(
         "overall: greedy identical {}/{} (mean {:.1} tokens to divergence), top-1 {:.4}, top-5 {:.4}, KL mean {:.3e} p99 {:.3e} max {:.3e}, max|Δlogit| {:.3}, SNR {:.1} dB over {} positions",
         o.greedy_identical, o.prompts, o.mean_tokens_to_divergence, o.top1, o.top5, o.kl_mean, o.kl_p99, o.kl_max, o.max_abs_dlogit, o.snr_db, o.positions
     );
     if o.eval_tokens == 0 {
-        println!(
+        say!(
             "perplexity: not measured (no held-out tokens); bits/weight {:.3} vs {:.3}",
-            report.reference_bpw, report.candidate_bpw
+            report.reference_bpw,
+            report.candidate_bpw
         );
     } else {
-        println!(
+        say!(
             "perplexity on {} held-out tokens: reference {:.4}, candidate {:.4}, ratio {:.4}; bits/weight {:.3} vs {:.3}",
             o.eval_tokens, o.ppl_reference, o.ppl_candidate, o.ppl_ratio, report.reference_bpw, report.candidate_bpw
         );
@@ -341,7 +376,7 @@ fn print_summary(report: &ParityReport) {
                 )
             })
             .collect();
-        println!("gates: {}", gates.join("; "));
+        say!("gates: {}", gates.join("; "));
     }
 }
 
@@ -349,18 +384,18 @@ fn print_summary(report: &ParityReport) {
 fn print_verdict(report: &ParityReport) -> i32 {
     match report.verdict() {
         parity::Verdict::Pass => {
-            println!("PASS (policy: {})", report.policy_source);
+            say!("PASS (policy: {})", report.policy_source);
             0
         }
         parity::Verdict::NotGated => {
-            println!(
+            say!(
                 "NOT GATED: no threshold was checked (policy: {})",
                 report.policy_source
             );
             0
         }
         parity::Verdict::Drift => {
-            println!(
+            say!(
                 "DRIFT: {} (policy: {})",
                 report.failures.join("; "),
                 report.policy_source

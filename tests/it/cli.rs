@@ -889,3 +889,21 @@ fn the_readme_jobs_run_from_a_folder_outside_the_checkout() {
     let config = std::fs::read_to_string(d.path().join("spark-4bit/config.json")).unwrap();
     assert!(config.contains("bundled:spark-calib.jsonl"), "{config}");
 }
+
+#[test]
+fn parity_json_dash_prints_the_report_on_stdout_and_the_text_on_stderr() {
+    let fx = common::fixture("spark-tiny");
+    let out = common::tool()
+        .arg("parity")
+        .arg(&fx)
+        .arg(&fx)
+        .args(["--json", "-", "--max-new-tokens", "2"])
+        .output()
+        .unwrap();
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{se}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is the JSON report alone");
+    assert_eq!(v["overall"]["top1"].as_f64(), Some(1.0));
+    assert!(se.contains("overall:") && se.contains("PASS"), "{se}");
+}
