@@ -154,6 +154,10 @@ pub struct QuantizeArgs {
     /// Untie the head and write it as 4-bit GPTQ too (`lm_head: true`).
     #[arg(long)]
     quantize_head: bool,
+    /// GGUF: give the tensors whose name matches REGEX this type, as llama-quantize's flag does
+    /// (e.g. ffn_down=q6_k; Q4_0, Q5_0, Q8_0, Q4_K, Q6_K; repeatable, the first match wins).
+    #[arg(long, value_name = "REGEX=TYPE")]
+    tensor_type: Vec<String>,
     /// Start from this recipe: a .toml file, a checkpoint folder or GGUF file written by quantize
     /// (its recorded recipe); the flags above and --set override its keys.
     #[arg(long, value_name = "FILE")]
@@ -265,6 +269,14 @@ fn build_recipe(a: &QuantizeArgs) -> anyhow::Result<(Recipe, device::WeightPath)
         if let Some(v) = v {
             t.insert(key.into(), v);
         }
+    }
+    if !a.tensor_type.is_empty() {
+        // The flags' patterns come first: the first match wins over a recipe file's.
+        let mut all: Vec<toml::Value> = a.tensor_type.iter().map(toml_value).collect();
+        if let Some(toml::Value::Array(file)) = t.remove("tensor_types") {
+            all.extend(file);
+        }
+        t.insert("tensor_types".into(), toml::Value::Array(all));
     }
     for s in &a.set {
         recipe::set(&mut t, s)?;

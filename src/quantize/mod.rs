@@ -24,7 +24,7 @@ pub mod recipe;
 #[cfg(feature = "lab")]
 mod tune_loop;
 
-pub use recipe::Recipe;
+pub use recipe::{Recipe, SolvedTensor};
 
 use crate::calibration;
 use std::collections::BTreeMap;
@@ -38,7 +38,7 @@ use crate::checkpoint::layout::layer_prefix;
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::SparkConfig;
 use crate::device::{WeightFormat, WeightPath};
-use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
+use crate::formats::gguf::mix::FileType;
 use crate::model::block::residual_add;
 use crate::model::{Bf16Data, DecoderLayer, DenseLinear, DenseWeight, Linear, Proj, SparkModel};
 use crate::quant::gptaq::{
@@ -153,45 +153,6 @@ impl QuantizeOptions {
             keep_on_interrupt: false,
             page: None,
         }
-    }
-}
-
-/// [`QuantizeOptions::grid_of`] from the options it depends on (`gptq`: the grid when the
-/// output is a GPTQ checkpoint).
-pub fn grid_for(
-    gguf: Option<FileType>,
-    gptq: Grid,
-    group_size: usize,
-    (li, proj): (Option<usize>, Proj),
-    cfg: &SparkConfig,
-) -> (Grid, usize) {
-    let Some(ft) = gguf else {
-        return (gptq, group_size);
-    };
-    let ty = ft.type_of(
-        gguf_tensor(li, proj),
-        cfg.num_hidden_layers,
-        row_len(li, proj, cfg),
-    );
-    crate::formats::gguf::quantized::grid_of(ty)
-        .expect("every file type assigns solvable block types")
-}
-
-/// The row length (inputs) of projection `proj` of layer `li` (`None`: the head).
-pub fn row_len(li: Option<usize>, proj: Proj, cfg: &SparkConfig) -> usize {
-    match li {
-        None => cfg.hidden_size,
-        Some(_) => proj.shape(cfg)[1],
-    }
-}
-
-/// What the GGUF type rule calls projection `proj` of layer `li` (`None`: the head).
-pub fn gguf_tensor(li: Option<usize>, proj: Proj) -> GgufTensor {
-    match (li, proj) {
-        (None, _) => GgufTensor::Head,
-        (Some(layer), Proj::Q | Proj::K | Proj::V) => GgufTensor::AttnQkv { layer },
-        (Some(layer), Proj::Down) => GgufTensor::FfnDown { layer },
-        _ => GgufTensor::Other,
     }
 }
 
@@ -714,7 +675,13 @@ impl LayerSolve<'_> {
         let outs: Vec<usize> = projs.iter().map(|p| p.shape(cfg)[0]).collect();
         let grids: Vec<(Grid, usize)> = projs
             .iter()
-            .map(|&p| self.opts.recipe.grid_of(Some(self.li), p, cfg))
+            .map(|&proj| {
+                let t = SolvedTensor::Linear {
+                    layer: self.li,
+                    proj,
+                };
+                self.opts.recipe.grid_of(t, cfg)
+            })
             .collect();
         let mut weights: Vec<Vec<f32>> = self.phases.time(Phase::Install, || {
             projs
@@ -1067,7 +1034,8 @@ fn quantize_head(
             let w = crate::model::DenseWeight::load(ck, tensor, Some(r0..r1))?;
             Ok(DenseLinear::from_weight(w, r1 - r0, hidden).dequantize())
         })?;
-        let grid = opts.recipe.grid_of(None, Proj::Q, cfg);
+        let tied = ck.layout.tied;
+        let grid = opts.recipe.grid_of(SolvedTensor::Head { tied }, cfg);
         let f = Factored {
             solver: &solver,
             hm: &hm,
@@ -1097,31 +1065,27 @@ fn quantize_head(
 fn check_gguf_shapes(
     opts: &QuantizeOptions,
     cfg: &SparkConfig,
-    ft: FileType,
+    (ft, tied): (FileType, bool),
 ) -> Result<(), QuantizeError> {
     // The metadata needs both layer types' rope parameters: refused now, not after the solve.
     crate::formats::gguf::spark::rope_pair(cfg)?;
-    let layers = cfg.num_hidden_layers;
-    let mut solved: Vec<(String, Option<usize>, Proj, usize)> =
-        vec![("the head".into(), None, Proj::Q, cfg.hidden_size)];
-    for li in 0..layers {
-        for &p in opts.recipe.projs() {
-            solved.push((
-                format!("{}{}", layer_prefix(li), p.module()),
-                Some(li),
-                p,
-                p.shape(cfg)[1],
-            ));
+    let mut solved = vec![SolvedTensor::Head { tied }];
+    for layer in 0..cfg.num_hidden_layers {
+        for &proj in opts.recipe.projs() {
+            solved.push(SolvedTensor::Linear { layer, proj });
         }
     }
-    for (name, li, p, k) in solved {
-        let (grid, gs) = opts.recipe.grid_of(li, p, cfg);
+    for t in solved {
+        let k = t.row_len(cfg);
+        let (grid, gs) = opts.recipe.grid_of(t, cfg);
         let block = grid.tier_of(k).unwrap_or(gs);
         if k % block != 0 {
+            let ty = opts.recipe.gguf_type(t, cfg).expect("a GGUF recipe");
             return Err(QuantizeError::Invalid(format!(
-                "{name}: {k} inputs are not a multiple of {block}, the block of its {} type; \
+                "{}: {k} inputs are not a multiple of {block}, the block of its {} type; \
                  this model cannot be written as {}",
-                ft.type_of(gguf_tensor(li, p), layers, k).name(),
+                t.gguf_name(),
+                ty.name(),
                 ft.llama_name()
             )));
         }
@@ -1143,7 +1107,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantReport, QuantizeError> {
     }
     let cfg = ck.config.clone();
     if let Some(ft) = opts.recipe.gguf {
-        check_gguf_shapes(opts, &cfg, ft)?;
+        check_gguf_shapes(opts, &cfg, (ft, ck.layout.tied))?;
     }
     for (what, dim) in [
         ("hidden_size", cfg.hidden_size),

@@ -13,9 +13,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use super::lab::LayerTuneReport;
-use super::{
-    grid_for, LayerResult, LinearReport, Norms, QuantReport, QuantizeError, QuantizeOptions,
-};
+use super::{LayerResult, LinearReport, Norms, QuantReport, QuantizeError, QuantizeOptions};
 use crate::artifact::{self, io_err, Staging};
 use crate::checkpoint::layout::{layer_prefix, stored_linears};
 use crate::checkpoint::write::{
@@ -37,8 +35,8 @@ pub struct Output {
     /// The projections each layer quantizes, and what decides their grids.
     projs: &'static [Proj],
     gguf: Option<FileType>,
-    gptq_grid: Grid,
-    group_size: usize,
+    /// What decides each tensor's grid (and a GGUF tensor's type).
+    recipe: super::Recipe,
     /// The model's shapes (a GGUF tensor's type depends on its row length).
     config: SparkConfig,
     tied: bool,
@@ -280,8 +278,7 @@ impl Output {
                 opts.recipe.qkv_layout
             },
             gguf: opts.recipe.gguf,
-            gptq_grid: opts.recipe.gptq_grid(),
-            group_size: opts.recipe.group_size,
+            recipe: opts.recipe.clone(),
             config: ck.config.clone(),
             tied: ck.layout.tied,
             model_tuned: false.into(),
@@ -440,14 +437,13 @@ impl Output {
         let mut r = LayerResult::default();
         for &proj in self.projs {
             let part = proj.key();
-            let grid = grid_for(
-                self.gguf,
-                self.gptq_grid,
-                self.group_size,
-                (Some(li), proj),
-                &self.config,
-            )
-            .0;
+            let grid = self
+                .recipe
+                .grid_of(
+                    super::SolvedTensor::Linear { layer: li, proj },
+                    &self.config,
+                )
+                .0;
             let q = read_q(&store, part, grid).ok_or_else(|| {
                 QuantizeError::Invalid(format!("{}: missing {part}", p.display()))
             })?;
@@ -820,6 +816,11 @@ impl Output {
         ));
         let plan = spark::tensor_plan(cfg, self.tied);
         let layers = cfg.num_hidden_layers;
+        let solved_type = |t| {
+            self.recipe
+                .gguf_type(t, cfg)
+                .expect("a GGUF file is written from a GGUF recipe")
+        };
         let type_of = |slot: &Slot| -> GgmlType {
             match slot {
                 Slot::Norm { .. } => GgmlType::F32,
@@ -827,10 +828,10 @@ impl Output {
                 Slot::Embedding | Slot::Head => {
                     ft.type_of(GgufTensor::Head, layers, cfg.hidden_size)
                 }
-                Slot::Linear { layer, projs } => {
-                    let k = projs[0].shape(cfg)[1];
-                    ft.type_of(super::gguf_tensor(Some(*layer), projs[0]), layers, k)
-                }
+                Slot::Linear { layer, projs } => solved_type(super::SolvedTensor::Linear {
+                    layer: *layer,
+                    proj: projs[0],
+                }),
             }
         };
         let hf_of = |slot: &Slot| -> Option<(usize, String)> {

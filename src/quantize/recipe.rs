@@ -14,7 +14,8 @@ use super::lab::{self, Lab};
 use super::{ForwardPrecision, Method, Objective};
 use crate::checkpoint::{Proj, QkvLayout, SparkConfig};
 use crate::device::WeightFormat;
-use crate::formats::gguf::mix::FileType;
+use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
+use crate::formats::gguf::GgmlType;
 use crate::quant::{Grid, Order, ScaleRule};
 
 /// The file name of the recipe beside a quantized checkpoint.
@@ -58,6 +59,10 @@ pub struct Recipe {
     pub quantize_head: bool,
     /// Initial GPTQ damping (fraction of the mean Hessian diagonal; raised if Cholesky fails).
     pub damp: f64,
+    /// GGUF only: `REGEX=TYPE` overrides of the file type's rule, as llama-quantize's
+    /// `--tensor-type` takes them: the first pattern found in a tensor's GGUF name gives its type.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tensor_types: Vec<String>,
     /// Research options (docs/QUANTIZE.md "The lab"); a default build refuses them.
     #[serde(skip_serializing_if = "Lab::is_off")]
     pub lab: Lab,
@@ -81,6 +86,7 @@ impl Default for Recipe {
             qkv_layout: QkvLayout::Fused,
             quantize_head: false,
             damp: 0.01,
+            tensor_types: Vec::new(),
             lab: Lab::default(),
         }
     }
@@ -157,6 +163,12 @@ impl Recipe {
         }
         if self.gguf.is_some() && self.lpbq {
             return bad("lpbq (the phone's scale lattice) does not apply to GGUF".into());
+        }
+        if !self.tensor_types.is_empty() && self.gguf.is_none() {
+            return bad("tensor_types (--tensor-type) applies to GGUF files only".into());
+        }
+        for t in &self.tensor_types {
+            parse_tensor_type(t).map_err(RecipeError::Invalid)?;
         }
         self.validate_lab()
     }
@@ -261,15 +273,27 @@ impl Recipe {
         }
     }
 
-    /// The grid and group size projection `proj` of layer `li` (`None`: the head) is solved on.
-    pub fn grid_of(&self, li: Option<usize>, proj: Proj, cfg: &SparkConfig) -> (Grid, usize) {
-        super::grid_for(
-            self.gguf,
-            self.gptq_grid(),
-            self.group_size,
-            (li, proj),
-            cfg,
-        )
+    /// The GGUF type `t` is written as (`None` for a GPTQ checkpoint): the first
+    /// `tensor_types` pattern found in its GGUF name, else the file type's rule; then
+    /// llama.cpp's fallback where its rows are not whole blocks of that type.
+    pub fn gguf_type(&self, t: SolvedTensor, cfg: &SparkConfig) -> Option<GgmlType> {
+        let ft = self.gguf?;
+        let name = t.gguf_name();
+        let chosen = self.tensor_types.iter().find_map(|o| {
+            let (pattern, ty) = parse_tensor_type(o).ok()?;
+            pattern.is_match(&name).then_some(ty)
+        });
+        let ty = chosen.unwrap_or_else(|| ft.rule(t.rule_tensor(), cfg.num_hidden_layers));
+        Some(ty.fitting(t.row_len(cfg)))
+    }
+
+    /// The grid and group size `t` is solved on.
+    pub fn grid_of(&self, t: SolvedTensor, cfg: &SparkConfig) -> (Grid, usize) {
+        match self.gguf_type(t, cfg) {
+            Some(ty) => crate::formats::gguf::quantized::grid_of(ty)
+                .expect("the rule and the validated overrides give solvable types"),
+            None => (self.gptq_grid(), self.group_size),
+        }
     }
 
     /// The grid of a GPTQ checkpoint's linears: vLLM's, or QNN's LPBQ lattice for the phone
@@ -281,6 +305,68 @@ impl Recipe {
             Grid::VLLM
         }
     }
+}
+
+/// A tensor the solve writes: the head (named as the file names it: `token_embd.weight` when
+/// tied) or a projection of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SolvedTensor {
+    Head { tied: bool },
+    Linear { layer: usize, proj: Proj },
+}
+
+impl SolvedTensor {
+    /// Its name in a GGUF file (q, k and v share `attn_qkv`).
+    pub fn gguf_name(self) -> String {
+        match self {
+            SolvedTensor::Head { tied: true } => "token_embd.weight".into(),
+            SolvedTensor::Head { tied: false } => "output.weight".into(),
+            SolvedTensor::Linear { layer, proj } => {
+                crate::formats::gguf::spark::linear_name_of(layer, proj)
+            }
+        }
+    }
+
+    /// What the GGUF file type's rule calls it.
+    pub fn rule_tensor(self) -> GgufTensor {
+        match self {
+            SolvedTensor::Head { .. } => GgufTensor::Head,
+            SolvedTensor::Linear {
+                layer,
+                proj: Proj::Q | Proj::K | Proj::V,
+            } => GgufTensor::AttnQkv { layer },
+            SolvedTensor::Linear {
+                layer,
+                proj: Proj::Down,
+            } => GgufTensor::FfnDown { layer },
+            SolvedTensor::Linear { .. } => GgufTensor::Other,
+        }
+    }
+
+    /// Its row length (inputs).
+    pub fn row_len(self, cfg: &SparkConfig) -> usize {
+        match self {
+            SolvedTensor::Head { .. } => cfg.hidden_size,
+            SolvedTensor::Linear { proj, .. } => proj.shape(cfg)[1],
+        }
+    }
+}
+
+/// One `REGEX=TYPE` override: the pattern and one of [`GgmlType::SOLVABLE`].
+pub fn parse_tensor_type(s: &str) -> Result<(regex::Regex, GgmlType), String> {
+    let (pattern, ty) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("tensor type {s:?}: expected REGEX=TYPE, e.g. ffn_down=q6_k"))?;
+    let ty = GgmlType::solvable_named(ty.trim()).ok_or_else(|| {
+        let names: Vec<&str> = GgmlType::SOLVABLE.iter().map(|t| t.name()).collect();
+        format!(
+            "tensor type {s:?}: {ty} is not a type spark-tool solves; one of {}",
+            names.join(", ")
+        )
+    })?;
+    let pattern = regex::Regex::new(pattern.trim())
+        .map_err(|e| format!("tensor type {s:?}: the pattern is not a regular expression: {e}"))?;
+    Ok((pattern, ty))
 }
 
 /// A recipe's keys as a TOML table: from a recipe file, a quantized checkpoint folder of ours
@@ -481,5 +567,71 @@ mod tests {
             ..Recipe::default()
         };
         assert_eq!(base.fingerprint(), moved.fingerprint());
+    }
+
+    #[test]
+    fn tensor_type_overrides_take_the_first_match_then_llama_cpps_fallback() {
+        let cfg = crate::checkpoint::SparkConfig::from_json_str(
+            &std::fs::read_to_string(crate::bundled_fixture().join("config.json")).unwrap(),
+            "config.json",
+        )
+        .unwrap();
+        let r = Recipe {
+            gguf: Some(FileType::Q4KM),
+            tensor_types: vec![
+                "blk\\.1\\.ffn_down=q8_0".into(),
+                "ffn_down=Q5_0".into(),
+                "attn_output=q6_k".into(),
+            ],
+            ..Recipe::default()
+        };
+        r.validate().unwrap();
+        let ty = |t| r.gguf_type(t, &cfg).unwrap();
+        let down = |layer| SolvedTensor::Linear {
+            layer,
+            proj: Proj::Down,
+        };
+        assert_eq!(ty(down(1)), GgmlType::Q8_0, "the first match wins");
+        assert_eq!(ty(down(2)), GgmlType::Q5_0);
+        let out = SolvedTensor::Linear {
+            layer: 2,
+            proj: Proj::Out,
+        };
+        assert_eq!(ty(out), GgmlType::Q6_K);
+        let up = SolvedTensor::Linear {
+            layer: 2,
+            proj: Proj::Up,
+        };
+        assert_eq!(ty(up), GgmlType::Q4_K, "no pattern: the file type's rule");
+        assert_eq!(ty(SolvedTensor::Head { tied: true }), GgmlType::Q6_K);
+        // An override to a K-quant on rows that are not whole 256-blocks falls back as the rule's would.
+        let mut narrow = cfg.clone();
+        narrow.intermediate_size = 704;
+        let r = Recipe {
+            tensor_types: vec!["ffn_down=q4_k".into()],
+            ..r
+        };
+        assert_eq!(r.gguf_type(down(2), &narrow), Some(GgmlType::Q5_0));
+        for (bad, says) in [
+            ("ffn_down=q3_k", "Q4_0, Q5_0, Q8_0, Q4_K, Q6_K"),
+            ("ffn_down", "REGEX=TYPE"),
+            ("ffn_(down=q8_0", "regular expression"),
+        ] {
+            let r = Recipe {
+                tensor_types: vec![bad.into()],
+                ..r.clone()
+            };
+            let e = r.validate().unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        let gptq = Recipe {
+            tensor_types: vec!["ffn_down=q8_0".into()],
+            ..Recipe::default()
+        };
+        assert!(gptq
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("GGUF files only"));
     }
 }

@@ -468,3 +468,83 @@ fn a_model_without_one_layer_type_is_refused_before_the_solve() {
         "nothing left behind"
     );
 }
+
+#[test]
+fn tensor_type_overrides_are_written_recorded_and_reproduced() {
+    // llama-quantize's --tensor-type: the first pattern found in a tensor's name gives its type.
+    let d = tempfile::tempdir().unwrap();
+    let (path, dump) = (
+        d.path().join("m.gguf"),
+        d.path().join("m.dequant.safetensors"),
+    );
+    let quantize = |args: &[&str], out: &Path| {
+        let o = common::tool()
+            .arg("quantize")
+            .arg(common::fixture("spark-tiny"))
+            .args([
+                "--quiet",
+                "--no-compare",
+                "--samples",
+                "4",
+                "--seq-len",
+                "64",
+            ])
+            .args(args)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (code, se) = quantize(
+        &[
+            "--format",
+            "Q4_K_M",
+            "--tensor-type",
+            r"blk\.1\.ffn_down=q8_0",
+            "--tensor-type",
+            "ffn_down=Q5_0",
+            "--dump-dequantized",
+            dump.to_str().unwrap(),
+        ],
+        &path,
+    );
+    assert_eq!(code, Some(0), "{se}");
+    let f = GgufFile::open(&path).unwrap();
+    for (name, ty) in [
+        ("blk.1.ffn_down.weight", GgmlType::Q8_0),
+        ("blk.0.ffn_down.weight", GgmlType::Q5_0),
+        ("blk.3.ffn_down.weight", GgmlType::Q5_0),
+        ("blk.0.attn_qkv.weight", GgmlType::Q6_K),
+        ("blk.1.ffn_up.weight", GgmlType::Q4_K),
+    ] {
+        let t = f.tensors().iter().find(|t| t.name == name).unwrap();
+        assert_eq!(t.ty, ty, "{name}");
+    }
+    assert_eq!(assert_decodes_to(&f, &dump), 1 + 8 * 6);
+    if common::have_gguf() {
+        python(&[
+            "tools/gguf_check.py",
+            path.to_str().unwrap(),
+            dump.to_str().unwrap(),
+        ]);
+    }
+    // The overrides are in the file's recipe, which reproduces it.
+    let again = d.path().join("again.gguf");
+    let (code, se) = quantize(&["--recipe", path.to_str().unwrap()], &again);
+    assert_eq!(code, Some(0), "{se}");
+    assert!(std::fs::read(&path).unwrap() == std::fs::read(&again).unwrap());
+    // A type spark-tool does not solve, and a GPTQ output, are refused by name.
+    let (code, se) = quantize(
+        &["--format", "q4_0", "--tensor-type", "ffn_up=q3_k"],
+        &d.path().join("x.gguf"),
+    );
+    assert_eq!(code, Some(2));
+    assert!(se.contains("q3_k") && se.contains("Q5_0"), "{se}");
+    let (code, se) = quantize(&["--tensor-type", "ffn_up=q8_0"], &d.path().join("gptq"));
+    assert_eq!(code, Some(2));
+    assert!(se.contains("GGUF files only"), "{se}");
+}

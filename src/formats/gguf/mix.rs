@@ -73,19 +73,11 @@ impl FileType {
     /// is not whole 256-element K-quant blocks falls back as llama.cpp does: Q4_K → Q5_0, Q6_K →
     /// Q8_0. Callers still check the result's block with [`GgmlType::row_bytes`].
     pub fn type_of(self, tensor: Tensor, layers: usize, row: usize) -> GgmlType {
-        let ty = self.rule(tensor, layers);
-        if row.is_multiple_of(ty.block_len()) {
-            return ty;
-        }
-        match ty {
-            GgmlType::Q4_K => GgmlType::Q5_0,
-            GgmlType::Q6_K => GgmlType::Q8_0,
-            other => other,
-        }
+        self.rule(tensor, layers).fitting(row)
     }
 
     /// The type the file type's rule gives `tensor` when its rows fit every block.
-    fn rule(self, tensor: Tensor, layers: usize) -> GgmlType {
+    pub fn rule(self, tensor: Tensor, layers: usize) -> GgmlType {
         // llama.cpp's use_more_bits: the first and last eighth, and every third layer between.
         let more_bits = |i: usize| {
             let n = layers;
@@ -101,6 +93,38 @@ impl FileType {
             }
             _ => self.base(),
         }
+    }
+}
+
+impl GgmlType {
+    /// This type, or llama.cpp's fallback when rows of `row` elements are not whole 256-element
+    /// K-quant blocks (`convert_incompatible_tensor`): Q4_K → Q5_0, Q6_K → Q8_0. Callers still
+    /// check the result's block with [`GgmlType::row_bytes`].
+    pub fn fitting(self, row: usize) -> GgmlType {
+        if row.is_multiple_of(self.block_len()) {
+            return self;
+        }
+        match self {
+            GgmlType::Q4_K => GgmlType::Q5_0,
+            GgmlType::Q6_K => GgmlType::Q8_0,
+            other => other,
+        }
+    }
+
+    /// The types a solved linear can be written as (`--tensor-type`), by llama.cpp's names.
+    pub const SOLVABLE: [GgmlType; 5] = [
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ];
+
+    /// One of [`GgmlType::SOLVABLE`] by its name, in any case (`q4_k`, `Q8_0`).
+    pub fn solvable_named(name: &str) -> Option<GgmlType> {
+        GgmlType::SOLVABLE
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(name))
     }
 }
 

@@ -57,6 +57,15 @@ pub fn linear_name(layer: usize, projs: &[Proj]) -> String {
     format!("blk.{layer}.{name}.weight")
 }
 
+/// The GGUF name of the linear of layer `layer` that holds projection `proj`.
+pub fn linear_name_of(layer: usize, proj: Proj) -> String {
+    let (_, projs) = LINEARS
+        .iter()
+        .find(|(_, p)| p.contains(&proj))
+        .expect("every projection is in one GGUF linear");
+    linear_name(layer, projs)
+}
+
 /// `(gguf name, slot)` in the order the converter writes them.
 pub fn tensor_plan(cfg: &SparkConfig, tied: bool) -> Vec<(String, Slot)> {
     let mut out = vec![
