@@ -138,6 +138,24 @@ fn assert_decodes_to(f: &GgufFile, dump: &Path) -> usize {
     checked
 }
 
+/// The fixture's GGUF at `path` gives each named tensor its type, and every solved tensor decodes
+/// bit for bit to the solve's `dump`, in our reader and (when installed) in llama.cpp's `gguf`.
+fn assert_types_and_solved_weights(path: &Path, dump: &Path, want: &[(&str, GgmlType)]) {
+    let f = GgufFile::open(path).unwrap();
+    for (name, ty) in want {
+        let t = f.tensors().iter().find(|t| t.name == *name).unwrap();
+        assert_eq!(t.ty, *ty, "{name}");
+    }
+    assert_eq!(assert_decodes_to(&f, dump), 1 + 8 * 6);
+    if common::have_gguf() {
+        python(&[
+            "tools/gguf_check.py",
+            path.to_str().unwrap(),
+            dump.to_str().unwrap(),
+        ]);
+    }
+}
+
 /// A copy of spark-tiny at `dst` whose MLP is `width` wide (the first `width` rows of gate and
 /// up, the first `width` columns of down).
 fn narrowed_fixture(dst: &Path, width: usize) {
@@ -191,25 +209,17 @@ fn rows_that_are_not_whole_k_blocks_take_llama_cpps_fallback_types() {
     (o.recipe.gguf, o.recipe.forward_precision) = (Some(FileType::Q4KM), ForwardPrecision::F32);
     o.dump_dequantized = Some(dump.clone());
     quantize(&o).unwrap();
-    let f = GgufFile::open(&path).unwrap();
-    for (name, ty) in [
-        ("blk.0.ffn_down.weight", GgmlType::Q8_0),
-        ("blk.1.ffn_down.weight", GgmlType::Q5_0),
-        ("blk.1.ffn_up.weight", GgmlType::Q4_K),
-        ("blk.0.attn_qkv.weight", GgmlType::Q6_K),
-        ("token_embd.weight", GgmlType::Q6_K),
-    ] {
-        let t = f.tensors().iter().find(|t| t.name == name).unwrap();
-        assert_eq!(t.ty, ty, "{name}");
-    }
-    assert_eq!(assert_decodes_to(&f, &dump), 1 + 8 * 6);
-    if common::have_gguf() {
-        python(&[
-            "tools/gguf_check.py",
-            path.to_str().unwrap(),
-            dump.to_str().unwrap(),
-        ]);
-    }
+    assert_types_and_solved_weights(
+        &path,
+        &dump,
+        &[
+            ("blk.0.ffn_down.weight", GgmlType::Q8_0),
+            ("blk.1.ffn_down.weight", GgmlType::Q5_0),
+            ("blk.1.ffn_up.weight", GgmlType::Q4_K),
+            ("blk.0.attn_qkv.weight", GgmlType::Q6_K),
+            ("token_embd.weight", GgmlType::Q6_K),
+        ],
+    );
     // Our engine runs it, and parity's built-in 4-bit policy passes it against its float model.
     let out = common::tool()
         .arg("parity")
@@ -513,25 +523,17 @@ fn tensor_type_overrides_are_written_recorded_and_reproduced() {
         &path,
     );
     assert_eq!(code, Some(0), "{se}");
-    let f = GgufFile::open(&path).unwrap();
-    for (name, ty) in [
-        ("blk.1.ffn_down.weight", GgmlType::Q8_0),
-        ("blk.0.ffn_down.weight", GgmlType::Q5_0),
-        ("blk.3.ffn_down.weight", GgmlType::Q5_0),
-        ("blk.0.attn_qkv.weight", GgmlType::Q6_K),
-        ("blk.1.ffn_up.weight", GgmlType::Q4_K),
-    ] {
-        let t = f.tensors().iter().find(|t| t.name == name).unwrap();
-        assert_eq!(t.ty, ty, "{name}");
-    }
-    assert_eq!(assert_decodes_to(&f, &dump), 1 + 8 * 6);
-    if common::have_gguf() {
-        python(&[
-            "tools/gguf_check.py",
-            path.to_str().unwrap(),
-            dump.to_str().unwrap(),
-        ]);
-    }
+    assert_types_and_solved_weights(
+        &path,
+        &dump,
+        &[
+            ("blk.1.ffn_down.weight", GgmlType::Q8_0),
+            ("blk.0.ffn_down.weight", GgmlType::Q5_0),
+            ("blk.3.ffn_down.weight", GgmlType::Q5_0),
+            ("blk.0.attn_qkv.weight", GgmlType::Q6_K),
+            ("blk.1.ffn_up.weight", GgmlType::Q4_K),
+        ],
+    );
     // The overrides are in the file's recipe, which reproduces it.
     let again = d.path().join("again.gguf");
     let (code, se) = quantize(&["--recipe", path.to_str().unwrap()], &again);

@@ -15,15 +15,6 @@ fn opts(out: &Path, format: WeightFormat, group_size: usize) -> QuantizeOptions 
     common::quantize_options(&common::fixture("spark-tiny"), out, format, group_size)
 }
 
-fn i32s(store: &TensorStore, name: &str) -> Vec<i32> {
-    let e = store.get(name).unwrap_or_else(|| panic!("missing {name}"));
-    store
-        .bytes(e)
-        .chunks(4)
-        .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
 #[test]
 fn scale_refit_rounds_only_ever_lower_a_linears_error() {
     let d = tempfile::tempdir().unwrap();
@@ -219,8 +210,8 @@ fn model_tuning_lowers_the_kl_writes_its_state_and_resumes_identically() {
     );
     let q = "model.layers.2.mlp.down_proj";
     assert_eq!(
-        i32s(&a, &format!("{q}.qweight")),
-        i32s(&b, &format!("{q}.qweight"))
+        common::i32s(&a, &format!("{q}.qweight")),
+        common::i32s(&b, &format!("{q}.qweight"))
     );
     let s = |st: &TensorStore, n: &str| st.to_f32(st.get(n).unwrap()).unwrap();
     assert!(s(&a, &format!("{q}.scales")) != s(&b, &format!("{q}.scales")));

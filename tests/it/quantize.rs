@@ -19,15 +19,6 @@ fn opts(out: &Path, format: WeightFormat, group_size: usize) -> QuantizeOptions 
     common::quantize_options(&common::fixture("spark-tiny"), out, format, group_size)
 }
 
-fn i32s(store: &TensorStore, name: &str) -> Vec<i32> {
-    let e = store.get(name).unwrap_or_else(|| panic!("missing {name}"));
-    store
-        .bytes(e)
-        .chunks(4)
-        .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
 fn check_every_linear_improves(r: &QuantReport) {
     assert!(!r.linears.is_empty());
     for l in &r.linears {
@@ -99,7 +90,7 @@ fn w4a8_g128_fused_checkpoint() {
         store.get(&format!("{p}.scales")).unwrap().shape,
         vec![2, 512]
     );
-    assert!(i32s(&store, &format!("{p}.qzeros"))
+    assert!(common::i32s(&store, &format!("{p}.qzeros"))
         .iter()
         .all(|&z| z == QZEROS_V1_SYM));
     // The default search takes negative scales where they fit better (vLLM multiplies by them).
@@ -114,7 +105,7 @@ fn w4a8_g128_fused_checkpoint() {
         scales.len()
     );
     assert_eq!(
-        i32s(&store, &format!("{p}.g_idx")),
+        common::i32s(&store, &format!("{p}.g_idx")),
         (0..256).map(|k| k / 128).collect::<Vec<i32>>()
     );
     assert!(
@@ -125,7 +116,7 @@ fn w4a8_g128_fused_checkpoint() {
     );
     assert!(store.get("lm_head.weight").is_none() && store.get("lm_head.qweight").is_none());
     // Codes use the whole grid.
-    let codes = unpack_qweight(&i32s(&store, &format!("{p}.qweight")), 256, 512);
+    let codes = unpack_qweight(&common::i32s(&store, &format!("{p}.qweight")), 256, 512);
     assert!(codes.contains(&0) || codes.contains(&15));
     assert!(
         r.bits_per_weight > 4.0 && r.bits_per_weight < 16.0,
@@ -310,7 +301,7 @@ fn the_float_objectives_correct_only_where_the_inputs_differ() {
         TensorStore::open_file(&qi_dir.join("model.safetensors")).unwrap(),
         TensorStore::open_file(&fo_dir.join("model.safetensors")).unwrap(),
     );
-    let codes = |s: &TensorStore, p: &str| i32s(s, &format!("model.layers.{p}.qweight"));
+    let codes = |s: &TensorStore, p: &str| common::i32s(s, &format!("model.layers.{p}.qweight"));
     // Layer 0's q/k/v read the embedding in both models: X̃ = X, C = 0, W* = W exactly.
     assert_eq!(
         codes(&a, "0.self_attn.q_k_v_proj"),
@@ -437,13 +428,13 @@ fn act_order_keeps_the_natural_layout_and_is_part_of_the_recipe() {
     );
     let p = "model.layers.5.mlp.down_proj";
     assert_eq!(
-        i32s(&a, &format!("{p}.g_idx")),
+        common::i32s(&a, &format!("{p}.g_idx")),
         (0..768).map(|k| k / 128).collect::<Vec<i32>>()
     );
     // The order changes the solve, not what is stored around it.
     assert_ne!(
-        i32s(&a, &format!("{p}.qweight")),
-        i32s(&n, &format!("{p}.qweight"))
+        common::i32s(&a, &format!("{p}.qweight")),
+        common::i32s(&n, &format!("{p}.qweight"))
     );
     assert_eq!(
         a.get(&format!("{p}.qweight")).unwrap().shape,

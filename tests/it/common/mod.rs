@@ -339,3 +339,13 @@ pub fn gguf_scale_rule(f: &spark_tool::formats::gguf::GgufFile) -> serde_json::V
 pub fn gguf_quantization(f: &spark_tool::formats::gguf::GgufFile) -> serde_json::Value {
     serde_json::from_str(f.get_str("spark_tool.quantization").unwrap()).unwrap()
 }
+
+/// An I32 tensor's values (GPTQ `qweight`, `qzeros`, `g_idx`).
+pub fn i32s(store: &TensorStore, name: &str) -> Vec<i32> {
+    let e = store.get(name).unwrap_or_else(|| panic!("missing {name}"));
+    store
+        .bytes(e)
+        .chunks(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
