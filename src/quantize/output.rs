@@ -20,7 +20,7 @@ use crate::checkpoint::write::{
     write_safetensors_atomic, write_safetensors_streamed, OwnedTensor, TensorSpec,
 };
 use crate::checkpoint::{Checkpoint, Proj, QkvLayout, SparkConfig, TensorStore};
-use crate::formats::gguf::mix::{FileType, Tensor as GgufTensor};
+use crate::formats::gguf::mix::FileType;
 use crate::formats::gguf::{
     self as ggufmt, spark, spark::Slot, GgmlType, GgufFile, GgufWriter, TensorInfo,
 };
@@ -815,7 +815,6 @@ impl Output {
             ggufmt::Value::String(report.recipe.to_toml()),
         ));
         let plan = spark::tensor_plan(cfg, self.tied);
-        let layers = cfg.num_hidden_layers;
         let solved_type = |t| {
             self.recipe
                 .gguf_type(t, cfg)
@@ -826,7 +825,7 @@ impl Output {
                 Slot::Norm { .. } => GgmlType::F32,
                 Slot::Embedding if !self.tied => GgmlType::BF16,
                 Slot::Embedding | Slot::Head => {
-                    ft.type_of(GgufTensor::Head, layers, cfg.hidden_size)
+                    solved_type(super::SolvedTensor::Head { tied: self.tied })
                 }
                 Slot::Linear { layer, projs } => solved_type(super::SolvedTensor::Linear {
                     layer: *layer,

@@ -517,6 +517,8 @@ fn tensor_type_overrides_are_written_recorded_and_reproduced() {
             r"blk\.1\.ffn_down=q8_0",
             "--tensor-type",
             "ffn_down=Q5_0",
+            "--tensor-type",
+            "token_embd=q8_0",
             "--dump-dequantized",
             dump.to_str().unwrap(),
         ],
@@ -532,6 +534,7 @@ fn tensor_type_overrides_are_written_recorded_and_reproduced() {
             ("blk.3.ffn_down.weight", GgmlType::Q5_0),
             ("blk.0.attn_qkv.weight", GgmlType::Q6_K),
             ("blk.1.ffn_up.weight", GgmlType::Q4_K),
+            ("token_embd.weight", GgmlType::Q8_0),
         ],
     );
     // The overrides are in the file's recipe, which reproduces it.
