@@ -34,7 +34,6 @@ pub struct Output {
     qkv_layout: QkvLayout,
     /// The projections each layer quantizes, and what decides their grids.
     projs: &'static [Proj],
-    gguf: Option<FileType>,
     /// What decides each tensor's grid (and a GGUF tensor's type).
     recipe: super::Recipe,
     /// The model's shapes (a GGUF tensor's type depends on its row length).
@@ -277,7 +276,6 @@ impl Output {
             } else {
                 opts.recipe.qkv_layout
             },
-            gguf: opts.recipe.gguf,
             recipe: opts.recipe.clone(),
             config: ck.config.clone(),
             tied: ck.layout.tied,
@@ -470,7 +468,7 @@ impl Output {
             for (name, projs) in stored_linears(li, self.qkv_layout, self.projs) {
                 let n = projs.iter().map(|p| p.shape(cfg)[0]).sum();
                 let k = projs[0].shape(cfg)[1];
-                let t = match self.gguf {
+                let t = match self.recipe.gguf {
                     Some(_) => spark::linear_name(li, &projs),
                     None => format!("{name}.weight"),
                 };
@@ -483,7 +481,7 @@ impl Output {
             }
         }
         if head.is_some() {
-            let t: String = match self.gguf {
+            let t: String = match self.recipe.gguf {
                 Some(_) => gguf_head_name(self.tied).into(),
                 None => "lm_head.weight".into(),
             };
@@ -935,7 +933,7 @@ impl Output {
         report: &QuantReport,
         page: Option<super::PageWriter>,
     ) -> Result<(), QuantizeError> {
-        if self.gguf.is_some() {
+        if self.recipe.gguf.is_some() {
             // The report's essentials are in the file's metadata; the whole report is printed.
             return Ok(self.staging.commit_file(&self.staged_gguf())?);
         }

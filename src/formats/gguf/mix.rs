@@ -68,15 +68,9 @@ impl FileType {
         }
     }
 
-    /// The type of `tensor`, whose rows are `row` long, in a model of `layers` layers (llama.cpp
-    /// `llama_tensor_get_type_impl` without an imatrix, for these three file types). A row that
-    /// is not whole 256-element K-quant blocks falls back as llama.cpp does: Q4_K → Q5_0, Q6_K →
-    /// Q8_0. Callers still check the result's block with [`GgmlType::row_bytes`].
-    pub fn type_of(self, tensor: Tensor, layers: usize, row: usize) -> GgmlType {
-        self.rule(tensor, layers).fitting(row)
-    }
-
-    /// The type the file type's rule gives `tensor` when its rows fit every block.
+    /// The type of `tensor` in a model of `layers` layers (llama.cpp `llama_tensor_get_type_impl`
+    /// without an imatrix, for these three file types) when its rows fit every block; see
+    /// [`GgmlType::fitting`] for rows that do not.
     pub fn rule(self, tensor: Tensor, layers: usize) -> GgmlType {
         // llama.cpp's use_more_bits: the first and last eighth, and every third layer between.
         let more_bits = |i: usize| {
@@ -137,7 +131,10 @@ mod tests {
         // 36 layers (the 4B): n/8 = 4, 7n/8 = 31; between, (i − 4) % 3 == 2 → 6, 9, …, 30.
         let six: Vec<usize> = (0..36)
             .filter(|&i| {
-                FileType::Q4KM.type_of(Tensor::FfnDown { layer: i }, 36, 256) == GgmlType::Q6_K
+                FileType::Q4KM
+                    .rule(Tensor::FfnDown { layer: i }, 36)
+                    .fitting(256)
+                    == GgmlType::Q6_K
             })
             .collect();
         let want: Vec<usize> = (0..4).chain((6..31).step_by(3)).chain(31..36).collect();
@@ -145,15 +142,21 @@ mod tests {
         // 8 layers (the fixture): 0, 3, 6, 7.
         let six: Vec<usize> = (0..8)
             .filter(|&i| {
-                FileType::Q4KM.type_of(Tensor::AttnQkv { layer: i }, 8, 256) == GgmlType::Q6_K
+                FileType::Q4KM
+                    .rule(Tensor::AttnQkv { layer: i }, 8)
+                    .fitting(256)
+                    == GgmlType::Q6_K
             })
             .collect();
         assert_eq!(six, [0, 3, 6, 7]);
         assert_eq!(
-            FileType::Q4KM.type_of(Tensor::Other, 8, 256),
+            FileType::Q4KM.rule(Tensor::Other, 8).fitting(256),
             GgmlType::Q4_K
         );
-        assert_eq!(FileType::Q4KM.type_of(Tensor::Head, 8, 256), GgmlType::Q6_K);
+        assert_eq!(
+            FileType::Q4KM.rule(Tensor::Head, 8).fitting(256),
+            GgmlType::Q6_K
+        );
     }
 
     #[test]
@@ -163,15 +166,15 @@ mod tests {
             Tensor::FfnDown { layer: 0 },
             Tensor::Other,
         ] {
-            assert_eq!(FileType::Q4_0.type_of(t, 28, 256), GgmlType::Q4_0);
-            assert_eq!(FileType::Q8_0.type_of(t, 28, 256), GgmlType::Q8_0);
+            assert_eq!(FileType::Q4_0.rule(t, 28).fitting(256), GgmlType::Q4_0);
+            assert_eq!(FileType::Q8_0.rule(t, 28).fitting(256), GgmlType::Q8_0);
         }
         assert_eq!(
-            FileType::Q4_0.type_of(Tensor::Head, 28, 256),
+            FileType::Q4_0.rule(Tensor::Head, 28).fitting(256),
             GgmlType::Q6_K
         );
         assert_eq!(
-            FileType::Q8_0.type_of(Tensor::Head, 28, 256),
+            FileType::Q8_0.rule(Tensor::Head, 28).fitting(256),
             GgmlType::Q8_0
         );
     }
@@ -180,18 +183,25 @@ mod tests {
     fn rows_that_are_not_whole_k_blocks_fall_back_as_llama_cpp_does() {
         // 704 = 2.75 × 256: Q4_K → Q5_0, Q6_K → Q8_0; 32-element types are kept.
         assert_eq!(
-            FileType::Q4KM.type_of(Tensor::Other, 8, 704),
+            FileType::Q4KM.rule(Tensor::Other, 8).fitting(704),
             GgmlType::Q5_0
         );
-        let down = |layer| FileType::Q4KM.type_of(Tensor::FfnDown { layer }, 8, 704);
+        let down = |layer| {
+            FileType::Q4KM
+                .rule(Tensor::FfnDown { layer }, 8)
+                .fitting(704)
+        };
         assert_eq!((down(0), down(1)), (GgmlType::Q8_0, GgmlType::Q5_0));
-        assert_eq!(FileType::Q4_0.type_of(Tensor::Head, 8, 128), GgmlType::Q8_0);
         assert_eq!(
-            FileType::Q4_0.type_of(Tensor::Other, 8, 704),
+            FileType::Q4_0.rule(Tensor::Head, 8).fitting(128),
+            GgmlType::Q8_0
+        );
+        assert_eq!(
+            FileType::Q4_0.rule(Tensor::Other, 8).fitting(704),
             GgmlType::Q4_0
         );
         assert_eq!(
-            FileType::Q4KM.type_of(Tensor::Other, 8, 512),
+            FileType::Q4KM.rule(Tensor::Other, 8).fitting(512),
             GgmlType::Q4_K
         );
     }
