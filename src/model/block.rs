@@ -1,7 +1,7 @@
 //! The blocks of a decoder layer, each owning its weights and its forward, named after the HF
-//! modules (`model.layers.{i}.self_attn.*`, `.mlp.*`; docs/MODEL.md §3–4). The quantizer drives
-//! the same blocks step by step (`layer.self_attn.attend`, then `out_proj`, …), so what it
-//! calibrates on is exactly what the forward computes.
+//! modules (`model.layers.{i}.self_attn.*`, `.mlp.*`; docs/MODEL.md §3–4). The quantizer runs
+//! the layer's calibration forward ([`DecoderLayer::forward_windows`]), which stops at a tap
+//! before each group of linears, so what it calibrates on is exactly what the forward computes.
 
 use half::bf16;
 use rayon::prelude::*;
@@ -519,6 +519,75 @@ impl DecoderLayer {
         tm.time(Stage::Norms, || residual_add(x, &d));
     }
 
+    /// The calibration forward: every window of `x` (`[samples·seq_len, hidden]`, each window
+    /// from position 0 with a cache of its own) through the layer, advanced in place. Before
+    /// each group of linears that read one input, `tap` sees that input and may replace those
+    /// linears ([`Self::set_linear`]); the rest of the forward runs on what it installed, so a
+    /// quantizer observes each input with every earlier linear already in its deployed form.
+    pub fn forward_windows<E>(
+        &mut self,
+        x: &mut [f32],
+        shape: &WindowShape,
+        ctx: &Ctx,
+        mut tap: impl FnMut(&mut DecoderLayer, Tap<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let rows = shape.rows();
+        let h = self.qkv_input(x, shape);
+        tap(self, Tap::new(Site::Qkv, &h, x))?;
+        let a = self.out_input(&h, shape, ctx);
+        drop(h);
+        tap(self, Tap::new(Site::Out, &a, x))?;
+        residual_add(x, &self.self_attn.out_proj.project(&a, rows));
+        drop(a);
+        let h2 = self.gate_up_input(x, shape);
+        tap(self, Tap::new(Site::GateUp, &h2, x))?;
+        let act = self.down_input(&h2, shape, ctx);
+        drop(h2);
+        tap(self, Tap::new(Site::Down, &act, x))?;
+        residual_add(x, &self.mlp.down_proj.project(&act, rows));
+        Ok(())
+    }
+
+    /// `input_layernorm(x)`: what q, k, v and g read.
+    pub fn qkv_input(&self, x: &[f32], shape: &WindowShape) -> Vec<f32> {
+        shape.linear_input(self.input_layernorm.forward(x))
+    }
+
+    /// The gated attention of the normed rows `h`, window by window: what `out_proj` reads.
+    pub fn out_input(&self, h: &[f32], shape: &WindowShape, ctx: &Ctx) -> Vec<f32> {
+        let (hidden, q_dim) = (ctx.cfg.hidden_size, ctx.cfg.q_dim());
+        let (rows, seq_len) = (shape.rows(), shape.seq_len);
+        let mut attn = vec![0f32; rows * q_dim];
+        for (a, h) in attn
+            .chunks_mut(seq_len * q_dim)
+            .zip(h.chunks(seq_len * hidden))
+        {
+            let precision = super::KvPrecision::for_activations(ctx.bf16);
+            let mut cache = LayerKvCache::new(ctx.cfg, self.kind, seq_len, precision);
+            a.copy_from_slice(&self.self_attn.attend(h, seq_len, 0, &mut cache, ctx));
+        }
+        shape.linear_input(attn)
+    }
+
+    /// `post_attention_layernorm(x)`: what gate and up read.
+    pub fn gate_up_input(&self, x: &[f32], shape: &WindowShape) -> Vec<f32> {
+        shape.linear_input(self.post_attention_layernorm.forward(x))
+    }
+
+    /// `gelu(gate(h2)) ⊙ up(h2)`, [`WindowShape::mlp_rows`] rows at a time: what `down_proj`
+    /// reads.
+    pub fn down_input(&self, h2: &[f32], shape: &WindowShape, ctx: &Ctx) -> Vec<f32> {
+        let (hidden, inter) = (ctx.cfg.hidden_size, ctx.cfg.intermediate_size);
+        let mut act = vec![0f32; h2.len() / hidden * inter];
+        for (a, h) in act
+            .chunks_mut(shape.mlp_rows * inter)
+            .zip(h2.chunks(shape.mlp_rows * hidden))
+        {
+            self.mlp.act_into(h, h.len() / hidden, ctx, a);
+        }
+        shape.linear_input(act)
+    }
+
     pub fn linear(&self, proj: Proj) -> &dyn Linear {
         let (a, f) = (&self.self_attn, &self.mlp);
         match proj {
@@ -552,5 +621,75 @@ impl DecoderLayer {
             "replacement linear must keep the shape"
         );
         *slot = linear;
+    }
+}
+
+/// The calibration windows a [`DecoderLayer::forward_windows`] runs over.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowShape {
+    pub samples: usize,
+    pub seq_len: usize,
+    /// Round every linear's input to bf16 values, as a bf16 checkpoint's linears see it.
+    pub bf16_inputs: bool,
+    /// Rows of the MLP activation computed at a time (its transient `[rows, intermediate]`).
+    pub mlp_rows: usize,
+}
+
+impl WindowShape {
+    pub fn rows(&self) -> usize {
+        self.samples * self.seq_len
+    }
+
+    fn linear_input(&self, mut v: Vec<f32>) -> Vec<f32> {
+        if self.bf16_inputs {
+            kernels::convert::round_bf16_in_place(&mut v);
+        }
+        v
+    }
+}
+
+/// Where [`DecoderLayer::forward_windows`] stops: before each group of linears that read one
+/// input, in the order the forward reaches them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Site {
+    /// q, k, v and g, on `input_layernorm(x)`.
+    Qkv,
+    /// `out_proj`, on the gated attention.
+    Out,
+    /// gate and up, on `post_attention_layernorm(x)`.
+    GateUp,
+    /// `down_proj`, on `gelu(gate) ⊙ up`.
+    Down,
+}
+
+impl Site {
+    /// The linears that read this site's input.
+    pub fn projs(self) -> &'static [Proj] {
+        match self {
+            Site::Qkv => &[Proj::Q, Proj::K, Proj::V, Proj::G],
+            Site::Out => &[Proj::Out],
+            Site::GateUp => &[Proj::Gate, Proj::Up],
+            Site::Down => &[Proj::Down],
+        }
+    }
+}
+
+/// What a tap of [`DecoderLayer::forward_windows`] sees.
+pub struct Tap<'a> {
+    pub site: Site,
+    /// The input the site's linears read, `[rows, K]`.
+    pub input: &'a [f32],
+    /// The residual stream at the site: what `input` was normed from (q/k/v, gate/up), or what
+    /// the site's output is about to be added to (`out_proj`, `down_proj`).
+    pub stream: &'a [f32],
+}
+
+impl<'a> Tap<'a> {
+    fn new(site: Site, input: &'a [f32], stream: &'a [f32]) -> Self {
+        Tap {
+            site,
+            input,
+            stream,
+        }
     }
 }

@@ -765,6 +765,59 @@ mod tests {
     }
 
     #[test]
+    fn the_calibration_forward_is_each_windows_forward_on_what_its_taps_installed() {
+        use block::{Site, WindowShape};
+        // Three windows of 7 tokens (past the sliding window of 4), the MLP 5 rows at a time.
+        let types = ["sliding_attention", "full_attention"];
+        let (mut m, mut reference) = (model(&types, 5), model(&types, 5));
+        let halved = |l: &dyn Linear| {
+            let w: Vec<f32> = l.dequantize().iter().map(|v| v * 0.5).collect();
+            Box::new(DenseLinear::new(
+                w.into(),
+                l.out_features(),
+                l.in_features(),
+            ))
+        };
+        let shape = WindowShape {
+            samples: 3,
+            seq_len: 7,
+            bf16_inputs: false,
+            mlp_rows: 5,
+        };
+        let tokens: Vec<u32> = (0..21).map(|i| (i * 11 % 40) as u32).collect();
+        let mut x = m.embed(&tokens).unwrap();
+        for (li, mut layer) in m.take_layers().into_iter().enumerate() {
+            let ctx = m.ctx_for(layer.kind);
+            let mut seen = Vec::new();
+            layer
+                .forward_windows(&mut x, &shape, &ctx, |layer, tap| {
+                    let k = tap.site.projs()[0].shape(&m.config)[1];
+                    assert_eq!(tap.input.len(), 21 * k, "{:?}", tap.site);
+                    assert_eq!(tap.stream.len(), 21 * 32);
+                    if li == 1 && tap.site == Site::Out {
+                        layer.set_linear(Proj::Out, halved(layer.linear(Proj::Out)));
+                    }
+                    seen.push(tap.site);
+                    Ok::<(), ()>(())
+                })
+                .unwrap();
+            assert_eq!(seen, [Site::Qkv, Site::Out, Site::GateUp, Site::Down]);
+        }
+        let out = &mut reference.layers[1].self_attn.out_proj;
+        *out = halved(out.as_ref());
+        let got = m.logits(&x);
+        for (w, window) in tokens.chunks(7).enumerate() {
+            let want = logits(&reference, window);
+            let d = max_diff(&got[w * 7 * 40..(w + 1) * 7 * 40], &want);
+            // Other row counts may take other matmul kernels: same math, other sum order.
+            assert!(d < 1e-4, "window {w}: {d}");
+        }
+        // The replacement took effect: the unmodified model gives other logits.
+        let plain = logits(&model(&types, 5), &tokens[..7]);
+        assert!(max_diff(&got[..7 * 40], &plain) > 1e-2);
+    }
+
+    #[test]
     fn a_step_of_several_sequences_is_each_sequence_stepped_alone() {
         // Three sequences at different positions (one past the sliding window of 4): one
         // batched step must give each the logits and the cache its own decode step gives.

@@ -7,7 +7,7 @@
 use indicatif::ProgressBar;
 
 use super::lab::Lab;
-use super::{calibration, forward_samples, install, output, LayerResult, Norms, QuantizeOptions};
+use super::{calibration, install, output, window_shape, LayerResult, Norms, QuantizeOptions};
 use crate::checkpoint::Proj;
 use crate::model::{DecoderLayer, SparkModel};
 
@@ -152,14 +152,12 @@ pub(super) fn tune_layer(
     layer.input_layernorm.set_weight(t.norms.0.clone());
     layer.post_attention_layernorm.set_weight(t.norms.1.clone());
     res.norms = Some(t.norms);
-    forward_samples(
-        layer,
-        x,
-        samples,
-        seq_len,
-        &ctx,
-        opts.recipe.forward_precision,
-    );
+    let shape = window_shape(opts, windows);
+    layer
+        .forward_windows(x, &shape, &ctx, |_, _| {
+            Ok::<(), std::convert::Infallible>(())
+        })
+        .unwrap_or_else(|never| match never {});
     Ok(t.report)
 }
 

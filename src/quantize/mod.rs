@@ -1,7 +1,8 @@
 //! `quantize`: a Spark2_5 checkpoint → a GPTQ v1 W4A8/W4A16 checkpoint.
 //!
 //! Layer-sequential with quantized-input propagation and the true-sequential
-//! order inside each layer, in one forward per layer:
+//! order inside each layer, in one forward per layer (the layer's own
+//! [`DecoderLayer::forward_windows`], solving at its taps):
 //! ```text
 //! x ─ norm ─ h ─[H_qkv]→ GPTQ q,k,v ─ gated attention ─ a ─[H_o]→ GPTQ out_proj ─ x += out(a)
 //!   ─ norm ─ h2 ─[H_gu]→ GPTQ gate,up ─ act ─[H_down]→ GPTQ down ─ x += down(act) → next layer
@@ -39,7 +40,7 @@ use crate::checkpoint::Checkpoint;
 use crate::checkpoint::SparkConfig;
 use crate::device::{WeightFormat, WeightPath};
 use crate::formats::gguf::mix::FileType;
-use crate::model::block::residual_add;
+use crate::model::block::{residual_add, Ctx, Site, Tap, WindowShape};
 use crate::model::{Bf16Data, DecoderLayer, DenseLinear, DenseWeight, Linear, Proj, SparkModel};
 use crate::quant::gptaq::{
     self, stream_target, CrossMoment, DampedFactor, FloatOutputTarget, OutputMoment,
@@ -783,52 +784,82 @@ enum Float<'a> {
     },
 }
 
-/// The gated attention output `[samples·seq_len, q_dim]` of the normed rows `h`, each sample from
-/// position 0 with its own cache.
-fn attend_samples(
-    layer: &DecoderLayer,
-    h: &[f32],
-    samples: usize,
-    seq_len: usize,
-    ctx: &crate::model::block::Ctx,
-) -> Vec<f32> {
-    let cfg = ctx.cfg;
-    let (hidden, q_dim) = (cfg.hidden_size, cfg.q_dim());
-    let mut attn = vec![0f32; samples * seq_len * q_dim];
-    for s in 0..samples {
-        let mut cache = crate::model::kv_cache::LayerKvCache::new(
-            cfg,
-            layer.kind,
-            seq_len,
-            crate::model::KvPrecision::for_activations(ctx.bf16),
-        );
-        let a = layer.self_attn.attend(
-            &h[s * seq_len * hidden..(s + 1) * seq_len * hidden],
-            seq_len,
-            0,
-            &mut cache,
-            ctx,
-        );
-        attn[s * seq_len * q_dim..(s + 1) * seq_len * q_dim].copy_from_slice(&a);
-    }
-    attn
+/// The float model's stream beside the quantized one (the float objectives). Each of its stages
+/// is computed at the tap before the linears it passes are solved, while they are still float.
+struct FloatTrack<'a> {
+    xf: &'a mut [f32],
+    /// float-stream: `out_proj` and `down_proj` are solved for the float stream after their add.
+    stream: bool,
+    /// The float input of the next site: the attention after q/k/v, the MLP activation after
+    /// gate/up.
+    next_input: Option<Vec<f32>>,
 }
 
-/// `gelu(gate(h2)) ⊙ up(h2)` for every row, [`plan::MLP_ROWS`] rows at a time.
-fn mlp_act_rows(layer: &DecoderLayer, h2: &[f32], ctx: &crate::model::block::Ctx) -> Vec<f32> {
-    let (hidden, inter) = (ctx.cfg.hidden_size, ctx.cfg.intermediate_size);
-    let mut act = vec![0f32; h2.len() / hidden * inter];
-    for (a, h) in act
-        .chunks_mut(plan::MLP_ROWS * inter)
-        .zip(h2.chunks(plan::MLP_ROWS * hidden))
-    {
-        layer.mlp.act_into(h, h.len() / hidden, ctx, a);
+impl FloatTrack<'_> {
+    /// Solve the tap's linears for the float model's output, and advance the float stream.
+    fn step(
+        &mut self,
+        solve: &mut LayerSolve<'_>,
+        layer: &mut DecoderLayer,
+        projs: &[Proj],
+        tap: &Tap<'_>,
+        (shape, ctx): (&WindowShape, &Ctx<'_>),
+    ) -> Result<(), QuantizeError> {
+        let xf = &mut *self.xf;
+        match tap.site {
+            Site::Qkv | Site::GateUp => {
+                let h_f = solve.phases.time(Phase::Forward, || {
+                    let (h_f, next) = if tap.site == Site::Qkv {
+                        let h_f = layer.qkv_input(xf, shape);
+                        let a_f = layer.out_input(&h_f, shape, ctx);
+                        (h_f, a_f)
+                    } else {
+                        let h_f = layer.gate_up_input(xf, shape);
+                        let a_f = layer.down_input(&h_f, shape, ctx);
+                        (h_f, a_f)
+                    };
+                    self.next_input = Some(next);
+                    h_f
+                });
+                solve.step(layer, projs, tap.input, Some(Float::Inputs(&h_f)))
+            }
+            Site::Out | Site::Down => {
+                let a_f = self
+                    .next_input
+                    .take()
+                    .expect("the site before gave a float input");
+                let mut y = solve.phases.time(Phase::Forward, || {
+                    layer.linear(projs[0]).project(&a_f, shape.rows())
+                });
+                if self.stream {
+                    // The target is the float stream after the add, which the step advances;
+                    // the float input is not needed.
+                    drop(a_f);
+                    let float = Float::Stream {
+                        y: &mut y,
+                        xf,
+                        x: tap.stream,
+                    };
+                    return solve.step(layer, projs, tap.input, Some(float));
+                }
+                if tap.site == Site::Out {
+                    solve.step(layer, projs, tap.input, Some(Float::Inputs(&a_f)))?;
+                } else {
+                    // down_proj has fewer outputs than inputs: its target comes from the float
+                    // output.
+                    drop(a_f);
+                    solve.step(layer, projs, tap.input, Some(Float::Outputs(&y)))?;
+                }
+                solve.phases.time(Phase::Forward, || residual_add(xf, &y));
+                Ok(())
+            }
+        }
     }
-    act
 }
 
-/// Run one layer on every calibration sample, quantizing its linears in true-sequential order.
-/// `x` holds the residual stream of all samples (`[samples·seq_len, hidden]`) and is advanced in place.
+/// Run one layer's calibration forward, quantizing its linears in true-sequential order at the
+/// forward's taps: for each group of linears, observe the input, solve, install, advance.
+/// `progress.x` (`[samples·seq_len, hidden]`) is advanced in place, and `progress.xf` beside it.
 fn quantize_layer(
     run: &Run<'_>,
     model: &SparkModel,
@@ -837,128 +868,62 @@ fn quantize_layer(
     progress: &mut Progress,
     phases: &mut Phases,
 ) -> Result<(LayerResult, Vec<LinearReport>), QuantizeError> {
-    let (opts, windows, bar) = (run.opts, &run.windows, &run.bar);
-    let (x, mut xf) = (&mut progress.x[..], progress.xf.as_deref_mut());
-    let cfg = model.config();
+    let (opts, bar) = (run.opts, &run.bar);
     let ctx = model.ctx_for(layer.kind);
-    let (samples, seq_len) = (windows.samples, windows.seq_len);
-    let rows = samples * seq_len;
+    let shape = window_shape(opts, &run.windows);
     let mut solve = LayerSolve {
-        cfg,
+        cfg: model.config(),
         li,
-        rows,
-        seq_len,
+        rows: shape.rows(),
+        seq_len: shape.seq_len,
         opts,
         result: LayerResult::default(),
         reports: Vec::new(),
         phases,
     };
-
-    // x ─ norm → h ─ q, k, v; with the float objectives the float model's stream `xf` goes
-    // through the same stages, each computed while the linears it needs are still float.
-    bar.set_message(format!("layer {li}: q/k/v"));
-    check_finite(x, li, "input_layernorm")?;
-    let fp = opts.recipe.forward_precision;
-    let h = solve.phases.time(Phase::Forward, || {
-        linear_input(layer.input_layernorm.forward(x), fp)
+    let stream = opts.recipe.effective_objective() == Objective::FloatStream;
+    let mut float = progress.xf.as_deref_mut().map(|xf| FloatTrack {
+        xf,
+        stream,
+        next_input: None,
     });
-    let (h_f, mut attn_f) = match xf.as_deref() {
-        Some(xf) => solve.phases.time(Phase::Forward, || {
-            let h_f = linear_input(layer.input_layernorm.forward(xf), fp);
-            let attn_f = linear_input(attend_samples(layer, &h_f, samples, seq_len, &ctx), fp);
-            (Some(h_f), Some(attn_f))
-        }),
-        None => (None, None),
-    };
-    // GGUF also quantizes the head gate g_proj, which reads the same input.
-    let qkv: &[Proj] = if opts.recipe.gguf.is_some() {
-        &[Proj::Q, Proj::K, Proj::V, Proj::G]
-    } else {
-        &[Proj::Q, Proj::K, Proj::V]
-    };
-    solve.step(layer, qkv, &h, h_f.as_deref().map(Float::Inputs))?;
-    drop(h_f);
-
-    // gated attention over each sample → a ─ out_proj, x += out(a)
-    bar.set_message(format!("layer {li}: out_proj"));
-    let attn = solve.phases.time(Phase::Forward, || {
-        linear_input(attend_samples(layer, &h, samples, seq_len, &ctx), fp)
-    });
-    drop(h);
-    check_finite(&attn, li, "out_proj")?;
-    let mut out_f = attn_f.as_ref().map(|a| {
-        solve
-            .phases
-            .time(Phase::Forward, || layer.self_attn.out_proj.project(a, rows))
-    });
-    // float-stream: out_proj's target is the float stream after the add (the step advances the
-    // float stream); its float input is not needed any more.
-    let stream = opts.recipe.effective_objective() == Objective::FloatStream && xf.is_some();
-    if stream {
-        attn_f = None;
-    }
-    let float = match (&attn_f, out_f.as_deref_mut(), xf.as_deref_mut()) {
-        (Some(a), _, _) => Some(Float::Inputs(a)),
-        (None, Some(y), Some(xf)) => Some(Float::Stream { y, xf, x: &*x }),
-        _ => None,
-    };
-    solve.step(layer, &[Proj::Out], &attn, float)?;
-    drop(attn_f);
-    solve.phases.time(Phase::Forward, || {
-        residual_add(x, &layer.self_attn.out_proj.project(&attn, rows));
-        if let (false, Some(xf), Some(o)) = (stream, xf.as_deref_mut(), &out_f) {
-            residual_add(xf, o);
+    // The forward's own stages count as Forward; each tap accounts for its own time.
+    let mut clock = Clock::start();
+    layer.forward_windows(&mut progress.x, &shape, &ctx, |layer, tap| {
+        solve.phases.add(Phase::Forward, clock.lap());
+        let (what, entering) = match tap.site {
+            Site::Qkv => ("input_layernorm", tap.stream),
+            Site::Out => ("out_proj", tap.input),
+            Site::GateUp => ("gate_proj/up_proj", tap.input),
+            Site::Down => ("down_proj", tap.input),
+        };
+        bar.set_message(format!("layer {li}: {what}"));
+        check_finite(entering, li, what)?;
+        // GGUF also quantizes the head gate g_proj; GPTQ checkpoints keep it as it is.
+        let all = tap.site.projs();
+        let projs = match (tap.site, opts.recipe.gguf) {
+            (Site::Qkv, None) => &all[..3],
+            _ => all,
+        };
+        match float.as_mut() {
+            Some(f) => f.step(&mut solve, layer, projs, &tap, (&shape, &ctx))?,
+            None => solve.step(layer, projs, tap.input, None)?,
         }
-    });
-    drop((attn, out_f));
-
-    // x ─ norm → h2 ─ gate, up
-    bar.set_message(format!("layer {li}: gate/up"));
-    let h2 = solve.phases.time(Phase::Forward, || {
-        linear_input(layer.post_attention_layernorm.forward(x), fp)
-    });
-    check_finite(&h2, li, "gate_proj/up_proj")?;
-    let (h2_f, act_f) = match xf.as_deref() {
-        Some(xf) => solve.phases.time(Phase::Forward, || {
-            let h2_f = linear_input(layer.post_attention_layernorm.forward(xf), fp);
-            let act_f = linear_input(mlp_act_rows(layer, &h2_f, &ctx), fp);
-            (Some(h2_f), Some(act_f))
-        }),
-        None => (None, None),
-    };
-    let gate_up = [Proj::Gate, Proj::Up];
-    solve.step(layer, &gate_up, &h2, h2_f.as_deref().map(Float::Inputs))?;
-    drop(h2_f);
-
-    // gelu(gate) ⊙ up → act ─ down, x += down(act)
-    bar.set_message(format!("layer {li}: down_proj"));
-    let act = solve.phases.time(Phase::Forward, || {
-        linear_input(mlp_act_rows(layer, &h2, &ctx), fp)
-    });
-    drop(h2);
-    check_finite(&act, li, "down_proj")?;
-    let mut down_f = act_f.as_ref().map(|a| {
-        solve
-            .phases
-            .time(Phase::Forward, || layer.mlp.down_proj.project(a, rows))
-    });
-    // down_proj has fewer outputs than inputs: its target comes from the float output it just
-    // gave (with float-stream, what puts the quantized stream on the float one), and the float
-    // input is not needed any more.
-    drop(act_f);
-    let float = match (stream, down_f.as_deref_mut(), xf.as_deref_mut()) {
-        (true, Some(y), Some(xf)) => Some(Float::Stream { y, xf, x: &*x }),
-        (false, Some(y), _) => Some(Float::Outputs(&*y)),
-        _ => None,
-    };
-    solve.step(layer, &[Proj::Down], &act, float)?;
-    solve.phases.time(Phase::Forward, || {
-        residual_add(x, &layer.mlp.down_proj.project(&act, rows));
-        if let (false, Some(xf), Some(d)) = (stream, xf, &down_f) {
-            residual_add(xf, d);
-        }
-    });
+        clock.lap();
+        Ok::<(), QuantizeError>(())
+    })?;
+    solve.phases.add(Phase::Forward, clock.lap());
     Ok((solve.result, solve.reports))
+}
+
+/// The calibration windows as the layer forward runs them.
+fn window_shape(opts: &QuantizeOptions, windows: &calibration::Windows) -> WindowShape {
+    WindowShape {
+        samples: windows.samples,
+        seq_len: windows.seq_len,
+        bf16_inputs: opts.recipe.forward_precision == ForwardPrecision::Bf16,
+        mlp_rows: plan::MLP_ROWS,
+    }
 }
 
 /// ‖a − b‖² / ‖b‖², summed in f64.
@@ -972,29 +937,6 @@ pub(crate) fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
         })
         .reduce(|| (0.0, 0.0), |x, y| (x.0 + y.0, x.1 + y.1));
     d / n.max(f64::MIN_POSITIVE)
-}
-
-/// Advance the stream `x` of every calibration sample through `layer`, as the calibration
-/// forward computes it.
-#[cfg(feature = "lab")]
-fn forward_samples(
-    layer: &DecoderLayer,
-    x: &mut [f32],
-    samples: usize,
-    seq_len: usize,
-    ctx: &crate::model::block::Ctx,
-    fp: ForwardPrecision,
-) {
-    let rows = samples * seq_len;
-    let h = linear_input(layer.input_layernorm.forward(x), fp);
-    let attn = linear_input(attend_samples(layer, &h, samples, seq_len, ctx), fp);
-    drop(h);
-    residual_add(x, &layer.self_attn.out_proj.project(&attn, rows));
-    drop(attn);
-    let h2 = linear_input(layer.post_attention_layernorm.forward(x), fp);
-    let act = linear_input(mlp_act_rows(layer, &h2, ctx), fp);
-    drop(h2);
-    residual_add(x, &layer.mlp.down_proj.project(&act, rows));
 }
 
 /// Quantize the (untied) head on the final-normed residual stream, [`plan::HEAD_ROWS`] output
