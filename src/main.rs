@@ -14,6 +14,8 @@ struct Cli {
     /// Worker threads for matmuls and attention (default: all cores).
     #[arg(long, global = true, value_parser = cli::at_least_1)]
     threads: Option<usize>,
+    #[command(flatten)]
+    out: cli::Verbosity,
     #[command(subcommand)]
     command: Command,
 }
@@ -153,6 +155,11 @@ fn quiet_on_closed_output() {
 fn main() {
     quiet_on_closed_output();
     let cli = parse();
+    if cli.out.quiet && cli.out.verbose {
+        // clap checks conflicts within one level only; these two may sit on either side of the command.
+        eprintln!("error: --quiet and --verbose ask for less and more output: pass one of them");
+        std::process::exit(2);
+    }
     spark_tool::setting::spell_with(cli::flag);
     if let Some(n) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
@@ -166,12 +173,12 @@ fn main() {
     interrupt_cleanly();
     let result = match cli.command {
         Command::Inspect(a) => cli::inspect::run(a).map(|_| 0),
-        Command::Run(a) => cli::run::run(a).map(|_| 0),
-        Command::Parity(a) => cli::parity::run(a),
+        Command::Run(a) => cli::run::run(a, cli.out).map(|_| 0),
+        Command::Parity(a) => cli::parity::run(a, cli.out),
         Command::Bench(a) => cli::bench::run(a).map(|_| 0),
         Command::Probe(a) => cli::quantize::probe(a).map(|_| 0),
-        Command::Quantize(a) => cli::quantize::run(a).map(|_| 0),
-        Command::ExportPhone(a) => cli::export::run(a),
+        Command::Quantize(a) => cli::quantize::run(a, cli.out).map(|_| 0),
+        Command::ExportPhone(a) => cli::export::run(a, cli.out),
         Command::Completions { shell } => {
             clap_complete::generate(
                 shell,

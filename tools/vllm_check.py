@@ -151,22 +151,12 @@ def _engine_worker(conn, ckpt: str, opts: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm import _custom_ops as ops
     from vllm.inputs import TokensPrompt
-    from vllm.model_executor.models import utils as model_utils
 
     # The plugin (written for vLLM 0.28) passes skip_prefixes=, which 0.30+ no longer accepts.
     import vllm_spark2_5_plugin
-    import vllm_spark2_5_plugin.spark2_5 as plugin_model
+    from vllm_serve import patch_plugin
 
-    class AutoWeightsLoader(model_utils.AutoWeightsLoader):
-        def __init__(self, module, *, skip_prefixes=None, **kw):
-            if skip_prefixes:
-                kw["ignore_unexpected_prefixes"] = [*(kw.get("ignore_unexpected_prefixes") or []), *skip_prefixes]
-            super().__init__(module, **kw)
-
-    patches = []
-    if "skip_prefixes" not in model_utils.AutoWeightsLoader.__init__.__code__.co_varnames:
-        plugin_model.AutoWeightsLoader = AutoWeightsLoader
-        patches.append("vllm_spark2_5_plugin.spark2_5.AutoWeightsLoader: skip_prefixes -> ignore_unexpected_prefixes")
+    patches = patch_plugin()
 
     from vllm.model_executor.kernels.linear.mixed_precision import cpu as cpu_kernel
 

@@ -80,15 +80,12 @@ pub struct ExportArgs {
     /// Run even when the memory plan (printed at the start) exceeds the available memory.
     #[arg(long)]
     force_memory: bool,
-    /// No progress bars and no summary.
-    #[arg(short, long)]
-    quiet: bool,
     /// Print the export report as JSON.
     #[arg(long)]
     json: bool,
 }
 
-pub fn run(mut a: ExportArgs) -> anyhow::Result<i32> {
+pub fn run(mut a: ExportArgs, out: super::Verbosity) -> anyhow::Result<i32> {
     a.model = super::model(&a.model)?;
     if a.kv_dtype.is_some() && matches!(a.precision, PrecisionArg::F32 | PrecisionArg::F16) {
         anyhow::bail!(
@@ -119,7 +116,7 @@ pub fn run(mut a: ExportArgs) -> anyhow::Result<i32> {
         },
         force: a.force,
         force_memory: a.force_memory,
-        progress: !a.quiet && !a.json,
+        progress: !out.quiet && !a.json,
         threads: rayon::current_num_threads(),
     };
     let r = export_phone(&a.model, &a.out, &opts).map_err(|e| {
@@ -131,7 +128,7 @@ pub fn run(mut a: ExportArgs) -> anyhow::Result<i32> {
     })?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
-    } else if !a.quiet {
+    } else if !out.quiet {
         for p in &r.parts {
             println!(
                 "{:<16} layers {:>2}..{:<2} head {:<5} {:>6} nodes  {:>9} B proto  {:>13} B weights",

@@ -7,6 +7,18 @@ pub mod run;
 
 use std::path::Path;
 
+/// How much a command prints, for every command (`-q`, `-v` before or after its name).
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct Verbosity {
+    /// Less output: no progress bars; run prints no streamed text, parity only its verdict,
+    /// export-phone no summary.
+    #[arg(short, long, global = true)]
+    pub quiet: bool,
+    /// More output: quantize's error of every linear, run's per-phase timers.
+    #[arg(short, long, global = true)]
+    pub verbose: bool,
+}
+
 use spark_tool::load::{self, Opened};
 use spark_tool::setting::Setting;
 

@@ -150,7 +150,7 @@ impl ParityArgs {
     }
 }
 
-pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
+pub fn run(mut a: ParityArgs, out: super::Verbosity) -> anyhow::Result<i32> {
     let (reference_name, candidate_name) = (
         a.reference.display().to_string(),
         a.candidate.display().to_string(),
@@ -221,9 +221,17 @@ pub fn run(mut a: ParityArgs) -> anyhow::Result<i32> {
         policy_source,
         tokenizer_difference: tokenizer_difference(&reference, &candidate, &a.candidate)?,
     };
-    print_prompt_header();
-    let report = parity::run(inputs, print_prompt_row)?;
-    print_summary(&report);
+    if !out.quiet {
+        print_prompt_header();
+    }
+    let report = parity::run(inputs, |p| {
+        if !out.quiet {
+            print_prompt_row(p)
+        }
+    })?;
+    if !out.quiet {
+        print_summary(&report);
+    }
     a.write_reports(&report, baseline.as_ref())?;
     Ok(print_verdict(&report))
 }

@@ -177,12 +177,6 @@ pub struct QuantizeArgs {
     /// Print the report as JSON on stdout.
     #[arg(long)]
     json: bool,
-    /// No progress bars.
-    #[arg(short, long)]
-    quiet: bool,
-    /// Also print every linear's output error (quant_report.json and .html always hold them).
-    #[arg(short, long)]
-    verbose: bool,
     /// Also print where the time went: wall and CPU time per phase (also in quant_report.json).
     #[arg(long)]
     stats: bool,
@@ -357,14 +351,14 @@ fn check_out_name(out: &std::path::Path, gguf: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
+pub fn run(a: QuantizeArgs, out: super::Verbosity) -> anyhow::Result<()> {
     let model_dir = super::model(&a.model)?;
     let (recipe, path) = build_recipe(&a)?;
     let mut opts = QuantizeOptions::new(&model_dir, &a.out, recipe, path);
     opts.resume = a.resume;
     opts.force = a.force;
     opts.force_memory = a.force_memory;
-    opts.progress = !a.quiet && !a.json;
+    opts.progress = !out.quiet && !a.json;
     opts.compare = !a.no_compare;
     opts.dump_dequantized = a.dump_dequantized.clone();
     opts.keep_on_interrupt = true;
@@ -374,7 +368,7 @@ pub fn run(a: QuantizeArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    print_summary(&report, a.verbose)?;
+    print_summary(&report, out.verbose)?;
     if a.stats {
         print_phases(&report)?;
     }

@@ -158,17 +158,14 @@ pub struct RunArgs {
     /// Write prompt_logits, decode_logits (f32) and tokens (i64) to this .safetensors file.
     #[arg(long)]
     logits_out: Option<PathBuf>,
-    /// Print per-phase timers to stderr.
-    #[arg(short = 'v', long)]
+    /// Print per-phase timers to stderr (as `-v`).
+    #[arg(long)]
     stats: bool,
-    /// No progress bar and no streamed text.
-    #[arg(short, long)]
-    quiet: bool,
     #[command(flatten)]
     exec: ExecArgs,
 }
 
-pub fn run(a: RunArgs) -> anyhow::Result<()> {
+pub fn run(a: RunArgs, say: super::Verbosity) -> anyhow::Result<()> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         bail!("--temperature must be >= 0, got {}", a.temperature);
     }
@@ -180,7 +177,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         spark_tool::generate::check_logits_path(path, &[&dir])?;
     }
     let t_load = Instant::now();
-    let loaded = super::load(&dir, &a.exec, !a.quiet)?;
+    let loaded = super::load(&dir, &a.exec, !say.quiet)?;
     for w in &loaded.warnings {
         eprintln!("warning: {w}");
     }
@@ -220,7 +217,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let mut first_token = None;
     let out = generate(model.as_ref(), &prompt, &opts, |id| {
         first_token.get_or_insert_with(Instant::now);
-        if a.quiet {
+        if say.quiet {
             return;
         }
         let piece = match &tokenizer {
@@ -237,14 +234,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if let Some(e) = stream_err {
         return Err(e.into());
     }
-    if !a.quiet {
+    if !say.quiet {
         let _ = writeln!(stdout);
     }
 
     if let Some(path) = &a.logits_out {
         spark_tool::generate::write_logits(path, &out, cfg.vocab_size)?;
     }
-    if a.stats {
+    if a.stats || say.verbose {
         // What a user waits for: open + repack + tokenize + prefill + sample.
         let first_token_ms = first_token.map(|t| (t - t_load).as_secs_f64() * 1e3);
         print_stats(&out, load_ms, first_token_ms);

@@ -907,3 +907,44 @@ fn parity_json_dash_prints_the_report_on_stdout_and_the_text_on_stderr() {
     assert_eq!(v["overall"]["top1"].as_f64(), Some(1.0));
     assert!(se.contains("overall:") && se.contains("PASS"), "{se}");
 }
+
+/// `-q` and `-v` mean the same on every command, before or after its name: parity `-q` prints its
+/// verdict alone, run `-v` adds the per-phase timers, quantize `-v` every linear's error.
+#[test]
+fn quiet_and_verbose_are_global() {
+    let fx = common::fixture("spark-tiny");
+    let parity = |q: &[&str]| {
+        let out = common::tool()
+            .args(q)
+            .arg("parity")
+            .arg(&fx)
+            .arg(&fx)
+            .args(["--max-new-tokens", "2", "--eval-tokens", "0"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let (full, quiet) = (parity(&[]), parity(&["-q"]));
+    assert!(full.contains("overall:"), "{full}");
+    assert_eq!(quiet.trim().lines().count(), 1, "{quiet}");
+    assert!(quiet.starts_with("PASS"), "{quiet}");
+    let run = |args: &[&str]| {
+        ok(common::tool()
+            .arg("run")
+            .arg(&fx)
+            .args(["--tokens", "1,2,3", "--max-new-tokens", "2"])
+            .args(args))
+    };
+    let (so, se) = run(&["-q"]);
+    assert!(so.is_empty() && !se.contains("first token"), "{so}{se}");
+    let (_, se) = run(&["-v"]);
+    assert!(se.contains("first token"), "{se}");
+    let err = common::tool()
+        .args(["-q", "run", "-v"])
+        .arg(&fx)
+        .args(["--tokens", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(err.status.code(), Some(2), "-q with -v is refused");
+}
