@@ -41,8 +41,9 @@ impl WeightClass {
     fn of_ggml(t: crate::formats::gguf::GgmlType) -> Self {
         use crate::formats::gguf::GgmlType as G;
         match t {
-            // Q5_0 appears only as Q4_K's fallback: gated with the 4-bit types it stands in for.
-            G::Q4_0 | G::Q4_1 | G::Q4_K | G::Q5_0 => WeightClass::Int4,
+            // The 5-bit types have no class of their own: gated with the 4-bit ones, whose
+            // limits a 5-bit file meets with room to spare (a broken one still fails them).
+            G::Q4_0 | G::Q4_1 | G::Q4_K | G::Q5_0 | G::Q5_K => WeightClass::Int4,
             G::Q8_0 | G::Q6_K => WeightClass::Int8,
             G::F32 | G::F16 | G::BF16 => WeightClass::Float,
         }

@@ -20,6 +20,8 @@ pub enum FormatArg {
     GgufQ4_0,
     #[value(name = "gguf-q4_k_m", alias = "q4_k_m")]
     GgufQ4KM,
+    #[value(name = "gguf-q5_k_m", alias = "q5_k_m")]
+    GgufQ5KM,
     #[value(name = "gguf-q8_0", alias = "q8_0")]
     GgufQ8_0,
 }
@@ -125,7 +127,7 @@ pub struct QuantizeArgs {
     #[arg(long)]
     out: PathBuf,
     /// auto: the probe's pick for --target (W4A8 on AMX, else W4A16; `spark-tool probe`). gguf-*:
-    /// one llama.cpp GGUF file, --out FILE.gguf (Q4_0 and Q8_0 blocks, or llama.cpp's Q4_K_M mix;
+    /// one llama.cpp GGUF file, --out FILE.gguf (Q4_0 and Q8_0 blocks, or llama.cpp's Q4_K_M or Q5_K_M mix;
     /// llama.cpp's spellings such as Q4_K_M are accepted). Default: auto, or the recipe's.
     #[arg(long, value_enum, ignore_case = true)]
     format: Option<FormatArg>,
@@ -155,7 +157,7 @@ pub struct QuantizeArgs {
     #[arg(long)]
     quantize_head: bool,
     /// GGUF: give the tensors whose name matches REGEX this type, as llama-quantize's flag does
-    /// (e.g. ffn_down=q6_k; Q4_0, Q5_0, Q8_0, Q4_K, Q6_K; repeatable, the first match wins).
+    /// (e.g. ffn_down=q6_k; Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; repeatable, the first match wins).
     #[arg(long, value_name = "REGEX=TYPE")]
     tensor_type: Vec<String>,
     /// Start from this recipe: a .toml file, a checkpoint folder or GGUF file written by quantize
@@ -198,6 +200,7 @@ fn format_keys(f: FormatArg) -> Option<(WeightFormat, Option<FileType>)> {
         FormatArg::W4a16 => Some((WeightFormat::W4A16, None)),
         FormatArg::GgufQ4_0 => Some((WeightFormat::W4A16, Some(FileType::Q4_0))),
         FormatArg::GgufQ4KM => Some((WeightFormat::W4A16, Some(FileType::Q4KM))),
+        FormatArg::GgufQ5KM => Some((WeightFormat::W4A16, Some(FileType::Q5KM))),
         FormatArg::GgufQ8_0 => Some((WeightFormat::W4A16, Some(FileType::Q8_0))),
     }
 }
@@ -344,7 +347,7 @@ fn check_out_name(out: &std::path::Path, gguf: bool) -> anyhow::Result<()> {
     if !gguf && gguf_name(out) {
         bail!(
             "--out {} ends in .gguf, but this format writes a GPTQ checkpoint folder; for a GGUF \
-             file pass --format gguf-q4_k_m (or gguf-q4_0, gguf-q8_0)",
+             file pass --format gguf-q4_k_m (or gguf-q4_0, gguf-q5_k_m, gguf-q8_0)",
             out.display()
         );
     }

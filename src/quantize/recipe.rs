@@ -613,7 +613,7 @@ mod tests {
         };
         assert_eq!(r.gguf_type(down(2), &narrow), Some(GgmlType::Q5_0));
         for (bad, says) in [
-            ("ffn_down=q3_k", "Q4_0, Q5_0, Q8_0, Q4_K, Q6_K"),
+            ("ffn_down=q3_k", "Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K"),
             ("ffn_down", "REGEX=TYPE"),
             ("ffn_(down=q8_0", "regular expression"),
         ] {

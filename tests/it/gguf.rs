@@ -253,6 +253,24 @@ fn q4_k_m_has_llama_cpp_types_and_decodes_to_the_solved_weights() {
     );
 }
 
+/// Q5_K_M: Q4_K_M's rule on Q5_K, its blocks decoded bit for bit by our reader and gguf-py.
+#[test]
+fn q5_k_m_has_llama_cpp_types_and_decodes_to_the_solved_weights() {
+    round_trip(
+        FileType::Q5KM,
+        &[
+            ("token_embd.weight", GgmlType::Q6_K),
+            ("blk.0.attn_qkv.weight", GgmlType::Q6_K),
+            ("blk.1.attn_qkv.weight", GgmlType::Q5_K),
+            ("blk.3.ffn_down.weight", GgmlType::Q6_K),
+            ("blk.4.ffn_down.weight", GgmlType::Q5_K),
+            ("blk.2.attn_gate.weight", GgmlType::Q5_K),
+            ("blk.2.ffn_up.weight", GgmlType::Q5_K),
+            ("output_norm.weight", GgmlType::F32),
+        ],
+    );
+}
+
 #[test]
 fn q4_0_and_q8_0_decode_to_the_solved_weights() {
     round_trip(

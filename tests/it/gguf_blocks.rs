@@ -86,11 +86,15 @@ fn case(rng: &mut ChaCha8Rng, name: &str, ty: GgmlType, k: usize, n_rows: usize)
                 blocks::encode_q8_0(&q, &d, &mut out);
                 formula.extend((0..k).map(|e| q[e] as f32 * d[e / 32].to_f32()));
             }
-            GgmlType::Q4_K => {
-                let q = bytes_of(rng, k, 16);
+            GgmlType::Q4_K | GgmlType::Q5_K => {
+                let q = bytes_of(rng, k, if ty == GgmlType::Q4_K { 16 } else { 32 });
                 let (d, dmin) = (halves(rng, k / 256), halves(rng, k / 256));
                 let (sc, m) = (bytes_of(rng, k / 32, 64), bytes_of(rng, k / 32, 64));
-                blocks::encode_q4_k(&q, &d, &dmin, &sc, &m, &mut out);
+                if ty == GgmlType::Q4_K {
+                    blocks::encode_q4_k(&q, &d, &dmin, &sc, &m, &mut out);
+                } else {
+                    blocks::encode_q5_k(&q, &d, &dmin, &sc, &m, &mut out);
+                }
                 formula.extend((0..k).map(|e| {
                     let (s, j) = (e / 256, e / 32);
                     let d1 = d[s].to_f32() * sc[j] as f32;
@@ -144,6 +148,7 @@ fn cases() -> Vec<Case> {
         case(&mut rng, "blk.0.ffn_up.weight", GgmlType::Q4_0, 512, 3),
         case(&mut rng, "blk.0.ffn_gate.weight", GgmlType::Q4_1, 256, 2),
         case(&mut rng, "blk.0.attn_output.weight", GgmlType::Q5_0, 704, 3),
+        case(&mut rng, "blk.1.attn_qkv.weight", GgmlType::Q5_K, 768, 3),
         case(&mut rng, "token_embd.weight", GgmlType::Q8_0, 512, 5),
         case(&mut rng, "dense.f32", GgmlType::F32, 256, 2),
         case(&mut rng, "dense.f16", GgmlType::F16, 96, 3),

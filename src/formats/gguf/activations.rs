@@ -30,7 +30,7 @@ impl ActQuant {
             GgmlType::F16 => ActQuant::F16,
             GgmlType::BF16 => ActQuant::Bf16,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => ActQuant::Q8_0,
-            GgmlType::Q4_K | GgmlType::Q6_K => ActQuant::Q8K,
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => ActQuant::Q8K,
         }
     }
 

@@ -64,25 +64,60 @@ pub fn encode_q8_0(codes: &[i8], d: &[f16], out: &mut Vec<u8>) {
 /// scales `sc` and mins `m` (one each per 32), 128 bytes of nibbles; value d·sc·q − dmin·m.
 pub fn encode_q4_k(codes: &[u8], d: &[f16], dmin: &[f16], sc: &[u8], m: &[u8], out: &mut Vec<u8>) {
     for (b, q) in codes.chunks_exact(256).enumerate() {
-        push_f16(out, d[b]);
-        push_f16(out, dmin[b]);
-        let (sc, m) = (&sc[b * 8..b * 8 + 8], &m[b * 8..b * 8 + 8]);
-        // Bytes 0–3: sc 0–3 and the top bits of sc 4–7; 4–7: the same for the mins;
-        // 8–11: the low nibbles of sc 4–7 and of m 4–7.
-        for j in 0..4 {
-            out.push((sc[j] & 0x3F) | ((sc[j + 4] >> 4) << 6));
-        }
-        for j in 0..4 {
-            out.push((m[j] & 0x3F) | ((m[j + 4] >> 4) << 6));
-        }
-        for j in 0..4 {
-            out.push((sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4));
-        }
-        // Per 64 elements, 32 bytes: element l low, element l + 32 high.
-        for c in q.chunks_exact(64) {
-            for l in 0..32 {
-                out.push((c[l] & 0xF) | ((c[l + 32] & 0xF) << 4));
+        push_k_scales(
+            out,
+            (d[b], dmin[b]),
+            &sc[b * 8..b * 8 + 8],
+            &m[b * 8..b * 8 + 8],
+        );
+        push_k_nibbles(out, q);
+    }
+}
+
+/// Q5_K: Q4_K's layout with codes 0…31, their fifth bits in 32 bytes between the scales and
+/// the nibbles; value d·sc·q − dmin·m.
+pub fn encode_q5_k(codes: &[u8], d: &[f16], dmin: &[f16], sc: &[u8], m: &[u8], out: &mut Vec<u8>) {
+    for (b, q) in codes.chunks_exact(256).enumerate() {
+        push_k_scales(
+            out,
+            (d[b], dmin[b]),
+            &sc[b * 8..b * 8 + 8],
+            &m[b * 8..b * 8 + 8],
+        );
+        // Byte l, bits 2c and 2c + 1: the fifth bits of elements 64c + l and 64c + 32 + l.
+        let mut qh = [0u8; 32];
+        for (c, chunk) in q.chunks_exact(64).enumerate() {
+            for (l, h) in qh.iter_mut().enumerate() {
+                *h |= ((chunk[l] >> 4) & 1) << (2 * c) | ((chunk[l + 32] >> 4) & 1) << (2 * c + 1);
             }
+        }
+        out.extend_from_slice(&qh);
+        push_k_nibbles(out, q);
+    }
+}
+
+/// A K-quant block's fp16 `d` and `dmin` and its eight 6-bit scales and mins in 12 bytes.
+fn push_k_scales(out: &mut Vec<u8>, (d, dmin): (f16, f16), sc: &[u8], m: &[u8]) {
+    push_f16(out, d);
+    push_f16(out, dmin);
+    // Bytes 0–3: sc 0–3 and the top bits of sc 4–7; 4–7: the same for the mins;
+    // 8–11: the low nibbles of sc 4–7 and of m 4–7.
+    for j in 0..4 {
+        out.push((sc[j] & 0x3F) | ((sc[j + 4] >> 4) << 6));
+    }
+    for j in 0..4 {
+        out.push((m[j] & 0x3F) | ((m[j + 4] >> 4) << 6));
+    }
+    for j in 0..4 {
+        out.push((sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4));
+    }
+}
+
+/// 256 codes' low four bits: per 64 elements, 32 bytes of element l low, element l + 32 high.
+fn push_k_nibbles(out: &mut Vec<u8>, q: &[u8]) {
+    for c in q.chunks_exact(64) {
+        for l in 0..32 {
+            out.push((c[l] & 0xF) | ((c[l + 32] & 0xF) << 4));
         }
     }
 }
@@ -185,7 +220,7 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        GgmlType::Q4_K => {
+        GgmlType::Q4_K | GgmlType::Q5_K => {
             for (b, o) in blocks {
                 let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
                 let s = &b[4..16];
@@ -199,14 +234,20 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
                         )
                     }
                 };
-                let qs = &b[16..144];
+                // Q5_K: the fifth bits (bit j of byte l for element 32j + l) before the nibbles.
+                let (qh, qs) = if ty == GgmlType::Q5_K {
+                    (Some(&b[16..48]), &b[48..176])
+                } else {
+                    (None, &b[16..144])
+                };
                 for c in 0..4 {
                     for half in 0..2 {
                         let j = 2 * c + half;
                         let (sc, m) = scale_min(j);
                         let (d1, m1) = (d * sc as f32, dmin * m as f32);
                         for l in 0..32 {
-                            let q = (qs[c * 32 + l] >> (4 * half)) & 0xF;
+                            let hi = qh.map_or(0, |h| ((h[l] >> j) & 1) << 4);
+                            let q = ((qs[c * 32 + l] >> (4 * half)) & 0xF) | hi;
                             o[c * 64 + half * 32 + l] = d1 * q as f32 - m1;
                         }
                     }
@@ -309,6 +350,18 @@ mod tests {
             let (t, j) = (i / 256, i / 32);
             let want =
                 dk[t].to_f32() * sc[j] as f32 * codes[i] as f32 - dmin[t].to_f32() * mn[j] as f32;
+            assert_eq!(v[i], want, "element {i}");
+        }
+
+        let c5: Vec<u8> = (0..n).map(|_| rnd(32) as u8).collect();
+        let mut b = Vec::new();
+        encode_q5_k(&c5, &dk, &dmin, &sc, &mn, &mut b);
+        assert_eq!(b.len(), n / 256 * 176);
+        let v = decode(GgmlType::Q5_K, &b, n);
+        for i in 0..n {
+            let (t, j) = (i / 256, i / 32);
+            let want =
+                dk[t].to_f32() * sc[j] as f32 * c5[i] as f32 - dmin[t].to_f32() * mn[j] as f32;
             assert_eq!(v[i], want, "element {i}");
         }
 

@@ -14,6 +14,9 @@ pub enum FileType {
     /// gives more bits.
     #[serde(rename = "q4_k_m", alias = "q4_km")]
     Q4KM,
+    /// Q5_K, with Q6_K where Q4_K_M has it and for `attn_qkv` / `ffn_down` likewise.
+    #[serde(rename = "q5_k_m", alias = "q5_km")]
+    Q5KM,
     /// Q8_0 everywhere, the head included.
     Q8_0,
 }
@@ -48,6 +51,7 @@ impl FileType {
             FileType::Q4_0 => 2,
             FileType::Q8_0 => 7,
             FileType::Q4KM => 15,
+            FileType::Q5KM => 17,
         }
     }
 
@@ -56,6 +60,7 @@ impl FileType {
         match self {
             FileType::Q4_0 => "Q4_0",
             FileType::Q4KM => "Q4_K_M",
+            FileType::Q5KM => "Q5_K_M",
             FileType::Q8_0 => "Q8_0",
         }
     }
@@ -64,6 +69,7 @@ impl FileType {
         match self {
             FileType::Q4_0 => GgmlType::Q4_0,
             FileType::Q4KM => GgmlType::Q4_K,
+            FileType::Q5KM => GgmlType::Q5_K,
             FileType::Q8_0 => GgmlType::Q8_0,
         }
     }
@@ -80,11 +86,10 @@ impl FileType {
         match (self, tensor) {
             (FileType::Q8_0, _) => GgmlType::Q8_0,
             (_, Tensor::Head) => GgmlType::Q6_K,
-            (FileType::Q4KM, Tensor::AttnQkv { layer } | Tensor::FfnDown { layer })
-                if more_bits(layer) =>
-            {
-                GgmlType::Q6_K
-            }
+            (
+                FileType::Q4KM | FileType::Q5KM,
+                Tensor::AttnQkv { layer } | Tensor::FfnDown { layer },
+            ) if more_bits(layer) => GgmlType::Q6_K,
             _ => self.base(),
         }
     }
@@ -92,25 +97,28 @@ impl FileType {
 
 impl GgmlType {
     /// This type, or llama.cpp's fallback when rows of `row` elements are not whole 256-element
-    /// K-quant blocks (`convert_incompatible_tensor`): Q4_K → Q5_0, Q6_K → Q8_0. Callers still
+    /// K-quant blocks (`convert_incompatible_tensor`): Q4_K → Q5_0, Q6_K → Q8_0; Q5_K → Q5_0,
+    /// where llama.cpp takes Q5_1, whose free minimum our symmetric grid leaves unused (Q5_0
+    /// holds the same lattice in 2 bytes less per 32). Callers still
     /// check the result's block with [`GgmlType::row_bytes`].
     pub fn fitting(self, row: usize) -> GgmlType {
         if row.is_multiple_of(self.block_len()) {
             return self;
         }
         match self {
-            GgmlType::Q4_K => GgmlType::Q5_0,
+            GgmlType::Q4_K | GgmlType::Q5_K => GgmlType::Q5_0,
             GgmlType::Q6_K => GgmlType::Q8_0,
             other => other,
         }
     }
 
     /// The types a solved linear can be written as (`--tensor-type`), by llama.cpp's names.
-    pub const SOLVABLE: [GgmlType; 5] = [
+    pub const SOLVABLE: [GgmlType; 6] = [
         GgmlType::Q4_0,
         GgmlType::Q5_0,
         GgmlType::Q8_0,
         GgmlType::Q4_K,
+        GgmlType::Q5_K,
         GgmlType::Q6_K,
     ];
 

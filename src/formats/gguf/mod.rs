@@ -44,6 +44,7 @@ pub enum GgmlType {
     Q5_0,
     Q8_0,
     Q4_K,
+    Q5_K,
     Q6_K,
     BF16,
 }
@@ -58,6 +59,7 @@ impl GgmlType {
             GgmlType::Q5_0 => 6,
             GgmlType::Q8_0 => 8,
             GgmlType::Q4_K => 12,
+            GgmlType::Q5_K => 13,
             GgmlType::Q6_K => 14,
             GgmlType::BF16 => 30,
         }
@@ -72,6 +74,7 @@ impl GgmlType {
             GgmlType::Q5_0,
             GgmlType::Q8_0,
             GgmlType::Q4_K,
+            GgmlType::Q5_K,
             GgmlType::Q6_K,
             GgmlType::BF16,
         ]
@@ -84,7 +87,7 @@ impl GgmlType {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => 32,
-            GgmlType::Q4_K | GgmlType::Q6_K => 256,
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => 256,
         }
     }
 
@@ -98,6 +101,7 @@ impl GgmlType {
             GgmlType::Q5_0 => 22,
             GgmlType::Q8_0 => 34,
             GgmlType::Q4_K => 144,
+            GgmlType::Q5_K => 176,
             GgmlType::Q6_K => 210,
         }
     }
@@ -111,6 +115,7 @@ impl GgmlType {
             GgmlType::Q5_0 => "Q5_0",
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4_K => "Q4_K",
+            GgmlType::Q5_K => "Q5_K",
             GgmlType::Q6_K => "Q6_K",
             GgmlType::BF16 => "BF16",
         }

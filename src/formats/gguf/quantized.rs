@@ -15,6 +15,7 @@ pub fn grid_of(t: GgmlType) -> Option<(Grid, usize)> {
         GgmlType::Q5_0 => (Grid::fp16(5), 32),
         GgmlType::Q8_0 => (Grid::fp16(8), 32),
         GgmlType::Q4_K => (Grid::tiered(4, 63), 32),
+        GgmlType::Q5_K => (Grid::tiered(5, 63), 32),
         GgmlType::Q6_K => (Grid::tiered(6, 127), 16),
         _ => return None,
     })
@@ -87,11 +88,11 @@ pub fn encode_rows(
                 let c: Vec<i8> = codes.iter().map(|&c| (c as i32 - 128) as i8).collect();
                 blocks::encode_q8_0(&c, &d, out);
             }
-            GgmlType::Q4_K | GgmlType::Q6_K => {
-                let (per, max) = if ty == GgmlType::Q4_K {
-                    (256 / 32, 63)
-                } else {
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+                let (per, max) = if ty == GgmlType::Q6_K {
                     (256 / 16, 127)
+                } else {
+                    (256 / 32, 63)
                 };
                 let tiers = k / 256;
                 let mut d = Vec::with_capacity(tiers);
@@ -103,14 +104,20 @@ pub fn encode_rows(
                         ks.push(multiple(scale(g), dt, max, name)?);
                     }
                 }
-                if ty == GgmlType::Q4_K {
-                    // d·sc·q − (8d)·sc = d·sc·(q − 8): the zero point as a min, exactly.
+                if ty != GgmlType::Q6_K {
+                    // d·sc·q − (zd)·sc = d·sc·(q − z): the zero point z (8, or 16 for Q5_K)
+                    // as a min, exactly.
+                    let z = q.grid.zero() as f32;
                     let dmin = d
                         .iter()
-                        .map(|x| exact_f16(8.0 * x.to_f32(), name))
+                        .map(|x| exact_f16(z * x.to_f32(), name))
                         .collect::<Result<Vec<_>, _>>()?;
                     let sc: Vec<u8> = ks.iter().map(|&k| k as u8).collect();
-                    blocks::encode_q4_k(&codes, &d, &dmin, &sc, &sc, out);
+                    if ty == GgmlType::Q4_K {
+                        blocks::encode_q4_k(&codes, &d, &dmin, &sc, &sc, out);
+                    } else {
+                        blocks::encode_q5_k(&codes, &d, &dmin, &sc, &sc, out);
+                    }
                 } else {
                     let sc: Vec<i8> = ks.iter().map(|&k| k as i8).collect();
                     blocks::encode_q6_k(&codes, &d, &sc, out);
