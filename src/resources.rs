@@ -113,6 +113,31 @@ pub fn memory_budget() -> Option<u128> {
         .or_else(available_memory)
 }
 
+/// Free bytes for an unprivileged writer on the filesystem that holds `path` or, where it does
+/// not exist yet, its nearest existing ancestor: `SPARK_DISK_AVAILABLE` (bytes) when set, so tests
+/// can exercise refusals on any machine, else statvfs's `f_bavail · f_frsize`.
+pub fn disk_budget(path: &std::path::Path) -> Option<u128> {
+    if let Some(v) = std::env::var("SPARK_DISK_AVAILABLE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return Some(v);
+    }
+    let dir = path.ancestors().find(|p| p.exists())?;
+    let dir = if dir.as_os_str().is_empty() {
+        std::path::Path::new(".")
+    } else {
+        dir
+    };
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid out-pointer.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u128 * st.f_frsize as u128)
+}
+
 /// Refuse `need` bytes for `what` when they exceed [`memory_budget`].
 pub fn check_fits(what: &str, need: u128, setting: Setting) -> Result<(), ResourceError> {
     match memory_budget() {

@@ -22,6 +22,7 @@ pub mod output;
 pub mod phases;
 pub mod plan;
 pub mod recipe;
+mod streams;
 #[cfg(feature = "lab")]
 mod tune_loop;
 
@@ -882,14 +883,15 @@ fn quantize_layer(
         phases,
     };
     let stream = opts.recipe.effective_objective() == Objective::FloatStream;
-    let mut float = progress.xf.as_deref_mut().map(|xf| FloatTrack {
+    let (x, xf) = progress.streams.split_mut();
+    let mut float = xf.map(|xf| FloatTrack {
         xf,
         stream,
         next_input: None,
     });
     // The forward's own stages count as Forward; each tap accounts for its own time.
     let mut clock = Clock::start();
-    layer.forward_windows(&mut progress.x, &shape, &ctx, |layer, tap| {
+    layer.forward_windows(x, &shape, &ctx, |layer, tap| {
         solve.phases.add(Phase::Forward, clock.lap());
         let (what, entering) = match tap.site {
             Site::Qkv => ("input_layernorm", tap.stream),
@@ -1143,8 +1145,12 @@ fn finish_save(
 }
 
 /// Plan the run's memory before anything large is read; refuse a plan over the available
-/// memory unless forced.
-fn plan_memory(opts: &QuantizeOptions, ck: &Checkpoint) -> Result<plan::MemoryPlan, QuantizeError> {
+/// memory unless forced, and scratch files over the free disk of the staging folder.
+fn plan_memory(
+    opts: &QuantizeOptions,
+    ck: &Checkpoint,
+    out: &output::Output,
+) -> Result<plan::MemoryPlan, QuantizeError> {
     let r = &opts.recipe;
     let widened: u64 = ck
         .store
@@ -1168,6 +1174,20 @@ fn plan_memory(opts: &QuantizeOptions, ck: &Checkpoint) -> Result<plan::MemoryPl
             .map(|h| format!("; {} available", crate::resources::human(h as u128)))
             .unwrap_or_default();
         eprintln!("memory plan: {memory_plan}{avail}");
+    }
+    let scratch = out.scratch_dir();
+    if let Some(free) = crate::resources::disk_budget(scratch) {
+        if memory_plan.scratch_disk as u128 > free {
+            return Err(QuantizeError::Invalid(format!(
+                "the residual streams of {rows} calibration tokens need {} of scratch in {}, which \
+                 has {} free: free disk there, or lower {} or {}",
+                crate::resources::human(memory_plan.scratch_disk as u128),
+                scratch.display(),
+                crate::resources::human(free),
+                crate::setting::Setting::Samples,
+                crate::setting::Setting::SeqLen
+            )));
+        }
     }
     match have {
         Some(have) if memory_plan.total() > have && !opts.force_memory => {
@@ -1204,10 +1224,9 @@ fn calibrate(
 /// Where the layer loop stands: the streams into the next layer and what the finished layers
 /// reported.
 struct Progress {
-    /// The quantized model's residual stream.
-    x: Vec<f32>,
-    /// The float model's stream beside it (the objectives that carry it).
-    xf: Option<Vec<f32>>,
+    /// The quantized model's residual stream, and the float model's beside it (the objectives
+    /// that carry it), mapped from the file the current layer advances.
+    streams: streams::Streams,
     /// The first layer still to solve.
     first: usize,
     reports: Vec<LinearReport>,
@@ -1235,9 +1254,9 @@ fn start(
             if opts.keep_on_interrupt {
                 out.keep_for_resume();
             }
+            let work = out.work_streams_path(st.completed);
             Progress {
-                x: st.x,
-                xf: st.x_float,
+                streams: streams::Streams::copy(&st.streams, &work)?,
                 first: st.completed,
                 reports: st.reports,
                 tuned: st.block_tune,
@@ -1248,9 +1267,9 @@ fn start(
             out.reset_state()?;
             *done = Some(0);
             let x = model.embed(&run.windows.tokens)?;
+            let work = out.work_streams_path(0);
             Progress {
-                xf: float_output.then(|| x.clone()),
-                x,
+                streams: streams::Streams::create(&work, &x, float_output.then_some(&x[..]))?,
                 first: 0,
                 reports: Vec::new(),
                 tuned: Vec::new(),
@@ -1258,7 +1277,7 @@ fn start(
             }
         }
     };
-    if float_output != progress.xf.is_some() {
+    if float_output != progress.streams.has_float() {
         return Err(QuantizeError::Invalid(format!(
             "{}: the saved state does not match objective {:?}; run without {} to start over",
             opts.out_dir.display(),
@@ -1289,7 +1308,7 @@ fn run(
     done: &mut Option<usize>,
 ) -> Result<QuantReport, QuantizeError> {
     let mut phases = Phases::default();
-    let memory_plan = plan_memory(opts, ck)?;
+    let memory_plan = plan_memory(opts, ck, out)?;
     let windows = calibrate(opts, ck)?;
     let mut model = SparkModel::from_checkpoint(ck, opts.progress)?;
     let layers = model.num_layers();
@@ -1312,9 +1331,9 @@ fn run(
     #[cfg(feature = "lab")]
     let aux = lab_solve::model_tune_aux(opts, &all_layers);
     layer_loop(&run, &model, all_layers, &mut progress, &mut phases, done)?;
-    let xf = progress.xf.as_deref();
+    let xf = progress.streams.x_float();
     let stream_error = match (&opts.recipe.lab.model_tune, xf) {
-        (None, Some(xf)) => Some(relative_distance(&progress.x, xf)),
+        (None, Some(xf)) => Some(relative_distance(progress.streams.x(), xf)),
         _ => None,
     };
     let model_tune_result = match (&opts.recipe.lab.model_tune, xf) {
@@ -1329,7 +1348,7 @@ fn run(
         let (q, r) = quantize_head(
             &model,
             ck,
-            &progress.x,
+            progress.streams.x(),
             rows,
             opts,
             &mut phases,
@@ -1402,28 +1421,31 @@ fn layer_loop(
                     .lab
                     .block_tune
                     .is_some()
-                    .then(|| progress.x.clone());
+                    .then(|| progress.streams.x().to_vec());
                 #[cfg_attr(not(feature = "lab"), allow(unused_mut))]
                 let (mut res, rep) = quantize_layer(run, model, &mut layer, li, progress, phases)?;
                 #[cfg(feature = "lab")]
-                if let (Some(mut x_in), Some(y)) = (x_in, progress.xf.as_deref()) {
+                if let (Some(mut x_in), Some(y)) = (x_in, progress.streams.x_float()) {
                     let r = phases.time(Phase::BlockTune, || {
                         lab_solve::tune_layer(run, model, &mut layer, (li, &mut res), &mut x_in, y)
                     })?;
-                    progress.x = x_in;
+                    progress.streams.split_mut().0.copy_from_slice(&x_in);
                     res.tune = Some(r);
                 }
                 drop(layer);
                 finish_save(&mut saving, phases, done, out, keep)?;
-                let streams =
-                    phases.time(Phase::Save, || (progress.x.clone(), progress.xf.clone()));
+                // The next layer advances a copy; this layer's file becomes its resume state.
+                let next = phases.time(Phase::Save, || {
+                    streams::Streams::copy(progress.streams.path(), &out.work_streams_path(li + 1))
+                })?;
+                let finished = std::mem::replace(&mut progress.streams, next);
                 progress.tuned.extend(res.tune.clone());
                 let (settings, saved_rep) = (&run.settings, rep.clone());
                 saving = Some(LayerSave {
                     layer: li,
                     handle: scope.spawn(move || {
-                        let (xs, xfs) = streams;
-                        out.save_layer(li, &res, &saved_rep, &xs, xfs.as_deref(), settings)
+                        let path = finished.close()?;
+                        out.save_layer(li, &res, &saved_rep, &path, settings)
                     }),
                 });
                 progress.reports.extend(rep);

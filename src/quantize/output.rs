@@ -71,9 +71,8 @@ fn gguf_head_name(tied: bool) -> &'static str {
 pub struct ResumeState {
     pub completed: usize,
     pub reports: Vec<LinearReport>,
-    pub x: Vec<f32>,
-    /// The float model's stream (float-stream and float-output objectives).
-    pub x_float: Option<Vec<f32>>,
+    /// The streams file after the completed layers ([`super::streams::Streams`]).
+    pub streams: PathBuf,
     /// What block tuning did to the finished layers.
     pub block_tune: Vec<LayerTuneReport>,
 }
@@ -375,21 +374,19 @@ impl Output {
         for li in 0..completed {
             self.load_layer(li)?;
         }
-        let x_path = self.x_path(completed);
-        let xs = TensorStore::open_file(&x_path)?;
-        let x = xs.to_f32(xs.get("x").ok_or_else(|| {
-            QuantizeError::Invalid(format!("{}: no tensor `x`", x_path.display()))
-        })?)?;
-        let x_float = match xs.get("x_float") {
-            Some(e) => Some(xs.to_f32(e)?),
-            None => None,
-        };
+        let streams = self.x_path(completed);
+        if !streams.is_file() {
+            return Err(QuantizeError::Invalid(format!(
+                "{}: the streams after layer {completed} are missing; run without {} to start over",
+                streams.display(),
+                crate::setting::Setting::Resume
+            )));
+        }
         eprintln!("resuming after layer {completed} of {layers}");
         Ok(Some(ResumeState {
             completed,
             reports,
-            x,
-            x_float,
+            streams,
             block_tune,
         }))
     }
@@ -512,45 +509,35 @@ impl Output {
         })
     }
 
+    /// Stage layer `li`'s result and commit it with `streams`, the closed streams file after
+    /// it, which becomes the resume state by a rename.
     pub fn save_layer(
         &self,
         li: usize,
         r: &LayerResult,
         reports: &[LinearReport],
-        x: &[f32],
-        x_float: Option<&[f32]>,
+        streams: &Path,
         settings: &str,
     ) -> Result<(), QuantizeError> {
         write_safetensors_atomic(&self.layer_path(li), &self.layer_tensors(r), None)?;
-        // The residual stream after layer `li`, under its own name: state.json, written last, is
-        // the one commit point, so a kill between the files never pairs a count with another
-        // layer's stream.
-        // Written from the streams in 1 MiB pieces: no second whole copy of each in bytes.
-        let mut streams = vec![("x", x)];
-        if let Some(xf) = x_float {
-            streams.push(("x_float", xf));
-        }
-        let specs = streams
-            .iter()
-            .map(|(name, v)| TensorSpec {
-                name: name.to_string(),
-                dtype: Dtype::F32,
-                shape: vec![v.len()],
-            })
-            .collect();
+        // The residual streams after layer `li`, under their own name: state.json, written last,
+        // is the one commit point, so a kill between the files never pairs a count with another
+        // layer's streams.
+        let file = std::fs::File::open(streams).map_err(io_err(streams))?;
+        file.sync_all().map_err(io_err(streams))?;
         let path = self.x_path(li + 1);
-        write_safetensors_streamed(&path, specs, None, |spec, w| {
-            let (_, v) = streams
-                .iter()
-                .find(|(name, _)| *name == spec.name)
-                .expect("a spec per stream");
-            for piece in v.chunks(1 << 18) {
-                let bytes: Vec<u8> = piece.iter().flat_map(|v| v.to_le_bytes()).collect();
-                w.write_all(&bytes).map_err(io_err(&path))?;
-            }
-            Ok::<(), QuantizeError>(())
-        })?;
+        std::fs::rename(streams, &path).map_err(io_err(&path))?;
         self.commit_layer(li, r, reports, settings)
+    }
+
+    /// The staging folder of the run's state and scratch files.
+    pub fn scratch_dir(&self) -> &Path {
+        &self.partial
+    }
+
+    /// Where layer `li` advances the streams before they are committed.
+    pub fn work_streams_path(&self, li: usize) -> PathBuf {
+        self.partial.join(format!("x_in_layer_{li:03}.safetensors"))
     }
 
     /// A layer's linears (and tuned norms) as staged.

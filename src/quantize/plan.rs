@@ -19,7 +19,8 @@ pub const HEAD_ROWS: usize = 8192;
 /// Bytes held at the peak, by what holds them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct MemoryPlan {
-    /// The residual stream of every calibration token and one layer's activations.
+    /// One layer's activations over every calibration token. The residual streams are not
+    /// here: they are mapped from scratch files ([`MemoryPlan::scratch_disk`]).
     pub activations: u64,
     /// One Hessian (f64 sum) with its f32 factor and inverse, at the widest linear input.
     pub hessian: u64,
@@ -33,6 +34,10 @@ pub struct MemoryPlan {
     /// Model tuning's working set (`quantize --model-tune`; 0 without).
     #[serde(skip_serializing_if = "is_zero")]
     pub model_tune: u64,
+    /// Disk in the staging folder for the residual streams, which the kernel pages instead of
+    /// private memory: the file a layer advances, its copy for the next layer, and the previous
+    /// layer's resume state until the save commits (not part of [`MemoryPlan::total`]).
+    pub scratch_disk: u64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -59,20 +64,17 @@ impl MemoryPlan {
             cfg.intermediate_size as u128,
         );
         let (rows_u, f) = (rows as u128, 4u128);
-        // x plus the widest step: attention (h, attn, out_proj's output) or the MLP (h2 or the
-        // residual update beside act, and gate/up of one chunk while act is filled).
+        // The widest step: attention (h, attn, out_proj's output) or the MLP (h2 or the residual
+        // update beside act, and gate/up of one chunk while act is filled).
         let attention = rows_u * f * (hidden + q_dim + hidden);
         let mlp = rows_u * f * (hidden + inter) + 3 * (rows.min(MLP_ROWS) as u128) * inter * f;
-        let mut activations = rows_u * hidden * f + attention.max(mlp);
+        let mut activations = attention.max(mlp);
         if float_output {
-            // xf, and beside the step's own buffers its float twins: h and attn with out_proj's
-            // output, or h2 and act with down_proj's output.
-            activations +=
-                rows_u * f * (hidden + (hidden + q_dim + hidden).max(hidden + inter + hidden));
+            // Beside the step's own buffers its float twins: h and attn with out_proj's output,
+            // or h2 and act with down_proj's output.
+            activations += rows_u * f * (hidden + q_dim + hidden).max(hidden + inter + hidden);
         }
-        // The previous layer's save for `--resume` runs beside the layer with its own copy of
-        // the stream(s).
-        activations += rows_u * hidden * f * if float_output { 2 } else { 1 };
+        let streams = rows_u * hidden * f * if float_output { 2 } else { 1 };
         // Σxxᵀ in f64 with either the f32 factor and inverse or the f32 copy the error is
         // measured against beside U (16 bytes per entry). For W*, beside Σxxᵀ and the damped f32
         // factor: the f64 cross moment and its f32 copy for the linears of the narrow inputs, and
@@ -139,6 +141,7 @@ impl MemoryPlan {
             fixed: 256 << 20,
             block_tune: 0,
             model_tune: 0,
+            scratch_disk: clamp(3 * streams),
         }
     }
 
@@ -169,7 +172,11 @@ impl fmt::Display for MemoryPlan {
         if self.model_tune > 0 {
             write!(f, ", model tuning {}", human(self.model_tune as u128))?;
         }
-        write!(f, ")")
+        write!(
+            f,
+            "), and {} of scratch on disk for the residual streams",
+            human(self.scratch_disk as u128)
+        )
     }
 }
 

@@ -503,6 +503,30 @@ fn bench_stages_cover_the_forward_pass() {
     }
 }
 
+/// The residual streams live in scratch files of the staging folder, planned and checked against
+/// its free disk before any work: a refusal names the figure and the folder and leaves nothing.
+#[test]
+fn scratch_over_the_free_disk_is_refused_before_any_work() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("q");
+    let o = common::tool()
+        .arg("quantize")
+        .arg(common::fixture("spark-tiny"))
+        .args(["--samples", "4", "--seq-len", "64", "--out"])
+        .arg(&out)
+        .env("SPARK_DISK_AVAILABLE", "100000")
+        .output()
+        .unwrap();
+    let se = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{se}");
+    // 4 × 64 tokens × 256 wide × 4 bytes × (x and x_float) × 3 files.
+    assert!(
+        se.contains("1.6 MB of scratch") && se.contains("100000 B free"),
+        "{se}"
+    );
+    assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0, "{se}");
+}
+
 #[test]
 fn force_memory_runs_past_a_memory_plan_that_does_not_fit() {
     // On a "1 MB machine" the plan refuses (tests/malformed.rs); --force-memory runs anyway and
