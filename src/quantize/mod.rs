@@ -1173,7 +1173,10 @@ fn plan_memory(
         let avail = have
             .map(|h| format!("; {} available", crate::resources::human(h as u128)))
             .unwrap_or_default();
-        eprintln!("memory plan: {memory_plan}{avail}");
+        eprintln!(
+            "memory plan: {memory_plan}{avail}; {} of scratch on disk for the residual streams",
+            crate::resources::human(memory_plan.scratch_disk as u128)
+        );
     }
     let scratch = out.scratch_dir();
     if let Some(free) = crate::resources::disk_budget(scratch) {

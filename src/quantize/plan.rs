@@ -172,11 +172,7 @@ impl fmt::Display for MemoryPlan {
         if self.model_tune > 0 {
             write!(f, ", model tuning {}", human(self.model_tune as u128))?;
         }
-        write!(
-            f,
-            "), and {} of scratch on disk for the residual streams",
-            human(self.scratch_disk as u128)
-        )
+        write!(f, ")")
     }
 }
 
