@@ -893,13 +893,13 @@ fn quantize_layer(
     let mut clock = Clock::start();
     layer.forward_windows(x, &shape, &ctx, |layer, tap| {
         solve.phases.add(Phase::Forward, clock.lap());
-        let (what, entering) = match tap.site {
-            Site::Qkv => ("input_layernorm", tap.stream),
-            Site::Out => ("out_proj", tap.input),
-            Site::GateUp => ("gate_proj/up_proj", tap.input),
-            Site::Down => ("down_proj", tap.input),
+        let (step, what, entering) = match tap.site {
+            Site::Qkv => ("q/k/v", "input_layernorm", tap.stream),
+            Site::Out => ("out_proj", "out_proj", tap.input),
+            Site::GateUp => ("gate/up", "gate_proj/up_proj", tap.input),
+            Site::Down => ("down_proj", "down_proj", tap.input),
         };
-        bar.set_message(format!("layer {li}: {what}"));
+        bar.set_message(format!("layer {li}: {step}"));
         check_finite(entering, li, what)?;
         // GGUF also quantizes the head gate g_proj; GPTQ checkpoints keep it as it is.
         let all = tap.site.projs();
@@ -1178,6 +1178,12 @@ fn plan_memory(
             crate::resources::human(memory_plan.scratch_disk as u128)
         );
     }
+    if let Some(have) = have.filter(|&h| memory_plan.total() > h && !opts.force_memory) {
+        return Err(QuantizeError::Memory {
+            plan: memory_plan,
+            have,
+        });
+    }
     let scratch = out.scratch_dir();
     if let Some(free) = crate::resources::disk_budget(scratch) {
         if memory_plan.scratch_disk as u128 > free {
@@ -1192,15 +1198,7 @@ fn plan_memory(
             )));
         }
     }
-    match have {
-        Some(have) if memory_plan.total() > have && !opts.force_memory => {
-            Err(QuantizeError::Memory {
-                plan: memory_plan,
-                have,
-            })
-        }
-        _ => Ok(memory_plan),
-    }
+    Ok(memory_plan)
 }
 
 /// The calibration windows, tokenized with the checkpoint's own tokenizer.
@@ -1253,13 +1251,16 @@ fn start(
     };
     let progress = match state {
         Some(st) => {
+            // Checked before the run owns the staging folder: a damaged streams file is an
+            // error that keeps the finished layers.
+            let work = out.work_streams_path(st.completed);
+            let streams = streams::Streams::open(&st.streams)?.copy_to(&work)?;
             *done = Some(st.completed);
             if opts.keep_on_interrupt {
                 out.keep_for_resume();
             }
-            let work = out.work_streams_path(st.completed);
             Progress {
-                streams: streams::Streams::copy(&st.streams, &work)?,
+                streams,
                 first: st.completed,
                 reports: st.reports,
                 tuned: st.block_tune,
@@ -1438,17 +1439,27 @@ fn layer_loop(
                 drop(layer);
                 finish_save(&mut saving, phases, done, out, keep)?;
                 // The next layer advances a copy; this layer's file becomes its resume state.
-                let next = phases.time(Phase::Save, || {
-                    streams::Streams::copy(progress.streams.path(), &out.work_streams_path(li + 1))
-                })?;
-                let finished = std::mem::replace(&mut progress.streams, next);
+                // After the last layer (or a requested stop) the head reads the finished
+                // mapping itself, and the save syncs the file under it.
+                let last = li + 1 == layers || opts.stop_after_layers == Some(li + 1);
+                let file = progress.streams.path().to_path_buf();
+                let finished = if last {
+                    None
+                } else {
+                    let next = phases.time(Phase::Save, || {
+                        progress.streams.copy_to(&out.work_streams_path(li + 1))
+                    })?;
+                    Some(std::mem::replace(&mut progress.streams, next))
+                };
                 progress.tuned.extend(res.tune.clone());
                 let (settings, saved_rep) = (&run.settings, rep.clone());
                 saving = Some(LayerSave {
                     layer: li,
                     handle: scope.spawn(move || {
-                        let path = finished.close()?;
-                        out.save_layer(li, &res, &saved_rep, &path, settings)
+                        if let Some(s) = finished {
+                            s.close()?;
+                        }
+                        out.save_layer(li, &res, &saved_rep, &file, settings)
                     }),
                 });
                 progress.reports.extend(rep);

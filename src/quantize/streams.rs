@@ -52,14 +52,21 @@ impl Streams {
         Self::open(path)
     }
 
-    /// A writable copy, at `path`, of the streams file `from`; the kernel copies it, so nothing
-    /// passes through private memory.
-    pub fn copy(from: &Path, path: &Path) -> Result<Self, QuantizeError> {
-        std::fs::copy(from, path).map_err(io(from))?;
+    /// A writable copy of these streams at `path`, written from the mapping itself (so it holds
+    /// what was written through it on any filesystem, flushed or not), a piece at a time through
+    /// the page cache rather than a private copy.
+    pub fn copy_to(&self, path: &Path) -> Result<Self, QuantizeError> {
+        use std::io::Write;
+        let mut f = std::fs::File::create(path).map_err(io(path))?;
+        for piece in self.map.chunks(1 << 24) {
+            f.write_all(piece).map_err(io(path))?;
+        }
+        drop(f);
         Self::open(path)
     }
 
-    fn open(path: &Path) -> Result<Self, QuantizeError> {
+    /// Map the streams file at `path` (checking its tensors).
+    pub fn open(path: &Path) -> Result<Self, QuantizeError> {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -95,6 +102,7 @@ impl Streams {
         })
     }
 
+    /// The file as mapped (a save may since have renamed it).
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -152,8 +160,8 @@ mod tests {
         let (a, b) = s.split_mut();
         a[3] = 42.0;
         b.unwrap()[999] = -1.0;
+        let mut c = s.copy_to(&d.path().join("b")).unwrap();
         let path = s.close().unwrap();
-        let mut c = Streams::copy(&path, &d.path().join("b")).unwrap();
         assert_eq!((c.x()[3], c.x_float().unwrap()[999]), (42.0, -1.0));
         c.split_mut().0[0] = 9.0;
         drop(c);
