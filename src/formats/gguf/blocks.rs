@@ -63,20 +63,23 @@ pub fn encode_q8_0(codes: &[i8], d: &[f16], out: &mut Vec<u8>) {
 /// Q4_K: per 256 codes 0…15, fp16 `d`, fp16 `dmin`, 12 bytes holding eight 6-bit sub-block
 /// scales `sc` and mins `m` (one each per 32), 128 bytes of nibbles; value d·sc·q − dmin·m.
 pub fn encode_q4_k(codes: &[u8], d: &[f16], dmin: &[f16], sc: &[u8], m: &[u8], out: &mut Vec<u8>) {
-    for (b, q) in codes.chunks_exact(256).enumerate() {
-        push_k_scales(
-            out,
-            (d[b], dmin[b]),
-            &sc[b * 8..b * 8 + 8],
-            &m[b * 8..b * 8 + 8],
-        );
-        push_k_nibbles(out, q);
-    }
+    encode_k(codes, (d, dmin), (sc, m), false, out)
 }
 
 /// Q5_K: Q4_K's layout with codes 0…31, their fifth bits in 32 bytes between the scales and
 /// the nibbles; value d·sc·q − dmin·m.
 pub fn encode_q5_k(codes: &[u8], d: &[f16], dmin: &[f16], sc: &[u8], m: &[u8], out: &mut Vec<u8>) {
+    encode_k(codes, (d, dmin), (sc, m), true, out)
+}
+
+/// Q4_K, or with `fifth_bits` Q5_K.
+fn encode_k(
+    codes: &[u8],
+    (d, dmin): (&[f16], &[f16]),
+    (sc, m): (&[u8], &[u8]),
+    fifth_bits: bool,
+    out: &mut Vec<u8>,
+) {
     for (b, q) in codes.chunks_exact(256).enumerate() {
         push_k_scales(
             out,
@@ -84,14 +87,17 @@ pub fn encode_q5_k(codes: &[u8], d: &[f16], dmin: &[f16], sc: &[u8], m: &[u8], o
             &sc[b * 8..b * 8 + 8],
             &m[b * 8..b * 8 + 8],
         );
-        // Byte l, bits 2c and 2c + 1: the fifth bits of elements 64c + l and 64c + 32 + l.
-        let mut qh = [0u8; 32];
-        for (c, chunk) in q.chunks_exact(64).enumerate() {
-            for (l, h) in qh.iter_mut().enumerate() {
-                *h |= ((chunk[l] >> 4) & 1) << (2 * c) | ((chunk[l + 32] >> 4) & 1) << (2 * c + 1);
+        if fifth_bits {
+            // Byte l, bits 2c and 2c + 1: the fifth bits of elements 64c + l and 64c + 32 + l.
+            let mut qh = [0u8; 32];
+            for (c, chunk) in q.chunks_exact(64).enumerate() {
+                for (l, h) in qh.iter_mut().enumerate() {
+                    *h |= ((chunk[l] >> 4) & 1) << (2 * c)
+                        | ((chunk[l + 32] >> 4) & 1) << (2 * c + 1);
+                }
             }
+            out.extend_from_slice(&qh);
         }
-        out.extend_from_slice(&qh);
         push_k_nibbles(out, q);
     }
 }
